@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine (Python >= 3.10 and pip):
+#   make train   the main job: GPT on real text, 2 ranks under torchrun
+#   make test    lint, type check and the test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+NPROC ?= 2
+STRATEGY ?= ddp
+TRAIN_ARGS ?=
+
+.PHONY: train test lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt setup.py pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e ".[test,dev]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) examples/train_gpt.py \
+		--strategy $(STRATEGY) --out-dir runs/gpt-$(STRATEGY) $(TRAIN_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy shardkit
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache .hypothesis

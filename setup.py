@@ -1,0 +1,29 @@
+"""shardkit: composable ZeRO-style sharding wrappers for PyTorch."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+_VERSION = re.search(
+    r'__version__ = "([^"]+)"', (Path(__file__).parent / "shardkit" / "version.py").read_text()
+)
+assert _VERSION is not None
+
+setup(
+    name="shardkit",
+    version=_VERSION.group(1),
+    description="Composable PyTorch wrappers that shard training state across ranks (ZeRO 1-3), "
+    "pipeline and offload.",
+    long_description=(Path(__file__).parent / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["shardkit", "shardkit.*"]),
+    package_data={"shardkit": ["py.typed"]},
+    install_requires=["torch>=2.4", "typing-extensions", "tqdm"],
+    extras_require={
+        "test": ["pytest", "hypothesis", "pytest-timeout", "numpy"],
+        "dev": ["ruff", "mypy"],
+    },
+    license="BSD-3-Clause",
+)

@@ -1,0 +1,202 @@
+"""Accounting of the model-state bytes each rank holds, and the ZeRO formulas.
+
+Two views of the same quantity:
+
+- :func:`model_state_bytes` *measures* what a module and its optimizer hold on this
+  rank right now (parameters, gradients, optimizer state, buffers), counting each
+  underlying storage once: views and tied weights are not double counted, and a
+  view is charged for its whole storage (what the allocator actually holds).
+- :func:`zero_memory_estimate` *predicts* the per-rank model-state bytes of the ZeRO
+  stages from the paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
+  Toward Training Trillion Parameter Models", section 5.1 and figure 1).
+
+[Note: why storages, not tensors]
+``p.numel() * p.element_size()`` over-counts tied weights (an LM head sharing the
+token embedding) and under-counts views into a larger flat buffer (a sharded flat
+parameter exposes views; the buffer behind them is what occupies memory). Keying
+by ``(storage data pointer, storage bytes)`` gives the allocator's view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ModelStateBytes",
+    "ZeroMemoryEstimate",
+    "model_state_bytes",
+    "zero_memory_estimate",
+]
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Model-state bytes held by one rank, by category (all values in bytes).
+
+    Attributes:
+        parameters: storages behind ``module.parameters()``.
+        gradients: storages behind the parameters' ``.grad`` not already counted.
+        optimizer_state: storages of tensors in ``optimizer.state`` not already counted.
+        buffers: storages behind ``module.buffers()`` not already counted.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    buffers: int
+
+    @property
+    def total(self) -> int:
+        """Sum of all categories, in bytes."""
+        return self.parameters + self.gradients + self.optimizer_state + self.buffers
+
+    def as_dict(self) -> dict[str, int]:
+        """The categories and ``total`` as a plain dict (bytes), e.g. for JSON."""
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer_state": self.optimizer_state,
+            "buffers": self.buffers,
+            "total": self.total,
+        }
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int, int] | None:
+    """Identity of the storage behind ``tensor``; None for meta or empty storages."""
+    if tensor.device.type == "meta":
+        return None
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    return (str(tensor.device), storage.data_ptr(), storage.nbytes())
+
+
+def _count_new(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int, int]]) -> int:
+    """Bytes of the storages behind ``tensors`` not in ``seen`` (which is updated)."""
+    total = 0
+    for tensor in tensors:
+        key = _storage_key(tensor)
+        if key is None or key in seen:
+            continue
+        seen.add(key)
+        total += key[2]
+    return total
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for per_param in optimizer.state.values():
+        if isinstance(per_param, dict):
+            for value in per_param.values():
+                if isinstance(value, torch.Tensor):
+                    yield value
+        elif isinstance(per_param, torch.Tensor):
+            yield per_param
+
+
+def model_state_bytes(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> ModelStateBytes:
+    """Measure the model-state bytes this rank holds for ``module`` (and ``optimizer``).
+
+    Each storage is counted once, in the first category that reaches it, in the order
+    parameters, gradients, optimizer state, buffers; a view is charged for its whole
+    storage. Tensors on the meta device and empty storages count 0 bytes.
+
+    Args:
+        module: the (possibly wrapped) module on this rank.
+        optimizer: an optimizer whose ``state`` holds this rank's optimizer state; for a
+            sharded optimizer such as ``shardkit.optim.OSS`` that is the local shard.
+            Default None: optimizer state counted as 0.
+
+    Returns:
+        A :class:`ModelStateBytes` (bytes per category and ``total``).
+
+    Example:
+        >>> m = torch.nn.Linear(4, 2)
+        >>> model_state_bytes(m).parameters  # (4 * 2 + 2) fp32 elements
+        40
+    """
+    seen: set[tuple[str, int, int]] = set()
+    params = list(module.parameters())
+    parameters = _count_new(params, seen)
+    gradients = _count_new((p.grad for p in params if p.grad is not None), seen)
+    optimizer_state = 0 if optimizer is None else _count_new(_optimizer_tensors(optimizer), seen)
+    buffers = _count_new(module.buffers(), seen)
+    return ModelStateBytes(parameters, gradients, optimizer_state, buffers)
+
+
+@dataclass(frozen=True)
+class ZeroMemoryEstimate:
+    """Per-rank model-state bytes predicted by the ZeRO formulas (floats, in bytes)."""
+
+    parameters: float
+    gradients: float
+    optimizer_state: float
+
+    @property
+    def total(self) -> float:
+        """Sum of the three categories, in bytes."""
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+# Bytes per parameter: (parameter, gradient, optimizer state K).
+# Mixed-precision Adam (paper, section 3.1): fp16 params and grads, K = 12
+# (fp32 master copy, momentum, variance). fp32 Adam: fp32 params and grads, K = 8.
+_BYTES_PER_PARAM = {True: (2, 2, 12), False: (4, 4, 8)}
+
+
+def zero_memory_estimate(
+    num_params: float,
+    world_size: int,
+    stage: int,
+    *,
+    mixed_precision: bool = True,
+    optimizer_bytes_per_param: float | None = None,
+) -> ZeroMemoryEstimate:
+    """Per-rank model-state bytes of ZeRO stage ``stage`` (Rajbhandari et al. 2020, sec. 5.1).
+
+    With psi = ``num_params``, N = ``world_size`` and K optimizer bytes per parameter:
+
+    ========  =====================  ==================================
+    stage     what is sharded        mixed-precision Adam (2 + 2 + 12)
+    ========  =====================  ==================================
+    0 (DDP)   nothing                16 psi
+    1         optimizer state        4 psi + 12 psi / N
+    2         + gradients            2 psi + 14 psi / N
+    3         + parameters           16 psi / N
+    ========  =====================  ==================================
+
+    fp32 Adam (``mixed_precision=False``) uses 4 + 4 + 8 bytes per parameter.
+
+    Args:
+        num_params: psi, the number of model parameters (elements).
+        world_size: N, the number of data-parallel ranks (>= 1).
+        stage: 0, 1, 2 or 3.
+        mixed_precision: default True (fp16/bf16 params and grads, fp32 optimizer state
+            including a master copy, K = 12); False for fp32 training (K = 8).
+        optimizer_bytes_per_param: override K (bytes per parameter), e.g. 4 for SGD with
+            momentum in fp32.
+
+    Returns:
+        A :class:`ZeroMemoryEstimate` in bytes per rank.
+
+    Raises:
+        ValueError: if ``stage`` is not 0-3, ``world_size`` < 1 or ``num_params`` < 0.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3 (ZeRO stages); got {stage}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    if num_params < 0:
+        raise ValueError(f"num_params must be >= 0; got {num_params}")
+    p_bytes, g_bytes, k_bytes = _BYTES_PER_PARAM[mixed_precision]
+    k = k_bytes if optimizer_bytes_per_param is None else optimizer_bytes_per_param
+    n = float(world_size)
+    return ZeroMemoryEstimate(
+        parameters=p_bytes * num_params / (n if stage >= 3 else 1.0),
+        gradients=g_bytes * num_params / (n if stage >= 2 else 1.0),
+        optimizer_state=k * num_params / (n if stage >= 1 else 1.0),
+    )

@@ -1,0 +1,89 @@
+"""shardkit.memory: measured bytes per category and the ZeRO formulas, by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardkit.memory import ModelStateBytes, model_state_bytes, zero_memory_estimate
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)  # 40 fp32 elements
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight  # tied: one storage
+        self.norm = torch.nn.BatchNorm1d(4)  # weight 4, bias 4; buffers 4 + 4 + 1 (int64)
+
+
+def test_linear_parameters_gradients_and_adam_state() -> None:
+    model = torch.nn.Linear(4, 2)  # 10 fp32 elements = 40 bytes
+    assert model_state_bytes(model) == ModelStateBytes(40, 0, 0, 0)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    got = model_state_bytes(model, opt)
+    # exp_avg + exp_avg_sq per param (80 bytes) + two scalar fp32 'step' tensors (8 bytes)
+    assert got == ModelStateBytes(parameters=40, gradients=40, optimizer_state=88, buffers=0)
+    assert got.total == 168
+    assert got.as_dict()["total"] == 168
+
+
+def test_tied_weights_and_buffers_counted_once() -> None:
+    got = model_state_bytes(Tied())
+    assert got.parameters == (40 + 8) * 4
+    assert got.buffers == (4 + 4) * 4 + 8
+
+
+def test_view_charged_for_whole_storage() -> None:
+    flat = torch.zeros(100)
+    module = torch.nn.Module()
+    module.a = torch.nn.Parameter(flat[:10])
+    module.b = torch.nn.Parameter(flat[10:30])
+    assert model_state_bytes(module).parameters == 400
+    half = torch.nn.Linear(4, 4).to(torch.bfloat16)  # 20 elements x 2 bytes
+    assert model_state_bytes(half).parameters == 40
+
+
+def test_meta_and_empty_count_zero() -> None:
+    assert model_state_bytes(torch.nn.Linear(4, 4, device="meta")).total == 0
+    assert model_state_bytes(torch.nn.Linear(0, 4)).parameters == 16  # bias only
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "expected"),
+    [
+        # psi = 1000 parameters, mixed precision Adam: 2 + 2 + 12 bytes
+        (0, 4, 16_000),
+        (1, 4, 4_000 + 12_000 / 4),
+        (2, 4, 2_000 + 14_000 / 4),
+        (3, 4, 16_000 / 4),
+        (3, 1, 16_000),
+    ],
+)
+def test_zero_formulas_mixed_precision(stage: int, world: int, expected: float) -> None:
+    assert zero_memory_estimate(1000, world, stage).total == pytest.approx(expected)
+
+
+def test_zero_paper_example_7_5b_on_64_gpus() -> None:
+    # ZeRO paper, figure 1: psi = 7.5B, N = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.88 GB
+    gb = 1e9
+    totals = [zero_memory_estimate(7.5e9, 64, s).total / gb for s in range(4)]
+    assert totals == pytest.approx([120.0, 31.40625, 16.640625, 1.875])
+
+
+def test_zero_fp32_and_custom_k() -> None:
+    est = zero_memory_estimate(100, 2, 2, mixed_precision=False)
+    assert (est.parameters, est.gradients, est.optimizer_state) == (400, 200, 400)
+    sgd = zero_memory_estimate(100, 4, 1, mixed_precision=False, optimizer_bytes_per_param=4)
+    assert sgd.optimizer_state == 100
+
+
+def test_zero_bad_input() -> None:
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
+        zero_memory_estimate(10, 2, 4)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        zero_memory_estimate(10, 0, 1)
+    with pytest.raises(ValueError, match="num_params must be >= 0"):
+        zero_memory_estimate(-1, 2, 1)

@@ -1,0 +1,136 @@
+"""The multi-rank harness: results, errors naming the rank, hangs timing out, no zombies."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardkit.testing import RankError, RankPool, RankTimeoutError, run_distributed
+
+
+def _sum_of_ranks(offset: float) -> tuple[int, int, float, int]:
+    t = torch.tensor([float(dist.get_rank()) + offset])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), float(t), torch.get_num_threads()
+
+
+def _raise_on_rank(bad_rank: int) -> int:
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"boom from {bad_rank}")
+    return dist.get_rank()
+
+
+def _raise_then_others_wait(bad_rank: int) -> None:
+    if dist.get_rank() == bad_rank:
+        raise KeyError("rank failed before the collective")
+    dist.all_reduce(torch.ones(1))  # the peer never joins: would hang without the harness
+
+
+def _skip_collective_on_rank1() -> None:
+    if dist.get_rank() != 1:
+        dist.all_reduce(torch.ones(1))
+
+
+def _exit_hard() -> None:
+    if dist.get_rank() == 1:
+        os._exit(7)
+    dist.all_reduce(torch.ones(1))
+
+
+def _random_draw() -> float:
+    return float(torch.rand(1))
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def test_results_in_rank_order_and_one_thread(rank_pool) -> None:
+    results = rank_pool(3).run(_sum_of_ranks, 0.5)
+    # ranks 0 + 1 + 2 plus 3 * 0.5
+    assert results == [(r, 3, 4.5, 1) for r in range(3)]
+
+
+def test_raising_rank_is_named_with_its_traceback(rank_pool) -> None:
+    pool = rank_pool(2)
+    with pytest.raises(RankError) as info:
+        pool.run(_raise_on_rank, 1)
+    assert info.value.rank == 1
+    assert "ValueError: boom from 1" in info.value.remote_traceback
+    assert "rank 1 failed in _raise_on_rank" in str(info.value)
+    # every rank reported, so the same group keeps working
+    assert info.value.all_reported
+    assert pool.run(_sum_of_ranks, 0.0)[0][2] == 1.0
+
+
+def test_failure_while_peer_waits_fails_fast_and_pool_recovers(rank_pool) -> None:
+    pool = rank_pool(2)
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        pool.run(_raise_then_others_wait, 0, timeout_s=60.0)
+    assert info.value.rank == 0
+    assert "KeyError" in info.value.remote_traceback
+    assert time.monotonic() - start < 30.0  # grace period, not the 60 s timeout
+    assert pool.run(_sum_of_ranks, 1.0)[1][2] == 3.0  # restarted transparently
+
+
+def _hang_on_rank0() -> None:
+    if dist.get_rank() == 0:
+        time.sleep(3600)
+
+
+def test_hang_times_out_and_kills_ranks() -> None:
+    pool = RankPool(2, timeout_s=3.0, grace_s=1.0)
+    try:
+        pids = pool.run(_pid)
+        with pytest.raises(RankTimeoutError) as info:
+            pool.run(_hang_on_rank0)
+        assert info.value.ranks == [0]
+        assert "did not finish within 3.0 s running _hang_on_rank0" in str(info.value)
+        for pid in pids:  # no zombie or orphan left behind
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        pool.close()
+
+
+def test_deadlocked_collective_fails_within_timeout() -> None:
+    pool = RankPool(2, timeout_s=3.0, grace_s=1.0)
+    start = time.monotonic()
+    try:
+        with pytest.raises((RankError, RankTimeoutError)) as info:
+            pool.run(_skip_collective_on_rank1)
+        # gloo's own timeout (set to the pool's) names the waiting rank and the operation
+        assert isinstance(info.value, RankError)
+        assert info.value.rank == 0
+        assert "Timed out" in info.value.remote_traceback
+        assert time.monotonic() - start < 3.0 + 10.0
+    finally:
+        pool.close()
+
+
+def test_rank_that_dies_without_reporting_is_named() -> None:
+    with pytest.raises(RankError) as info:
+        run_distributed(_exit_hard, 2, timeout_s=60.0)
+    assert info.value.rank == 1
+    assert "exited with code 7" in info.value.remote_traceback
+
+
+def test_seed_is_deterministic_and_equal_across_ranks(rank_pool) -> None:
+    pool = rank_pool(2)
+    a, b = pool.run(_random_draw, seed=3), pool.run(_random_draw, seed=3)
+    assert a == b and a[0] == a[1]
+    torch.manual_seed(3)
+    assert a[0] == float(torch.rand(1))
+    assert pool.run(_random_draw, seed=4) != a
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        RankPool(0)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        RankPool(2, timeout_s=0)
