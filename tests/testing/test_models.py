@@ -11,7 +11,8 @@ from shardkit.testing.models import GPT, GPTConfig, gpt_config
 def test_forward_shapes_and_loss() -> None:
     model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32))
     idx = torch.randint(0, 256, (3, 16))
-    logits, loss = model(idx, targets=idx)
+    targets = torch.randint(0, 256, (3, 16))
+    logits, loss = model(idx, targets=targets)
     assert logits.shape == (3, 16, 256)
     assert loss is not None
     # at init (std 0.02 weights) the loss is close to uniform: ln(256) = 5.545
