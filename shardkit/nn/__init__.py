@@ -1,0 +1,6 @@
+"""Module wrappers: gradient and parameter sharding, wrapping policies, pipeline, offload.
+
+Each wrapper is imported here as it lands; ``__all__`` lists the public names.
+"""
+
+__all__: list[str] = []
