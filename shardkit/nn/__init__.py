@@ -3,4 +3,6 @@
 Each wrapper is imported here as it lands; ``__all__`` lists the public names.
 """
 
-__all__: list[str] = []
+from shardkit.nn.checkpoint import checkpoint_wrapper
+
+__all__ = ["checkpoint_wrapper"]
