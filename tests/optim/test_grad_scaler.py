@@ -21,7 +21,7 @@ def _train(scaler: torch.amp.GradScaler, inject_inf_at: int | None, inf_rank: in
     for step in range(4):
         opt.zero_grad()
         x = torch.randn(8, 4)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.float16):
             loss = model(x).float().pow(2).mean()
         scaler.scale(loss).backward()
         if step == inject_inf_at and rank == inf_rank:
