@@ -1,0 +1,123 @@
+"""Point-to-point transfer of micro-batch tensors between stages over a process group.
+
+Activations travel with a small header (a tensor or a tuple, then dtype,
+``requires_grad`` and shape of each tensor) so that stages need not know each other's
+shapes in advance and an uneven last micro-batch needs nothing special. Gradients
+travel without a header: the receiver of a gradient sent the matching activation,
+so it knows the shapes.
+
+[Note: sends never block]
+Every send is an ``isend`` whose handle (and tensor) is kept until :meth:`P2P.wait`;
+only receives block. A stage that sends an activation forward while its neighbour
+sends a gradient back (1F1B) therefore cannot deadlock on two blocking sends, and a
+schedule is deadlock-free exactly when its receive order is (the schedule tests
+check that by simulation). Between two ranks each direction carries one kind of
+message, in order, so messages match by order without tags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = ["P2P", "TensorMeta"]
+
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]  # fmt: skip
+
+
+class TensorMeta(NamedTuple):
+    """What a receiver needs to allocate a tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def encode_header(tensors: Sequence[torch.Tensor], atomic: bool) -> torch.Tensor:
+    """``[atomic, n, (dtype, requires_grad, ndim, *shape) per tensor]`` as int64."""
+    fields = [int(atomic), len(tensors)]
+    for t in tensors:
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"cannot send a tensor of dtype {t.dtype} between stages")
+        fields += [_DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
+    return torch.tensor(fields, dtype=torch.int64)
+
+
+def decode_header(header: torch.Tensor) -> tuple[bool, list[TensorMeta]]:
+    """Inverse of :func:`encode_header`: whether the value was a single tensor, and metas."""
+    fields = header.tolist()
+    atomic, count, pos, metas = bool(fields[0]), fields[1], 2, []
+    for _ in range(count):
+        dtype, grad, ndim = fields[pos : pos + 3]
+        shape = tuple(fields[pos + 3 : pos + 3 + ndim])
+        metas.append(TensorMeta(shape, _DTYPES[dtype], bool(grad)))
+        pos += 3 + ndim
+    return atomic, metas
+
+
+class P2P:
+    """Sends and receives lists of tensors to and from peers of one process group.
+
+    Args:
+        process_group: the group; peers are given as ranks in it.
+        device: where received tensors are allocated (a CUDA device for NCCL).
+    """
+
+    def __init__(self, process_group: ProcessGroup, device: torch.device) -> None:
+        self.group = process_group
+        self.device = device
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def _global(self, peer: int) -> int:
+        return dist.get_global_rank(self.group, peer)
+
+    def _isend(self, tensor: torch.Tensor, peer: int) -> None:
+        tensor = tensor.detach().to(self.device).contiguous()
+        work = dist.isend(tensor, self._global(peer), group=self.group)
+        assert work is not None
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        self._pending.append((work, tensor))
+
+    def _recv(self, tensor: torch.Tensor, peer: int) -> torch.Tensor:
+        dist.recv(tensor, self._global(peer), group=self.group)
+        return tensor
+
+    def send(
+        self, tensors: Sequence[torch.Tensor], peer: int, *, atomic: bool | None = None
+    ) -> None:
+        """Send ``tensors`` to ``peer``; with ``atomic`` given, a header first (see module)."""
+        if atomic is not None:
+            header = encode_header(tensors, atomic)
+            self._isend(torch.tensor([header.numel()], dtype=torch.int64), peer)
+            self._isend(header, peer)
+        for t in tensors:
+            self._isend(t, peer)
+
+    def recv_header(self, peer: int) -> tuple[bool, list[TensorMeta]]:
+        """Receive a header from ``peer``: single tensor or tuple, and each tensor's meta."""
+        size = self._recv(torch.empty(1, dtype=torch.int64, device=self.device), peer)
+        header = self._recv(
+            torch.empty(int(size.item()), dtype=torch.int64, device=self.device), peer
+        )
+        return decode_header(header.cpu())
+
+    def recv(self, metas: Sequence[TensorMeta], peer: int) -> list[torch.Tensor]:
+        """Receive one tensor per meta from ``peer`` (``requires_grad`` as in the meta)."""
+        out = []
+        for meta in metas:
+            t = self._recv(torch.empty(meta.shape, dtype=meta.dtype, device=self.device), peer)
+            out.append(t.requires_grad_(meta.requires_grad))
+        return out
+
+    def wait(self) -> None:
+        """Wait for every send issued so far (their buffers are released after)."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()

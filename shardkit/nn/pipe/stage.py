@@ -1,0 +1,210 @@
+"""One pipeline stage per rank: forward and backward of micro-batches with send/recv.
+
+A :class:`PipelineStage` owns the layers of one stage and the tensors in flight:
+for each micro-batch between its forward and its backward, the received input
+(whose ``.grad`` becomes the gradient sent back) and the output (or, on the last
+stage, the loss). Schedules (``ScheduleGPipe``, ``Schedule1F1B``) decide the order.
+
+[Note: data parallelism inside a stage]
+A stage module may be wrapped in torch ``DistributedDataParallel`` over a second
+process group (its replicas). DDP reduces gradients when a backward follows a
+forward that ran outside ``no_sync``, which a pipeline (many forwards, then
+interleaved backwards) cannot arrange; so every forward runs under ``no_sync`` and
+the last backward of a step first calls the reducer's ``prepare_for_backward``, as
+``torch.distributed.pipelining`` does. The gradient of all micro-batches is then
+all-reduced once, during the last backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.nn.parallel import DistributedDataParallel
+
+from shardkit.nn.pipe.checkpoint import CheckpointMode, run_checkpointed
+from shardkit.nn.pipe.microbatch import Batch, check_value
+from shardkit.nn.pipe.p2p import P2P, TensorMeta
+
+__all__ = ["PipelineStage", "StageState"]
+
+LossFn = Callable[..., torch.Tensor]
+
+
+class StageState(enum.Enum):
+    """Where a stage is in a schedule step."""
+
+    IDLE = "idle"  #: between steps: nothing in flight, all sends finished
+    RUNNING = "running"  #: inside a step: micro-batches may be in flight
+
+
+@dataclass
+class _InFlight:
+    """A micro-batch between its forward and its backward on this stage."""
+
+    inputs: list[torch.Tensor]  # received tensors that require grad
+    outputs: list[torch.Tensor] = field(default_factory=list)  # outputs that require grad
+    loss: torch.Tensor | None = None  # last stage: the weighted micro-batch loss
+
+
+class PipelineStage:
+    """The part of a pipeline that runs on this rank, and its communication.
+
+    Example (2 ranks, each holding half of ``model``)::
+
+        group = dist.new_group([0, 1])
+        part = stage_module(model, balance=[2, 2], index=dist.get_rank(group))
+        stage = PipelineStage(part, process_group=group)
+        loss = Schedule1F1B(stage, chunks=4, loss_fn=F.cross_entropy).step(x, target=y)
+
+    Args:
+        module: this stage's layers (an ``nn.Module`` taking and returning a tensor or a
+            tuple of tensors), optionally wrapped in ``DistributedDataParallel``.
+        process_group: the pipeline's group; stage ``i`` is rank ``i`` in it. Default:
+            the world group.
+        device: where activations are received; default the device of the module's
+            first parameter (``cpu`` without parameters).
+        checkpoint: ``"never"`` (default) or ``"always"``: re-materialize each
+            micro-batch's activations during its backward.
+
+    Attributes:
+        index: this stage's rank in ``process_group``; ``num_stages`` its size.
+        peak_in_flight: the most micro-batches alive at once during the last step
+            (GPipe: ``chunks``; 1F1B: at most ``num_stages - index``).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        checkpoint: str = "never",
+    ) -> None:
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        assert self.group is not None
+        self.index = dist.get_rank(self.group)
+        self.num_stages = dist.get_world_size(self.group)
+        self.module = module
+        first = next(module.parameters(), None)
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else (first.device if first is not None else torch.device("cpu"))
+        )
+        self.checkpoint = CheckpointMode.parse(checkpoint)
+        self.p2p = P2P(self.group, self.device)
+        self.state = StageState.IDLE
+        self.peak_in_flight = 0
+        self._in_flight: dict[int, _InFlight] = {}
+
+    @property
+    def is_first(self) -> bool:
+        """True on stage 0 (takes the pipeline's input)."""
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """True on the last stage (computes the loss)."""
+        return self.index == self.num_stages - 1
+
+    # step lifecycle ------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Enter a schedule step (nothing may be in flight)."""
+        if self._in_flight:
+            raise RuntimeError(
+                f"stage {self.index}: micro-batches {sorted(self._in_flight)} are still in flight"
+            )
+        self.state, self.peak_in_flight = StageState.RUNNING, 0
+
+    def end_step(self) -> None:
+        """Leave a step: wait for this stage's sends to finish."""
+        self.p2p.wait()
+        if self._in_flight:
+            raise RuntimeError(
+                f"stage {self.index}: step ended with micro-batches {sorted(self._in_flight)} "
+                "forwarded but not backpropagated"
+            )
+        self.state = StageState.IDLE
+
+    # forward ---------------------------------------------------------------------------
+    def _receive_input(self) -> Batch:
+        atomic, metas = self.p2p.recv_header(self.index - 1)
+        tensors = self.p2p.recv(metas, self.index - 1)
+        return Batch(tensors[0] if atomic else tuple(tensors))
+
+    def _run_module(self, value: object) -> Batch:
+        with self._no_sync():
+            if self.checkpoint is CheckpointMode.ALWAYS and torch.is_grad_enabled():
+                out = run_checkpointed(self.module, value)  # type: ignore[arg-type]
+            else:
+                out = self.module(value)
+        return Batch(check_value(out, f"output of stage {self.index}"))
+
+    def forward(self, microbatch: int, batch: Batch | None = None) -> Batch:
+        """Forward of ``microbatch``: take ``batch`` (first stage) or receive it, run,
+        send the output on (not on the last stage). Returns the output."""
+        if self.is_first:
+            assert batch is not None, "the first stage needs its micro-batch"
+            batch = batch.with_tensors([t.to(self.device) for t in batch.tensors])
+        else:
+            batch = self._receive_input()
+        out = self._run_module(batch.value)
+        if not self.is_last:
+            self.p2p.send(out.tensors, self.index + 1, atomic=out.atomic)
+        if torch.is_grad_enabled():
+            inputs = [t for t in batch.tensors if t.requires_grad] if not self.is_first else []
+            self._in_flight[microbatch] = _InFlight(
+                inputs, [t for t in out.tensors if t.requires_grad]
+            )
+            self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
+        return out
+
+    def set_loss(self, microbatch: int, loss: torch.Tensor) -> None:
+        """Last stage: the (weighted) loss of ``microbatch`` that its backward starts from."""
+        self._in_flight[microbatch].loss = loss
+
+    # backward --------------------------------------------------------------------------
+    def backward(self, microbatch: int, *, last: bool = False) -> None:
+        """Backward of ``microbatch``: from its loss (last stage) or the received output
+        gradient; then send the input gradient back (not on the first stage). ``last``
+        marks the final backward of a step (data-parallel gradients reduce there)."""
+        saved = self._in_flight.pop(microbatch)
+        if self.is_last:
+            assert saved.loss is not None, f"micro-batch {microbatch} has no loss on the last stage"
+            roots, grads = [saved.loss], None
+        else:
+            metas = [TensorMeta(tuple(t.shape), t.dtype, False) for t in saved.outputs]
+            roots, grads = saved.outputs, self.p2p.recv(metas, self.index + 1)
+        if roots:
+            self._prepare_reduction(roots, last)
+            torch.autograd.backward(roots, grads)
+        if not self.is_first:
+            input_grads = [
+                t.grad if t.grad is not None else torch.zeros_like(t) for t in saved.inputs
+            ]
+            self.p2p.send(input_grads, self.index - 1)
+
+    # data parallelism inside the stage (see the module note) -------------------------
+    @contextlib.contextmanager
+    def _no_sync(self) -> Iterator[None]:
+        if isinstance(self.module, DistributedDataParallel):
+            with self.module.no_sync():
+                yield
+        else:
+            yield
+
+    def _prepare_reduction(self, roots: list[torch.Tensor], last: bool) -> None:
+        if last and isinstance(self.module, DistributedDataParallel):
+            self.module.reducer.prepare_for_backward(roots)
+
+
+def weighted_loss(loss_fn: LossFn, output: Batch, target: Batch, weight: float) -> torch.Tensor:
+    """``loss_fn(output, target) * weight``: a micro-batch mean loss times its share of rows."""
+    return loss_fn(output.value, target.value) * weight

@@ -1,0 +1,261 @@
+"""Pipe in one process on CPU: transparency against the plain module, errors, BatchNorm."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from shardkit.nn.pipe import BalanceError, DeferredBatchNorm, Pipe, is_recomputing
+from shardkit.nn.pipe.pipe import verify_no_shared_parameters
+from shardkit.testing import assert_tensors_close
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+    )
+
+
+class PairIn(nn.Module):
+    """Takes ``(x, y)`` as one argument, returns a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, xy: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = xy
+        return torch.tanh(self.lin(x)) + y, y * 2
+
+
+class PairOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 2)
+
+    def forward(self, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = xy
+        return self.lin(x * y)
+
+
+def tuple_model() -> nn.Sequential:
+    torch.manual_seed(1)
+    return nn.Sequential(PairIn(), PairIn(), PairOut())
+
+
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_transparent(
+    model: nn.Sequential, balance: list[int], inputs: tuple[torch.Tensor, ...], **kwargs: object
+) -> None:
+    """Outputs, parameter gradients and input gradients of Pipe equal the plain module's."""
+    reference = copy.deepcopy(model)
+    ref_in = [t.clone().requires_grad_() for t in inputs]
+    pipe_in = [t.clone().requires_grad_() for t in inputs]
+    expected = reference(ref_in[0] if len(ref_in) == 1 else tuple(ref_in))
+    pipe = Pipe(model, balance, devices=["cpu"] * len(balance), **kwargs)  # type: ignore[arg-type]
+    actual = pipe(pipe_in[0] if len(pipe_in) == 1 else tuple(pipe_in))
+    assert isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)
+    assert_tensors_close(actual, expected, atol=1e-6, name=f"output {kwargs}")
+    (actual * torch.arange(actual.numel()).view_as(actual)).sum().backward()
+    (expected * torch.arange(expected.numel()).view_as(expected)).sum().backward()
+    got, want = grads_of(model), grads_of(reference)
+    assert got.keys() == want.keys() and want
+    for name in want:
+        assert_tensors_close(got[name], want[name], atol=1e-5, name=f"grad {name} {kwargs}")
+    for i, (a, e) in enumerate(zip(pipe_in, ref_in)):
+        assert a.grad is not None and e.grad is not None
+        assert_tensors_close(a.grad, e.grad, atol=1e-6, name=f"input grad {i} {kwargs}")
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("chunks", [1, 3, 4, 5])
+def test_transparency_tensor(chunks: int, checkpoint: str) -> None:
+    # 11 rows: 4, 4, 3 / 3, 3, 3, 2 / 3, 2, 2, 2, 2 -- an uneven last micro-batch
+    check_transparent(mlp(), [1, 2, 2], (torch.randn(11, 6),), chunks=chunks, checkpoint=checkpoint)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("chunks", [1, 3, 4, 5])
+def test_transparency_tuple_input_and_tuple_output(chunks: int, checkpoint: str) -> None:
+    inputs = (torch.randn(7, 6), torch.randn(7, 6))
+    check_transparent(tuple_model(), [2, 1], inputs, chunks=chunks, checkpoint=checkpoint)
+
+
+def test_output_is_a_tuple_when_the_last_layer_returns_one() -> None:
+    model = nn.Sequential(PairIn(), PairIn())
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(5, 6), torch.randn(5, 6)
+    out = Pipe(model, [1, 1], devices=["cpu", "cpu"], chunks=3)((x, y))
+    want = ref((x, y))
+    assert isinstance(out, tuple) and len(out) == 2
+    for a, e in zip(out, want):
+        assert_tensors_close(a, e, atol=1e-6)
+
+
+def test_dropout_draws_the_same_mask_when_recomputed() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 2))
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 6)
+    torch.manual_seed(7)
+    pipe = Pipe(model, [2, 1], devices=["cpu", "cpu"], chunks=2, checkpoint="always")
+    pipe(x).pow(2).sum().backward()
+    torch.manual_seed(7)
+    for part in torch.tensor_split(x, 2):  # what the pipeline does, micro-batch by micro-batch
+        plain(part).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert p.grad is not None and q.grad is not None
+        assert_tensors_close(p.grad, q.grad, atol=1e-6, name=name)
+
+
+def test_no_checkpointing_in_eval_or_without_grad() -> None:
+    seen: list[bool] = []
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(is_recomputing())
+            return x.sin()  # saves x for backward, so it is recomputed
+
+    pipe = Pipe(
+        nn.Sequential(nn.Linear(2, 2), Probe()),
+        [1, 1],
+        devices=["cpu", "cpu"],
+        chunks=2,
+        checkpoint="always",
+    )
+    pipe(torch.randn(4, 2)).sum().backward()
+    assert seen == [False, False, True, True]  # two forwards, then two recomputations
+    seen.clear()
+    with torch.no_grad():
+        pipe(torch.randn(4, 2))
+    pipe.eval()
+    pipe(torch.randn(4, 2)).sum().backward()
+    assert seen == [False] * 4
+
+
+def bn_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_recomputation_does_not_update_batch_norm_twice() -> None:
+    # regression: the backward-time forward of a checkpointed micro-batch used to apply
+    # the BatchNorm momentum a second time (num_batches_tracked 2 instead of 1)
+    model = bn_model()
+    plain = copy.deepcopy(model)
+    x = torch.randn(16, 4)
+    Pipe(model, [2, 2], devices=["cpu", "cpu"], chunks=1, checkpoint="always")(x).sum().backward()
+    plain(x).sum().backward()
+    bn, ref = model[1], plain[1]
+    assert int(bn.num_batches_tracked) == 1
+    assert_tensors_close(bn.running_mean, ref.running_mean, atol=1e-6, name="running_mean")
+    assert_tensors_close(bn.running_var, ref.running_var, atol=1e-6, name="running_var")
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert p.grad is not None and q.grad is not None
+        assert_tensors_close(p.grad, q.grad, atol=1e-5, name=name)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_deferred_batch_norm_tracks_the_whole_mini_batch(checkpoint: str) -> None:
+    model = bn_model()
+    plain = copy.deepcopy(model)
+    pipe = Pipe(
+        model,
+        [2, 2],
+        devices=["cpu", "cpu"],
+        chunks=4,
+        checkpoint=checkpoint,
+        deferred_batch_norm=True,
+    )
+    assert isinstance(pipe[1], DeferredBatchNorm)
+    for step in range(2):
+        x = torch.randn(13, 4) + step
+        pipe(x).sum().backward()
+        plain(x)
+    bn, ref = pipe[1], plain[1]
+    assert int(bn.num_batches_tracked) == 2
+    assert_tensors_close(bn.running_mean, ref.running_mean, atol=1e-5, name="running_mean")
+    assert_tensors_close(bn.running_var, ref.running_var, atol=1e-5, name="running_var")
+    pipe.eval()
+    plain.eval()
+    x = torch.randn(5, 4)
+    assert_tensors_close(pipe(x), plain(x), atol=1e-5, name="eval output")
+
+
+def test_plain_batch_norm_is_updated_per_micro_batch() -> None:
+    pipe = Pipe(bn_model(), [2, 2], devices=["cpu", "cpu"], chunks=4)
+    pipe(torch.randn(12, 4)).sum().backward()
+    assert int(pipe[1].num_batches_tracked) == 4  # why deferred_batch_norm exists
+
+
+def test_pipe_container_api() -> None:
+    model = mlp()
+    layers = list(model)
+    pipe = Pipe(model, [2, 3], chunks=2)
+    assert len(pipe) == 5 and list(pipe) == layers and pipe[-1] is layers[-1]
+    assert pipe.devices == [torch.device("cpu")] * 2 or torch.cuda.is_available()
+    assert list(pipe.state_dict()) == [
+        f"partitions.{j}.{k}.{w}" for j, k in ((0, 0), (1, 2), (1, 4)) for w in ("weight", "bias")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            {"balance": [2, 2]},
+            BalanceError,
+            "module has 5 layers, but the sum of balance [2, 2] is 4",
+        ),
+        ({"balance": [2, 0, 3]}, BalanceError, "integers >= 1"),
+        ({"balance": [2, 3], "chunks": 0}, ValueError, "chunks must be >= 1"),
+        (
+            {"balance": [2, 3], "checkpoint": "sometimes"},
+            ValueError,
+            "unknown checkpoint mode 'sometimes'",
+        ),
+        ({"balance": [2, 3], "devices": ["cpu"]}, BalanceError, "2 partitions but 1 devices"),
+    ],
+)
+def test_errors_name_the_values(
+    kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=None) as info:
+        Pipe(mlp(), **kwargs)  # type: ignore[arg-type]
+    assert message in str(info.value)
+
+
+def test_error_for_a_batch_smaller_than_chunks() -> None:
+    pipe = Pipe(mlp(), [2, 3], devices=["cpu", "cpu"], chunks=4)
+    with pytest.raises(
+        ValueError, match=r"batch of 3 rows cannot be split into 4 micro-batches; use chunks <= 3"
+    ):
+        pipe(torch.randn(3, 6))
+
+
+def test_error_for_a_module_that_is_not_sequential() -> None:
+    with pytest.raises(TypeError, match="needs an nn.Sequential; got Linear"):
+        Pipe(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
+
+
+def test_error_for_inputs_that_are_not_tensors() -> None:
+    pipe = Pipe(mlp(), [2, 3], devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match=r"\['Tensor', 'int'\]"):
+        pipe((torch.randn(2, 6), 3))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"share dim 0 .*\[4, 3\]"):
+        pipe((torch.randn(4, 6), torch.randn(3, 6)))
+
+
+def test_error_for_a_parameter_shared_across_devices() -> None:
+    lin = nn.Linear(2, 2)
+    parts = [nn.Sequential(lin), nn.Sequential(nn.Sequential(lin))]
+    verify_no_shared_parameters(parts, [torch.device("cpu")] * 2)  # one device: allowed
+    with pytest.raises(ValueError, match="partitions 0 and 1 share a parameter of shape"):
+        verify_no_shared_parameters(parts, [torch.device("cpu"), torch.device("meta")])
