@@ -1,0 +1,131 @@
+"""The main job end to end: torchrun on 2 ranks, exact resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import train_gpt
+
+from shardkit.testing.models import GPT, gpt_config
+from tests.examples import EXAMPLES_DIR
+
+TINY = ["--model-size", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1"]
+
+
+def _metrics(out_dir: Path) -> dict[str, Any]:
+    return json.loads((out_dir / "metrics.json").read_text())
+
+
+def _tiny_params(seq_len: int) -> int:
+    return GPT(gpt_config("tiny", block_size=seq_len)).num_parameters()
+
+
+def test_torchrun_two_ranks_loss_falls(tmp_path: Path) -> None:
+    """The real launch path: torchrun, env:// rendezvous, DDP over 2 ranks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    args = [*TINY, "--steps", "12", "--eval-every", "6", "--save-every", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*cmd, str(EXAMPLES_DIR / "train_gpt.py"), *args, "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = _metrics(tmp_path)
+    n = _tiny_params(32)
+    assert (m["world_size"], m["strategy"], m["param_count"]) == (2, "ddp", n)
+    assert f"{n:,} parameters" in proc.stdout
+    assert [s for s, _ in m["train_loss"]] == list(range(1, 13))
+    assert [s for s, _ in m["val_loss"]] == [0, 6, 12]
+    val = [v for _, v in m["val_loss"]]
+    assert val[0] > 5.0  # about ln(256) = 5.55 at initialisation
+    assert val[-1] < val[0] - 1.0, val
+    assert m["train_loss"][-1][1] < m["train_loss"][0][1] - 1.0
+    # DDP keeps the full model state on each rank: fp32 params and grads, AdamW's two
+    # moments, and one 4-byte step counter per parameter tensor.
+    n_tensors = len(list(GPT(gpt_config("tiny", block_size=32)).parameters()))
+    for b in m["model_state_bytes"]:
+        assert (b["parameters"], b["gradients"]) == (4 * n, 4 * n)
+        assert b["optimizer_state"] == 8 * n + 4 * n_tensors
+    assert "r0 " in proc.stdout and "r1 " in proc.stdout
+
+
+def _run_main(argvs: list[list[str]]) -> list[int]:
+    """On each pool rank: run the job once per command line; the exit codes."""
+    return [train_gpt.main(argv) for argv in argvs]
+
+
+def _write_foreign_checkpoint(out_dir: Path) -> None:
+    """A checkpoint as if written by 1 rank: resuming from it on 2 ranks must fail."""
+    ckpt = out_dir / "ckpt-000003"
+    ckpt.mkdir(parents=True)
+    manifest = {"format": 1, "step": 3, "world_size": 1, "strategy": "ddp", "files": []}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    (out_dir / "latest").write_text("ckpt-000003\n")
+
+
+def test_resume_reproduces_losses_exactly(rank_pool: Any, tmp_path: Path) -> None:
+    """Run 8 steps straight; run 3 steps then resume to 8: the same losses, bitwise."""
+    common = [*TINY, "--steps", "8", "--eval-every", "4", "--save-every", "3"]
+    full, split, foreign = tmp_path / "full", tmp_path / "split", tmp_path / "foreign"
+    _write_foreign_checkpoint(foreign)
+    codes = rank_pool(2).run(
+        _run_main,
+        [
+            [*common, "--out-dir", str(full)],
+            [*common, "--out-dir", str(split), "--stop-after", "3"],
+            [*common, "--out-dir", str(split), "--resume"],
+            [*common, "--out-dir", str(foreign), "--resume"],
+        ],
+        timeout_s=180,
+    )
+    assert codes == [[0, 0, 0, 2], [0, 0, 0, 2]]  # the bad resume ends every rank
+    a, b = _metrics(full), _metrics(split)
+    assert (a["start_step"], b["start_step"], b["step"]) == (0, 3, 8)
+    assert b["train_loss"] == a["train_loss"]  # steps 4..8 were computed after resuming
+    assert b["val_loss"] == a["val_loss"]
+    assert sorted(p.name for p in split.glob("ckpt-*")) == [
+        "ckpt-000003",
+        "ckpt-000006",
+        "ckpt-000008",
+    ]
+    assert (split / "latest").read_text().strip() == "ckpt-000008"
+    model_a, model_b = torch.load(full / "model.pt"), torch.load(split / "model.pt")
+    assert model_a.keys() == model_b.keys()
+    assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
+
+
+def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
+    (tmp / "empty.txt").write_text("")
+    (tmp / "notext").mkdir()
+    (tmp / "notext" / "a.md").write_text("no .txt here")
+    (tmp / "short.txt").write_text("x" * 500)
+    return [
+        (["--strategy", "nope"], "unknown --strategy 'nope'; choose one of ['ddp'"),
+        (["--data", str(tmp / "missing.txt")], "missing.txt: no such file or directory"),
+        (["--data", str(tmp / "empty.txt")], "the text is empty"),
+        (["--data", str(tmp / "notext")], "the directory has no .txt files"),
+        (["--data", str(tmp / "short.txt"), "--seq-len", "64"], "validation split has 50"),
+        (["--data", str(tmp / "short.txt"), "--seq-len", "600"], "training split has 450"),
+        (["--steps", "0"], "--steps: must be >= 1, got 0"),
+        (["--model-size", "huge"], "invalid choice: 'huge'"),
+    ]
+
+
+def test_bad_input_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, message in _bad_inputs(tmp_path):
+        code = train_gpt.main([*argv, "--out-dir", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert code == 2, argv
+        assert err.startswith("train_gpt.py: error: ") and err.count("\n") == 1, err
+        assert message in err, err
+    assert not (tmp_path / "out").exists()
