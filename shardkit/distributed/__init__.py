@@ -1,0 +1,38 @@
+"""Shared mechanics for the wrappers: fixed-size buckets and collective helpers.
+
+- :mod:`shardkit.distributed.buckets`: :func:`plan_buckets` (split tensors into
+  buckets of a fixed byte size), :func:`pack` / :func:`unpack` (flat buffers) and
+  :class:`BufferPool` (reuse flat buffers across steps).
+- :mod:`shardkit.distributed.collectives`: :func:`global_rank` (a group rank to the
+  global rank collectives take) and :func:`broadcast_from_owners` (bucketed,
+  asynchronous broadcasts of each owner's tensors, planned by
+  :func:`plan_owner_broadcast`).
+
+Nothing here knows about optimizers or modules; it moves lists of tensors.
+"""
+
+from shardkit.distributed.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    BufferPool,
+    pack,
+    plan_buckets,
+    unpack,
+)
+from shardkit.distributed.collectives import (
+    BroadcastBucket,
+    broadcast_from_owners,
+    global_rank,
+    plan_owner_broadcast,
+)
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "BroadcastBucket",
+    "BufferPool",
+    "broadcast_from_owners",
+    "global_rank",
+    "pack",
+    "plan_buckets",
+    "plan_owner_broadcast",
+    "unpack",
+]

@@ -1,0 +1,159 @@
+"""Collective helpers: group-relative ranks and bucketed broadcasts from shard owners.
+
+Every helper takes an optional process group and never assumes the world group:
+source and destination ranks are given as ranks *within the group* and translated
+with :func:`global_rank` (``torch.distributed`` collectives take global ranks).
+
+[Note: bucketed broadcast from owners]
+After a sharded optimizer step, rank ``r`` of the group holds the up-to-date values of
+the tensors it owns and every other rank needs them. :func:`broadcast_from_owners`
+walks the owners in group-rank order, splits each owner's tensors into buckets of at
+most ``bucket_bytes`` (:func:`~shardkit.distributed.buckets.plan_buckets`), packs the
+small ones into a pooled flat buffer and broadcasts each bucket asynchronously, keeping
+at most ``max_in_flight`` buckets in flight (bounded memory) while the next one is
+packed. A tensor of at least ``bucket_bytes`` is broadcast in place (no copy) when no
+dtype change is asked for. Every rank computes the same plan from the same inputs, so
+the collectives match one to one across ranks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shardkit.distributed.buckets import BufferPool, pack, plan_buckets, unpack
+
+__all__ = ["BroadcastBucket", "broadcast_from_owners", "global_rank", "plan_owner_broadcast"]
+
+
+def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of rank ``group_rank`` of ``group`` (the world group if None)."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+@dataclass
+class BroadcastBucket:
+    """One broadcast: ``tensors`` of owner ``src`` (a group rank), packed unless direct.
+
+    Attributes:
+        src: owner of the tensors, as a rank of the process group.
+        tensors: the tensors, all of one dtype, in packing order.
+        numel: total elements.
+        direct: True when the single tensor is broadcast in place (no flat buffer).
+    """
+
+    src: int
+    tensors: list[torch.Tensor]
+    numel: int
+    direct: bool
+
+
+def plan_owner_broadcast(
+    owned: Sequence[Sequence[torch.Tensor]],
+    bucket_bytes: int,
+    comm_dtype: torch.dtype | None = None,
+) -> list[BroadcastBucket]:
+    """The buckets :func:`broadcast_from_owners` sends, in order (pure, same on every rank).
+
+    Tensors of one owner are grouped by dtype (first appearance order), then split by
+    :func:`~shardkit.distributed.buckets.plan_buckets`. A bucket of one tensor of at
+    least ``bucket_bytes`` is sent in place when it is contiguous and no ``comm_dtype``
+    conversion is needed.
+
+    Args:
+        owned: ``owned[r]`` lists the tensors owned by group rank ``r``.
+        bucket_bytes: bucket capacity in bytes (of the communication dtype); ``<= 0``
+            sends each tensor alone.
+        comm_dtype: dtype on the wire (e.g. ``torch.float16``); None keeps each tensor's.
+    """
+    plan: list[BroadcastBucket] = []
+    for src, tensors in enumerate(owned):
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for dtype, group in by_dtype.items():
+            wire = comm_dtype or dtype
+            itemsize = torch.empty((), dtype=wire).element_size()
+            for indices in plan_buckets([t.numel() * itemsize for t in group], bucket_bytes):
+                members = [group[i] for i in indices]
+                numel = sum(t.numel() for t in members)
+                direct = (
+                    len(members) == 1
+                    and wire == dtype
+                    and members[0].is_contiguous()
+                    and (bucket_bytes <= 0 or numel * itemsize >= bucket_bytes)
+                )
+                plan.append(BroadcastBucket(src, members, numel, direct))
+    return plan
+
+
+def broadcast_from_owners(
+    plan: Sequence[BroadcastBucket],
+    group: dist.ProcessGroup | None = None,
+    *,
+    pool: BufferPool | None = None,
+    comm_dtype: torch.dtype | None = None,
+    max_in_flight: int = 2,
+) -> int:
+    """Broadcast every bucket of ``plan`` from its owner to all ranks of ``group``.
+
+    A collective: every rank of ``group`` calls it with the same plan (the same shapes
+    and dtypes in the same order; see :func:`plan_owner_broadcast`). On return every
+    rank's tensors hold the owner's values. With a lower-precision ``comm_dtype`` the
+    owner's tensors are overwritten with the rounded values too, so that all ranks stay
+    identical.
+
+    Args:
+        plan: buckets from :func:`plan_owner_broadcast`.
+        group: the process group; default None (the world group).
+        pool: flat buffers to reuse; default a fresh pool (on the tensors' device).
+        comm_dtype: the wire dtype used when planning; default None (each tensor's own).
+        max_in_flight: buckets broadcast concurrently (each holds a flat buffer); >= 1.
+
+    Returns:
+        The number of broadcasts issued (``len(plan)``).
+    """
+    if not plan:
+        return 0
+    me = dist.get_rank(group)
+    pool = pool or BufferPool(plan[0].tensors[0].device)
+    pending: deque[tuple[dist.Work | None, BroadcastBucket, torch.Tensor]] = deque()
+    for bucket in plan:
+        if bucket.direct:
+            buffer = bucket.tensors[0]
+        else:
+            buffer = pool.get(bucket.numel, comm_dtype or bucket.tensors[0].dtype)
+            if bucket.src == me:
+                pack(bucket.tensors, buffer)
+        work = dist.broadcast(
+            buffer, src=global_rank(group, bucket.src), group=group, async_op=True
+        )
+        pending.append((work, bucket, buffer))
+        if len(pending) >= max(1, max_in_flight):
+            _finish_broadcast(*pending.popleft(), me=me, pool=pool)
+    while pending:
+        _finish_broadcast(*pending.popleft(), me=me, pool=pool)
+    return len(plan)
+
+
+def _finish_broadcast(
+    work: dist.Work | None,
+    bucket: BroadcastBucket,
+    buffer: torch.Tensor,
+    *,
+    me: int,
+    pool: BufferPool,
+) -> None:
+    if work is not None:
+        work.wait()
+    if bucket.direct:
+        return
+    if bucket.src != me or buffer.dtype != bucket.tensors[0].dtype:
+        unpack(buffer, bucket.tensors)
+    pool.put(buffer)

@@ -1,0 +1,65 @@
+"""Gradient norm and clipping over parameters sharded across ranks.
+
+Each rank holds the gradients of its own shard (or, under DDP, all gradients, of which
+it only needs its shard). The global norm is reduced from per-rank partial results:
+``sum |g|^p`` over the shard for a finite ``p`` (summed across ranks), or ``max |g|``
+for ``p = inf`` (maximum across ranks), so the result equals
+``torch.nn.utils.clip_grad_norm_`` over the whole unsharded model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["clip_grad_norm_sharded"]
+
+
+def _local_partial(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """``max |g|`` (inf norm) or ``sum |g|^p`` over this rank's gradients, as fp32."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in grads])
+    norms = norms.float()
+    if math.isinf(norm_type):
+        return norms.max()
+    return torch.linalg.vector_norm(norms, norm_type) ** norm_type
+
+
+def clip_grad_norm_sharded(
+    local_params: Sequence[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of ``local_params`` by the norm over all ranks' shards.
+
+    A collective over ``group`` (one all-reduce of one element). Every rank passes
+    its own, disjoint shard; ``clip_coef = max_norm / (total_norm + 1e-6)``, clamped
+    to 1, multiplies each local gradient in place, as torch does.
+
+    Args:
+        local_params: this rank's parameters (those without ``.grad`` are skipped).
+        max_norm: the largest allowed total norm.
+        norm_type: ``p`` of the p-norm; ``float("inf")`` for the max norm. Default 2.
+        group: the process group; default None (world).
+
+    Returns:
+        The total norm over all ranks (a 0-d fp32 tensor on the gradients' device),
+        before clipping.
+    """
+    norm_type = float(norm_type)
+    grads = [p.grad for p in local_params if p.grad is not None]
+    device = local_params[0].device if local_params else torch.device("cpu")
+    partial = _local_partial(grads, norm_type).to(device)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(partial, op=op, group=group)
+    total = partial if math.isinf(norm_type) else partial ** (1.0 / norm_type)
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(clip_coef.to(g.device, g.dtype))
+    return total
