@@ -50,6 +50,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.memory import ModelStateBytes, model_state_bytes
+from shardkit.optim import OSS
 from shardkit.testing.models import GPT
 
 __all__ = ["STRATEGIES", "Strategy", "StrategyFactory", "adamw_kwargs"]
@@ -115,6 +116,24 @@ def _ddp(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy
     return Strategy(module=module, optimizer=optimizer, model=model)
 
 
+class _OSSStrategy(Strategy):
+    """A strategy whose optimizer is an :class:`OSS`: checkpoints hold this rank's shard."""
+
+    optimizer: OSS
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.sharded_state_dict()}
+
+
+def _oss(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
+    """torch DDP + OSS(AdamW): optimizer state sharded across ranks (ZeRO-1)."""
+    device_ids = [device] if device.type == "cuda" else None
+    module = DistributedDataParallel(model, device_ids=device_ids)
+    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, **adamw_kwargs(args))
+    return _OSSStrategy(module=module, optimizer=optimizer, model=model)
+
+
 STRATEGIES: dict[str, StrategyFactory] = {
     "ddp": _ddp,
+    "oss": _oss,
 }
