@@ -88,17 +88,13 @@ def _recomputing(module: nn.Module) -> Iterator[None]:
 def run_checkpointed(module: nn.Module, value: TensorOrTensors) -> Any:
     """``module(value)`` under non-reentrant activation checkpointing.
 
-    The first call is the forward; the call autograd makes during backward is the
-    recomputation, run inside :func:`is_recomputing` with BatchNorm statistics frozen.
+    The recomputation autograd runs during backward happens inside
+    :func:`is_recomputing`, with BatchNorm statistics frozen (see the module note).
     """
-    calls = 0
 
-    def forward(inner: TensorOrTensors) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            return module(inner)
-        with _recomputing(module):
-            return module(inner)
+    def contexts() -> tuple[
+        contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]
+    ]:
+        return contextlib.nullcontext(), _recomputing(module)
 
-    return torch_checkpoint(forward, value, use_reentrant=False)
+    return torch_checkpoint(module, value, use_reentrant=False, context_fn=contexts)

@@ -1,0 +1,207 @@
+"""One stage per rank: parity with the plain model for GPipe and 1F1B on 2 and 4 ranks,
+pipeline x data parallel (2 x 2 with torch DDP inside each stage), consolidated state."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from shardkit.nn.pipe import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    consolidated_state_dict,
+    load_stage_state_dict,
+    stage_module,
+)
+from shardkit.testing import assert_state_dicts_close, assert_tensors_close
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class EmbedPair(nn.Module):
+    """``(x, ids) -> (x + emb(ids), ids)``: an int64 tensor travels between stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+
+    def forward(self, xi: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, ids = xi
+        return x + self.emb(ids), ids
+
+
+class PairLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, hi: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, ids = hi
+        return torch.tanh(self.lin(h)) * (1 + ids.unsqueeze(1)), ids
+
+
+class PairHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, hi: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.lin(hi[0])
+
+
+def make_model(kind: str, stages: int) -> tuple[nn.Sequential, list[int]]:
+    """A model of ``stages`` partitions and its balance (same weights on every rank)."""
+    torch.manual_seed(0)
+    if kind == "pair":
+        layers = [EmbedPair(), *[PairLinear() for _ in range(stages - 1)], PairHead()]
+        return nn.Sequential(*layers), [2] + [1] * (stages - 1)
+    layers = []
+    for _ in range(stages):
+        layers += [nn.Linear(8, 8), nn.Tanh()]
+    layers[-1] = nn.Linear(8, 4)
+    return nn.Sequential(*layers), [2] * stages
+
+
+def make_batch(kind: str, rows: int, seed: int) -> tuple[Any, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 8, generator=g)
+    y = torch.randn(rows, 4, generator=g)
+    if kind == "pair":
+        return (x, torch.randint(0, 10, (rows,), generator=g)), y
+    return x, y
+
+
+def run_parity(configs: list[tuple[str, str, int, str]]) -> list[int]:
+    """Per config (kind, schedule, chunks, checkpoint): one step's loss and gradients, and
+    an inference forward, against the plain model; returns each config's peak in-flight."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    peaks = []
+    for kind, schedule, chunks, checkpoint in configs:
+        label = f"rank {rank} {kind} {schedule} chunks={chunks} checkpoint={checkpoint}"
+        full, balance = make_model(kind, p)
+        reference = copy.deepcopy(full)
+        stage = PipelineStage(stage_module(full, balance, rank), checkpoint=checkpoint)
+        runner = SCHEDULES[schedule](stage, chunks, loss_fn=F.mse_loss)
+        x, y = make_batch(kind, 11, seed=chunks)
+        loss = runner.step(x if stage.is_first else None, target=y if stage.is_last else None)
+        want = F.mse_loss(reference(x), y)
+        want.backward()
+        if stage.is_last:
+            assert loss is not None
+            assert_tensors_close(loss, want, atol=1e-6, name=f"loss {label}")
+        else:
+            assert loss is None
+        ref_params = dict(reference.named_parameters())
+        for name, param in stage.module.named_parameters():
+            assert param.grad is not None, f"{label}: no gradient for {name}"
+            assert_tensors_close(
+                param.grad, ref_params[name].grad, atol=1e-5, name=f"{name} {label}"
+            )  # type: ignore[arg-type]
+        peaks.append(stage.peak_in_flight)
+        out = runner.forward(x if stage.is_first else None)
+        if stage.is_last:
+            assert isinstance(out, torch.Tensor)
+            assert_tensors_close(out, reference(x), atol=1e-6, name=f"inference {label}")
+    return peaks
+
+
+def run_training(schedule: str, steps: int) -> dict[str, torch.Tensor] | None:
+    """``steps`` SGD steps through the pipeline; the consolidated state on rank 0."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    full, balance = make_model("mlp", p)
+    reference = copy.deepcopy(full)
+    stage = PipelineStage(stage_module(full, balance, rank))
+    runner = SCHEDULES[schedule](stage, 4, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(stage.module.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = make_batch("mlp", 8, seed=100 + step)
+        opt.zero_grad()
+        runner.step(x if stage.is_first else None, target=y if stage.is_last else None)
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    state = consolidated_state_dict(stage.module)
+    if rank == 0:
+        assert state is not None
+        assert_state_dicts_close(state, reference.state_dict(), atol=1e-5)
+    fresh, _ = make_model("mlp", p)
+    fresh_stage = stage_module(fresh, balance, rank)
+    load_stage_state_dict(fresh_stage, reference.state_dict())
+    assert_state_dicts_close(fresh_stage.state_dict(), stage.module.state_dict(), atol=1e-5)
+    return state
+
+
+def test_two_stages_match_the_plain_model(rank_pool: Any) -> None:
+    configs = [
+        (kind, schedule, chunks, "never")
+        for kind in ("mlp", "pair")
+        for schedule in ("gpipe", "1f1b")
+        for chunks in (1, 3, 4, 5)
+    ]
+    configs += [("mlp", "1f1b", 4, "always"), ("pair", "gpipe", 3, "always")]
+    peaks = rank_pool(2).run(run_parity, configs)
+    for i, (_, schedule, chunks, _) in enumerate(configs):
+        if schedule == "gpipe":
+            assert [peaks[r][i] for r in range(2)] == [chunks, chunks]
+        else:  # 1F1B: stage s holds at most p - s micro-batches
+            assert [peaks[r][i] for r in range(2)] == [min(2, chunks), 1]
+
+
+def test_training_steps_and_consolidated_state(rank_pool: Any) -> None:
+    states = rank_pool(2).run(run_training, "1f1b", 3)
+    assert states[0] is not None and states[1] is None
+    assert set(states[0]) == {f"{i}.{w}" for i in (0, 2, 3) for w in ("weight", "bias")}
+
+
+def run_two_d(steps: int) -> dict[str, torch.Tensor] | None:
+    """2 stages x 2 replicas: ranks (replica r, stage s) = 2r + s; DDP over {s, s + 2}."""
+    rank = dist.get_rank()
+    replica, s = divmod(rank, 2)
+    pp_groups = [dist.new_group([2 * r, 2 * r + 1]) for r in range(2)]
+    dp_groups = [dist.new_group([j, j + 2]) for j in range(2)]
+    full, balance = make_model("mlp", 2)
+    reference = copy.deepcopy(full)
+    part = DistributedDataParallel(stage_module(full, balance, s), process_group=dp_groups[s])
+    stage = PipelineStage(part, process_group=pp_groups[replica])
+    runner = Schedule1F1B(stage, 3, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = make_batch("mlp", 12, seed=step)
+        mine = slice(6 * replica, 6 * replica + 6)
+        opt.zero_grad()
+        runner.step(x[mine] if stage.is_first else None, target=y[mine] if stage.is_last else None)
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()  # the global batch: DDP averages the replicas
+        ref_opt.step()
+    ref_params = dict(reference.named_parameters())
+    for name, param in part.module.named_parameters():
+        assert_tensors_close(param, ref_params[name], atol=1e-5, name=f"rank {rank} {name}")
+    return consolidated_state_dict(part, process_group=pp_groups[replica])
+
+
+def test_four_stages_and_pipeline_times_data_parallel(rank_pool: Any) -> None:
+    pool = rank_pool(4)
+    configs = [
+        ("mlp", schedule, chunks, "never") for schedule in ("gpipe", "1f1b") for chunks in (1, 5)
+    ]
+    configs.append(("pair", "1f1b", 4, "never"))
+    peaks = pool.run(run_parity, configs)
+    assert [peaks[r][3] for r in range(4)] == [4, 3, 2, 1]  # 1F1B, 5 micro-batches: p - s
+    assert [peaks[r][1] for r in range(4)] == [5, 5, 5, 5]  # GPipe: all of them
+    states = pool.run(run_two_d, 2)
+    assert states[1] is None and states[3] is None
+    reference, _ = make_model("mlp", 2)
+    for r in (0, 2):  # stage 0 of each replica holds the whole model; replicas agree
+        assert states[r] is not None and set(states[r]) == set(reference.state_dict())
+    assert_state_dicts_close(states[0], states[2], atol=0.0)
