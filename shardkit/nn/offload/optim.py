@@ -1,0 +1,102 @@
+"""Slice-by-slice optimizer stepping for the disk tier (ZeRO-Infinity-style, on files).
+
+[Note: why a torch optimizer per slice, rebuilt each step]
+Per-parameter optimizers (SGD, Adam, AdamW, ...) update each parameter from its own
+gradient and state only, so stepping slice after slice with one instance per slice
+gives exactly the update of one instance over the whole model. Each visit builds the
+instance over the (resident) slice, loads the slice's state dict from its file,
+steps, and writes the new parameters and state as the next generation: no optimizer
+state stays resident between slices, and the files are the only copy. Optimizers
+that couple parameters (LBFGS, a global gradient norm) are not supported.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardkit.nn.offload.slices import Slice
+
+if TYPE_CHECKING:
+    from shardkit.nn.offload.disk import DiskTier
+
+__all__ = ["SlicedOptimizer"]
+
+
+class SlicedOptimizer:
+    """Steps an ``OffloadModel`` on the disk tier one slice at a time; state in files.
+
+    Made by :meth:`OffloadModel.sliced_optimizer`. Used like a torch optimizer::
+
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+
+    ``step`` visits the pinned ``shared`` group and every slice: load parameters,
+    gradients (from the gradient file) and optimizer state, step, write generation
+    ``g + 1``; then commits ``g + 1`` atomically (see ``disk.py``). A crash mid-step
+    leaves generation ``g``.
+
+    Args:
+        tier: the model's disk tier.
+        optimizer_class: a per-parameter ``torch.optim.Optimizer`` class.
+        defaults: its hyperparameters; ``param_groups[0]`` holds them and may be edited
+            between steps (learning-rate schedules).
+
+    Raises:
+        ValueError: if the directory was written with another optimizer class.
+    """
+
+    def __init__(
+        self, tier: DiskTier, optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any]
+    ) -> None:
+        name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+        if tier.optimizer_class not in (None, name):
+            raise ValueError(
+                f"offload_dir holds optimizer state of {tier.optimizer_class}, not {name}; "
+                "resume with the same optimizer class"
+            )
+        self.tier = tier
+        self.optimizer_class = optimizer_class
+        self.class_name = name
+        self.param_groups: list[dict[str, Any]] = [dict(defaults)]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget all gradients (deletes the gradient files).
+
+        Raises:
+            ValueError: for ``set_to_none=False`` (zero gradients would change AdamW's update
+                of parameters that received none; the disk tier keeps None semantics).
+        """
+        if not set_to_none:
+            raise ValueError("the disk tier supports only zero_grad(set_to_none=True)")
+        self.tier.zero_grads()
+
+    def step(self) -> None:
+        """One optimizer step over every slice, then an atomic commit of the new generation."""
+        generation = self.tier.generation + 1
+        for s in self.tier.slices:
+            self._step_slice(s, generation)
+        self.tier.commit(generation, self.class_name)
+
+    def _step_slice(self, s: Slice, generation: int) -> None:
+        if not s.params:
+            return
+        if not s.pinned:
+            self.tier.load(s)
+        try:
+            self.tier.open_grads(s)
+            optimizer = self.optimizer_class(s.parameters, **self.param_groups[0])
+            optimizer._shardkit_sliced = True  # type: ignore[attr-defined]
+            state = self.tier.load_optim_state(s)
+            if state is not None:
+                optimizer.load_state_dict(state)
+                optimizer.param_groups[0].update(self.param_groups[0])
+            optimizer.step()
+            self.tier.step_slice(s, generation, optimizer.state_dict())
+        finally:
+            if not s.pinned:
+                for p in s.parameters:
+                    p.grad = None  # views of the gradient file: not flushed back
+                self.tier.offload(s)
