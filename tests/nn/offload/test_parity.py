@@ -107,7 +107,7 @@ def test_gpt_with_tied_head(tier: str, microbatches: int, tmp_path: Path) -> Non
         checkpoint_activation=True,
         num_microbatches=microbatches,
     )
-    assert [s.name for s in om.slices][0] == "shared"
+    assert om.slices[0].name == "shared"
     opt_ref = torch.optim.AdamW(gpt.parameters(), lr=1e-2)
     opt = optimizer_for(om, "adamw") if tier == "disk" else torch.optim.AdamW(om.parameters(), lr=1e-2)
     if tier == "disk":
