@@ -27,7 +27,9 @@ STEPS = 3
 
 
 @pytest.mark.parametrize("optim", sorted(OPTIMIZERS))
-@pytest.mark.parametrize(("checkpoint", "microbatches"), [(False, 1), (True, 1), (True, 3), (False, 3)])
+@pytest.mark.parametrize(
+    ("checkpoint", "microbatches"), [(False, 1), (True, 1), (True, 3), (False, 3)]
+)
 @pytest.mark.parametrize("num_slices", [1, 3, 4])
 @pytest.mark.parametrize("tier", ["resident", "memory", "disk"])
 def test_parity_with_plain_model(
@@ -109,7 +111,11 @@ def test_gpt_with_tied_head(tier: str, microbatches: int, tmp_path: Path) -> Non
     )
     assert om.slices[0].name == "shared"
     opt_ref = torch.optim.AdamW(gpt.parameters(), lr=1e-2)
-    opt = optimizer_for(om, "adamw") if tier == "disk" else torch.optim.AdamW(om.parameters(), lr=1e-2)
+    opt = (
+        optimizer_for(om, "adamw")
+        if tier == "disk"
+        else torch.optim.AdamW(om.parameters(), lr=1e-2)
+    )
     if tier == "disk":
         opt.param_groups[0].update(lr=1e-2, weight_decay=0.01)
     for _ in range(STEPS):
@@ -118,7 +124,9 @@ def test_gpt_with_tied_head(tier: str, microbatches: int, tmp_path: Path) -> Non
         opt_ref.step()
         opt.zero_grad()
         logits = om(idx)
-        nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), idx.reshape(-1)).backward()
+        nn.functional.cross_entropy(
+            logits.reshape(-1, config.vocab_size), idx.reshape(-1)
+        ).backward()
         opt.step()
     # Adam divides by sqrt(v): near-zero gradients amplify the summation-order rounding
     # of several micro-batches, hence the looser tolerance there.
