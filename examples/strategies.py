@@ -46,10 +46,20 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.memory import ModelStateBytes, model_state_bytes
+from shardkit.nn.pipe import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    balance_by_size,
+    consolidated_state_dict,
+    stage_module,
+)
 from shardkit.optim import OSS
 from shardkit.testing.models import GPT
 
@@ -133,7 +143,111 @@ def _oss(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy
     return _OSSStrategy(module=module, optimizer=optimizer, model=model)
 
 
+class GPTEmbed(nn.Module):
+    """The GPT's input layers as one pipeline layer: ``(B, T)`` ids -> ``(B, T, C)``."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class GPTHead(nn.Module):
+    """The GPT's output layers as one pipeline layer: ``(B, T, C)`` -> logits ``(B, T, V)``."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def gpt_sequential(model: GPT) -> nn.Sequential:
+    """``model`` as ``nn.Sequential(embed, *blocks, head)``, sharing its modules."""
+    return nn.Sequential(GPTEmbed(model), *model.blocks, GPTHead(model))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, as ``GPT.forward`` computes it."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class PipelineGPT(nn.Module):
+    """This rank's pipeline stage of the GPT behind the loop's ``module(x, targets=y)``.
+
+    Every rank samples its own batch, as under DDP; the batches are all-gathered so that
+    the pipeline trains on the same global batch DDP would (``world_size * batch``
+    rows, mean loss). In training, ``forward`` runs the whole schedule (forwards and
+    backwards) and returns ``(None, loss)`` with ``loss`` a detached leaf, so the loop's
+    ``loss.backward()`` does nothing more. The tied embedding / LM-head weight lives
+    on the first and the last stage; their gradients are summed after each step so
+    both copies stay equal.
+    """
+
+    def __init__(self, model: GPT, args: argparse.Namespace, device: torch.device) -> None:
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        layers = gpt_sequential(model)
+        self.stage_module = stage_module(layers, balance_by_size(world, layers), rank)
+        self.stage = PipelineStage(self.stage_module, device=device)
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
+        self.runner = schedule(self.stage, args.chunks, loss_fn=lm_loss)
+        self.tied_group = dist.new_group([0, world - 1]) if world > 1 else None
+        self.tied = (model.wte.weight,)  # a tuple: not registered as this module's parameter
+
+    def _global(self, t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[None, torch.Tensor]:
+        x, y = self._global(x), self._global(targets)
+        first, last = self.stage.is_first, self.stage.is_last
+        if self.training and torch.is_grad_enabled():
+            loss = self.runner.step(x if first else None, target=y if last else None)
+            grad = self.tied[0].grad
+            if self.tied_group is not None and (first or last) and grad is not None:
+                dist.all_reduce(grad, group=self.tied_group)
+        else:
+            logits = self.runner.forward(x if first else None)
+            loss = lm_loss(logits, y) if isinstance(logits, torch.Tensor) else None
+        out = loss.detach().reshape(()) if loss is not None else torch.zeros((), device=x.device)
+        dist.broadcast(out, dist.get_world_size() - 1)
+        return None, out.requires_grad_()
+
+
+class _PipeStrategy(Strategy):
+    """Checkpoints hold this rank's stage (keys of ``gpt_sequential``); the final
+    ``model.pt`` holds the plain GPT, consolidated from every stage onto rank 0."""
+
+    module: PipelineGPT
+
+    def __init__(self, module: PipelineGPT, optimizer: torch.optim.Optimizer, gpt: GPT) -> None:
+        super().__init__(module=module, optimizer=optimizer, model=module.stage_module)
+        self.gpt = gpt
+
+    def consolidated_model_state(self) -> dict[str, Any] | None:
+        merged = consolidated_state_dict(self.module.stage_module)
+        if merged is None:
+            return None
+        gpt_sequential(self.gpt).load_state_dict(merged)  # rank 0 still holds every layer
+        return self.gpt.state_dict()
+
+
+def _pipe(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
+    """GPT blocks split over the ranks (one stage each), ``--chunks`` micro-batches,
+    ``--schedule gpipe|1f1b``; AdamW on each stage's parameters."""
+    module = PipelineGPT(model, args, device)
+    optimizer = torch.optim.AdamW(module.stage_module.parameters(), **adamw_kwargs(args))
+    return _PipeStrategy(module, optimizer, model)
+
+
 STRATEGIES: dict[str, StrategyFactory] = {
     "ddp": _ddp,
     "oss": _oss,
+    "pipe": _pipe,
 }

@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--stop-after", type=_positive, default=None, help="end this run after this step")
     add("--resume", action="store_true", help="continue from the latest checkpoint")
     add("--data", default=None, help="a text file or a directory of .txt files")
+    add("--chunks", type=_positive, default=4, help="pipe: micro-batches per step (default 4)")
+    add("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="pipe (default 1f1b)")
     args = p.parse_args(argv)
     if args.strategy not in STRATEGIES:
         raise InputError(
