@@ -1,8 +1,8 @@
 """Point-to-point transfer of micro-batch tensors between stages over a process group.
 
-Activations travel with a small header (a tensor or a tuple, then dtype,
-``requires_grad`` and shape of each tensor) so that stages need not know each other's
-shapes in advance and an uneven last micro-batch needs nothing special. Gradients
+Activations travel after a small header (one fixed-size int64 message: a tensor or a
+tuple, then dtype, ``requires_grad`` and shape of each tensor), so stages need not know
+each other's shapes in advance and an uneven last micro-batch needs nothing special. Gradients
 travel without a header: the receiver of a gradient sent the matching activation,
 so it knows the shapes.
 
@@ -17,6 +17,7 @@ message, in order, so messages match by order without tags.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -30,6 +31,11 @@ _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 ]  # fmt: skip
+
+
+# A header fits one message of this many int64 slots (a length, then the fields) for
+# up to 6 tensors of 3 dims; longer headers send the rest in a second message.
+_HEADER_SLOTS = 40
 
 
 class TensorMeta(NamedTuple):
@@ -68,12 +74,18 @@ class P2P:
     Args:
         process_group: the group; peers are given as ranks in it.
         device: where received tensors are allocated (a CUDA device for NCCL).
+
+    Attributes:
+        wait_s: seconds spent blocked in receives since the last reset (waiting for a
+            neighbour plus the transfer itself; on CPU, about this rank's share of the
+            bubble).
     """
 
     def __init__(self, process_group: ProcessGroup, device: torch.device) -> None:
         self.group = process_group
         self.device = device
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.wait_s = 0.0
 
     def _global(self, peer: int) -> int:
         return dist.get_global_rank(self.group, peer)
@@ -86,7 +98,9 @@ class P2P:
         self._pending.append((work, tensor))
 
     def _recv(self, tensor: torch.Tensor, peer: int) -> torch.Tensor:
+        start = time.perf_counter()
         dist.recv(tensor, self._global(peer), group=self.group)
+        self.wait_s += time.perf_counter() - start
         return tensor
 
     def send(
@@ -95,18 +109,25 @@ class P2P:
         """Send ``tensors`` to ``peer``; with ``atomic`` given, a header first (see module)."""
         if atomic is not None:
             header = encode_header(tensors, atomic)
-            self._isend(torch.tensor([header.numel()], dtype=torch.int64), peer)
-            self._isend(header, peer)
+            first = torch.zeros(_HEADER_SLOTS, dtype=torch.int64)
+            first[0] = header.numel()
+            first[1 : 1 + min(header.numel(), _HEADER_SLOTS - 1)] = header[: _HEADER_SLOTS - 1]
+            self._isend(first, peer)
+            if header.numel() > _HEADER_SLOTS - 1:
+                self._isend(header[_HEADER_SLOTS - 1 :], peer)
         for t in tensors:
             self._isend(t, peer)
 
     def recv_header(self, peer: int) -> tuple[bool, list[TensorMeta]]:
         """Receive a header from ``peer``: single tensor or tuple, and each tensor's meta."""
-        size = self._recv(torch.empty(1, dtype=torch.int64, device=self.device), peer)
-        header = self._recv(
-            torch.empty(int(size.item()), dtype=torch.int64, device=self.device), peer
-        )
-        return decode_header(header.cpu())
+        first = self._recv(torch.empty(_HEADER_SLOTS, dtype=torch.int64, device=self.device), peer)
+        first = first.cpu()
+        size = int(first[0])
+        header = first[1 : 1 + size]
+        if size > _HEADER_SLOTS - 1:
+            rest = torch.empty(size - _HEADER_SLOTS + 1, dtype=torch.int64, device=self.device)
+            header = torch.cat([header, self._recv(rest, peer).cpu()])
+        return decode_header(header)
 
     def recv(self, metas: Sequence[TensorMeta], peer: int) -> list[torch.Tensor]:
         """Receive one tensor per meta from ``peer`` (``requires_grad`` as in the meta)."""

@@ -77,6 +77,8 @@ class PipelineStage:
         index: this stage's rank in ``process_group``; ``num_stages`` its size.
         peak_in_flight: the most micro-batches alive at once during the last step
             (GPipe: ``chunks``; 1F1B: at most ``num_stages - index``).
+        wait_s: seconds this stage spent blocked in receives during the last step
+            (see :class:`P2P`); ``wait_s / step time`` measures its bubble.
     """
 
     def __init__(
@@ -105,6 +107,11 @@ class PipelineStage:
         self._in_flight: dict[int, _InFlight] = {}
 
     @property
+    def wait_s(self) -> float:
+        """Seconds blocked in receives during the last (or current) step."""
+        return self.p2p.wait_s
+
+    @property
     def is_first(self) -> bool:
         """True on stage 0 (takes the pipeline's input)."""
         return self.index == 0
@@ -122,6 +129,7 @@ class PipelineStage:
                 f"stage {self.index}: micro-batches {sorted(self._in_flight)} are still in flight"
             )
         self.state, self.peak_in_flight = StageState.RUNNING, 0
+        self.p2p.wait_s = 0.0
 
     def end_step(self) -> None:
         """Leave a step: wait for this stage's sends to finish."""

@@ -20,6 +20,7 @@ from shardkit.nn.pipe import (
     load_stage_state_dict,
     stage_module,
 )
+from shardkit.nn.pipe.p2p import P2P
 from shardkit.testing import assert_state_dicts_close, assert_tensors_close
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -154,6 +155,39 @@ def test_two_stages_match_the_plain_model(rank_pool: Any) -> None:
             assert [peaks[r][i] for r in range(2)] == [chunks, chunks]
         else:  # 1F1B: stage s holds at most p - s micro-batches
             assert [peaks[r][i] for r in range(2)] == [min(2, chunks), 1]
+
+
+def run_p2p_headers() -> list[tuple[tuple[int, ...], str, bool]]:
+    """Rank 0 sends a tuple whose header needs two messages (12 tensors), then one that
+    fits in one; rank 1 returns what it received (shape, dtype, requires_grad)."""
+    p2p = P2P(dist.group.WORLD, torch.device("cpu"))  # type: ignore[arg-type]
+    many = [torch.full((i + 1, 2, 3), float(i)).requires_grad_(i % 2 == 0) for i in range(12)]
+    few = [torch.arange(5), torch.ones(2, 2, dtype=torch.float64)]
+    if dist.get_rank() == 0:
+        p2p.send(many, 1, atomic=False)
+        p2p.send(few, 1, atomic=False)
+        p2p.wait()
+        return []
+    got = []
+    for sent in (many, few):
+        atomic, metas = p2p.recv_header(0)
+        tensors = p2p.recv(metas, 0)
+        assert not atomic and all(torch.equal(a, b) for a, b in zip(tensors, sent))
+        got += [(tuple(t.shape), str(t.dtype), t.requires_grad) for t in tensors]
+    return got
+
+
+def test_headers_longer_than_one_message(rank_pool: Any) -> None:
+    got = rank_pool(2).run(run_p2p_headers)[1]
+    assert got[:3] == [
+        ((1, 2, 3), "torch.float32", True),
+        ((2, 2, 3), "torch.float32", False),
+        ((3, 2, 3), "torch.float32", True),
+    ]
+    assert len(got) == 14 and got[-2:] == [
+        ((5,), "torch.int64", False),
+        ((2, 2), "torch.float64", False),
+    ]
 
 
 def test_training_steps_and_consolidated_state(rank_pool: Any) -> None:

@@ -1,0 +1,223 @@
+"""Pipe across ranks: a 2-stage pipeline on 2 ranks against the same model in one process.
+
+Run (gloo, one thread per rank)::
+
+    python -m benchmarks.bench_pipe                      # GPT 8 x 256, batch 16 x 128 tokens
+    python -m benchmarks.bench_pipe --n-layer 4 --steps 2 --rounds 1   # quick
+
+The model is the main job's GPT as ``nn.Sequential(embed, *blocks, head)``
+(``examples/strategies.py``), split in two equal halves of blocks. One training step
+(forward, loss, backward; no optimizer) on the same mini-batch runs
+
+- in one process (rank 0 alone, the plain module, no micro-batches), and
+- as a 2-stage pipeline on 2 ranks with ``m`` = 1, 4, 8, 16 micro-batches, under GPipe
+  and 1F1B.
+
+Configurations run interleaved for ``--rounds`` rounds of ``--steps`` timed steps
+after one untimed warm-up each (load from other processes on a shared machine falls on
+all of them alike); a step's time is the slowest rank's. Reported: median step time,
+throughput relative to one process (theory ``p m / (m + p - 1)``), and the measured
+bubble -- the share of the step each stage spends blocked in receives, averaged over
+the stages -- against the fill-drain theory ``(p - 1) / (m + p - 1)``. Peak RSS per
+stage is measured in fresh processes per schedule (``ru_maxrss``, so nothing else ran
+in them before). A Markdown table goes to stdout and ``benchmarks/results/``, the raw
+numbers to ``benchmarks/results/bench_pipe-<time>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.nn.pipe import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    bubble_fraction,
+    stage_module,
+)
+from shardkit.testing import RankPool, run_distributed
+from shardkit.testing.models import GPT, GPTConfig
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+from strategies import gpt_sequential, lm_loss  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+STAGES = 2
+
+
+def _model(args: dict[str, Any]) -> tuple[nn.Sequential, list[int]]:
+    torch.manual_seed(0)
+    config = GPTConfig(
+        vocab_size=256,
+        block_size=args["seq_len"],
+        n_layer=args["n_layer"],
+        n_head=4,
+        n_embd=args["n_embd"],
+    )
+    half = args["n_layer"] // 2
+    return gpt_sequential(GPT(config)), [1 + half, args["n_layer"] - half + 1]
+
+
+def _batch(args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    shape = (args["batch_size"], args["seq_len"])
+    return torch.randint(0, 256, shape, generator=g), torch.randint(0, 256, shape, generator=g)
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _one_process_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Rank 0 runs the plain model while rank 1 waits; returns seconds."""
+    dist.barrier()
+    start = time.perf_counter()
+    if dist.get_rank() == 0:
+        model.zero_grad(set_to_none=True)
+        lm_loss(model(x), y).backward()
+    seconds = time.perf_counter() - start if dist.get_rank() == 0 else 0.0
+    return _slowest(seconds)
+
+
+def _pipe_step(runner: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """One pipeline step; (slowest rank's seconds, mean over stages of the waiting share)."""
+    stage: PipelineStage = runner.stage
+    dist.barrier()
+    start = time.perf_counter()
+    stage.module.zero_grad(set_to_none=True)
+    runner.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    seconds = _slowest(time.perf_counter() - start)
+    share = torch.tensor([stage.wait_s / seconds], dtype=torch.float64)
+    dist.all_reduce(share)
+    return seconds, float(share.item()) / STAGES
+
+
+def _bench(args: dict[str, Any]) -> dict[str, Any]:
+    """On each of 2 ranks: interleaved timing of one process and every (schedule, m)."""
+    full, balance = _model(args)
+    part = stage_module(full, balance, dist.get_rank())
+    stage = PipelineStage(part)
+    runners = {
+        f"{name} m={m}": cls(stage, m, loss_fn=lm_loss)
+        for m in args["chunks"]
+        for name, cls in SCHEDULES.items()
+    }
+    x, y = _batch(args)
+    times: dict[str, list[float]] = {"one process": [], **{k: [] for k in runners}}
+    waits: dict[str, list[float]] = {k: [] for k in runners}
+    for rnd in range(args["rounds"]):
+        for n in range(args["steps"] + (1 if rnd == 0 else 0)):
+            warm = rnd == 0 and n == 0
+            seconds = _one_process_step(full, x, y)
+            if not warm:
+                times["one process"].append(seconds)
+            for key, runner in runners.items():
+                seconds, share = _pipe_step(runner, x, y)
+                if not warm:
+                    times[key].append(seconds)
+                    waits[key].append(share)
+    return {"times": times, "waits": waits, "params": sum(p.numel() for p in full.parameters())}
+
+
+def _peak_rss(args: dict[str, Any], schedule: str | None) -> dict[str, float]:
+    """In a fresh process: RSS before and peak RSS after steps (MiB); ``None``: one process."""
+    full, balance = _model(args)
+    x, y = _batch(args)
+    before = _rss_now_mib()
+    for _ in range(2):
+        if schedule is None:
+            full.zero_grad(set_to_none=True)
+            lm_loss(full(x), y).backward()
+        else:
+            stage = PipelineStage(stage_module(full, balance, dist.get_rank()))
+            runner = SCHEDULES[schedule](stage, args["rss_chunks"], loss_fn=lm_loss)
+            stage.module.zero_grad(set_to_none=True)
+            runner.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {"before_mib": before, "peak_mib": peak}
+
+
+def _rss_now_mib() -> float:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * resource.getpagesize() / 2**20
+
+
+def _tables(
+    bench: dict[str, Any], rss: dict[str, list[dict[str, float]]], args: dict[str, Any]
+) -> str:
+    base = statistics.median(bench["times"]["one process"])
+    lines = [
+        f"GPT {args['n_layer']} x {args['n_embd']} ({bench['params'] / 1e6:.2f}M params), batch "
+        f"{args['batch_size']} x {args['seq_len']} tokens, {STAGES} stages on {STAGES} ranks (gloo, 1 thread "
+        f"each) vs 1 process (1 thread); forward + backward; medians of {len(bench['times']['one process'])} steps",
+        "",
+        "| config | step s (median) | throughput vs 1 process | theory | bubble measured | bubble theory |",
+        "|---|---|---|---|---|---|",
+        f"| one process | {base:.3f} | 1.00 | 1.00 | - | - |",
+    ]
+    for key in bench["waits"]:
+        m = int(key.split("m=")[1])
+        med = statistics.median(bench["times"][key])
+        bubble = statistics.median(bench["waits"][key])
+        theory = STAGES * m / (m + STAGES - 1)
+        lines.append(
+            f"| {key} | {med:.3f} | {base / med:.2f} | {theory:.2f} | {bubble:.2f} | {bubble_fraction(STAGES, m):.2f} |"
+        )
+    lines += [
+        "",
+        f"Peak RSS (MiB, fresh processes, m = {args['rss_chunks']}; before the steps in brackets)",
+        "",
+        "| config | " + " | ".join(f"rank {r}" for r in range(STAGES)) + " |",
+        "|---|" + "---|" * STAGES,
+    ]
+    for name, ranks in rss.items():
+        cells = " | ".join(f"{r['peak_mib']:.0f} ({r['before_mib']:.0f})" for r in ranks)
+        lines.append(f"| {name} | {cells} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n-layer", type=int, default=8)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--rss-chunks", type=int, default=16)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round (default 3)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    args = vars(p.parse_args(argv))
+    with RankPool(STAGES, timeout_s=3600.0) as pool:
+        bench = pool.run(_bench, args, timeout_s=3600.0)[0]
+    rss = {"one process": run_distributed(_peak_rss, 1, args, None, timeout_s=600.0)}
+    for name in SCHEDULES:
+        rss[name] = run_distributed(_peak_rss, STAGES, args, name, timeout_s=600.0)
+    table = _tables(bench, rss, args)
+    print(table)
+    RESULTS.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (RESULTS / f"bench_pipe-{stamp}.md").write_text(table + "\n")
+    out = RESULTS / f"bench_pipe-{stamp}.json"
+    out.write_text(json.dumps({"args": args, "bench": bench, "rss": rss}, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
