@@ -1,0 +1,402 @@
+"""FullyShardedDataParallel: the public wrapper (ZeRO stage 3), built from the parts.
+
+Parameter -> group -> module state -> API, as in torch's FSDP2: ``flat_param`` (one
+unit's flat parameter and its views), ``collectives`` (all-gather, reduce-scatter),
+``hooks`` (the phases of a step), ``state_dict`` and ``optim_state`` (checkpoints),
+and this class, which owns the state transitions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from shardkit.nn.data_parallel.fully_sharded import hooks
+from shardkit.nn.data_parallel.fully_sharded import state_dict as sd
+from shardkit.nn.data_parallel.fully_sharded.collectives import (
+    Pending,
+    all_gather_flat,
+    broadcast_tensors,
+)
+from shardkit.nn.data_parallel.fully_sharded.config import FSDPConfig
+from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle, ParamInfo
+from shardkit.nn.data_parallel.fully_sharded.optim_state import gather_full, shard_full
+from shardkit.nn.data_parallel.fully_sharded.sharing import (
+    check_optimizer_built_after_wrapping,
+    check_same_device_and_dtype,
+    collect_params,
+    mark_taken,
+)
+from shardkit.nn.data_parallel.fully_sharded.state import ShardedState, TrainingState
+from shardkit.optim.grad_norm import clip_grad_norm_sharded
+
+__all__ = ["FSDP", "FullyShardedDataParallel"]
+
+WRAPPED = "_fsdp_wrapped_module"
+
+
+def _clean(name: str) -> str:
+    return name.replace(f"{WRAPPED}.", "")
+
+
+@functools.cache
+def _register_optimizer_guard() -> None:
+    register_optimizer_step_pre_hook(check_optimizer_built_after_wrapping)
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a module's parameters, gradients and optimizer state across ranks (ZeRO-3).
+
+    Usage: ``model = FSDP(model)`` (nest with :func:`shardkit.nn.wrap.auto_wrap`), then
+    build the optimizer from ``model.parameters()`` and train as usual.
+
+    Each unit's parameters are flattened into one buffer padded to a multiple of the
+    world size N; rank r keeps slice r. Before the unit's forward the buffer is
+    all-gathered, after it freed (``reshard_after_forward``); before its backward it is
+    all-gathered again, and after it the gradient is reduce-scattered (averaged over
+    ranks, DDP semantics) so each rank keeps the gradient of its slice. The next unit's
+    all-gather is issued early (prefetch) in forward and backward. ``named_parameters()``
+    returns the original names (no wrapper prefixes) with 1-D sharded parameters (see
+    [Note: flat layout, original parameters] in ``flat_param``).
+
+    Memory per rank (fp32 Adam, psi parameters): ``16 psi / N`` plus the largest unit's
+    full parameters (two with prefetch) plus the root's, plus padding (< N per unit).
+
+    Source: Rajbhandari et al. 2020, "ZeRO", section 5.3 (P_os+g+p); FairScale's
+    ``FullyShardedDataParallel`` (argument names and defaults) and torch's FSDP2.
+
+    Args:
+        module: the module to wrap; nested units inside it must already be wrapped.
+        process_group: the ranks sharing this unit; default None: the world group.
+        reshard_after_forward: free full parameters after forward, all-gather again in
+            backward. Default True.
+        disable_reshard_on_root: keep the root's full parameters after forward. Default True.
+        flatten_parameters: must be True (kept for FairScale compatibility).
+        bucket_cap_mb: megabytes of gradient reduce-scatters in flight before waiting.
+            Default 25.
+        compute_device: device for the full parameters; default None: the parameters'.
+        state_dict_device: device of ``state_dict()`` tensors; default None: compute device.
+        state_dict_on_rank_0_only: full ``state_dict()`` on the group's first rank only,
+            ``{}`` elsewhere. Default False.
+        gradient_predivide_factor: divide gradients by this before the reduce-scatter and
+            by ``N / factor`` after. Default None (1).
+
+    Raises:
+        ValueError: ``module`` is already wrapped (or part of it is sharded already), its
+            parameters mix devices or dtypes, or an option is invalid.
+        SharedParameterError: a tied parameter would be split across two units.
+
+    Warning:
+        Build the optimizer after wrapping: one built before holds the replaced
+        parameters; its ``step()`` raises ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        reshard_after_forward: bool = True,
+        disable_reshard_on_root: bool = True,
+        flatten_parameters: bool = True,
+        bucket_cap_mb: float = 25.0,
+        compute_device: torch.device | str | None = None,
+        state_dict_device: torch.device | str | None = None,
+        state_dict_on_rank_0_only: bool = False,
+        gradient_predivide_factor: float | None = None,
+    ) -> None:
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError(
+                "the module is already a FullyShardedDataParallel unit; wrap each module once"
+            )
+        super().__init__()
+        self._config = FSDPConfig(
+            reshard_after_forward=reshard_after_forward,
+            disable_reshard_on_root=disable_reshard_on_root,
+            flatten_parameters=flatten_parameters,
+            bucket_cap_mb=bucket_cap_mb,
+            compute_device=None if compute_device is None else torch.device(compute_device),
+            state_dict_device=None
+            if state_dict_device is None
+            else torch.device(state_dict_device),
+            state_dict_on_rank_0_only=state_dict_on_rank_0_only,
+            gradient_predivide_factor=gradient_predivide_factor,
+        )
+        self._process_group = process_group
+        self._rank = dist.get_rank(process_group)
+        self._world_size = dist.get_world_size(process_group)
+        if self._config.compute_device is not None:
+            module.to(self._config.compute_device)
+        self._fsdp_wrapped_module = module
+        self._handle = self._shard(module)
+        self._training_state = TrainingState.IDLE
+        self._sharded_state = ShardedState.SHARDED
+        self._pending_unshard: Pending | None = None
+        self._is_root: bool | None = None
+        self._root_state: hooks.RootState | None = None
+        self._sync_gradients = True
+        self._gathering_state_dict = False
+        self._grads_ready: set[int] = set()
+        self._grads_expected = {i for i in self._handle.trainable if self._handle.infos[i].numel}
+        self._register_hooks()
+        _register_optimizer_guard()
+
+    # construction --------------------------------------------------------------
+    def _shard(self, module: nn.Module) -> FlatParamHandle:
+        label = f"the FSDP unit wrapping {type(module).__name__}"
+        infos = collect_params(module, _is_unit, label)
+        check_same_device_and_dtype(infos, module)
+        originals = [_original(info) for info in infos]
+        flat = _flatten(originals, module)
+        broadcast_tensors([flat], self._process_group)  # rank 0's initialisation wins
+        handle = FlatParamHandle(infos, flat, self._rank, self._world_size)
+        mark_taken(originals, infos, label, handle.sharded_params)
+        for param in originals:  # release the replaced parameters' memory
+            param.data = param.data.new_empty(0)
+        return handle
+
+    def _register_hooks(self) -> None:
+        for index in self._grads_expected:
+            param = self._handle.unsharded_params[index]
+            param.register_post_accumulate_grad_hook(
+                functools.partial(_post_accumulate_hook, self, index)
+            )
+        self._register_load_state_dict_pre_hook(sd.insert_wrapper_prefix)
+        self.register_load_state_dict_post_hook(sd.strip_wrapper_prefix)
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._fsdp_wrapped_module, name)
+
+    # state transitions ---------------------------------------------------------
+    def _root(self) -> hooks.RootState:
+        if self._root_state is None:
+            self._lazy_init()
+        assert self._root_state is not None
+        return self._root_state
+
+    def _lazy_init(self) -> None:
+        """First call on a unit with no root: it becomes the root of its subtree."""
+        if self._root_state is not None:
+            return
+        units = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        root = hooks.RootState(units)
+        for unit in units:
+            unit._is_root, unit._root_state = unit is self, root
+        broadcast_tensors(list(self.module.buffers()), self._process_group)
+
+    def _unshard(self, async_op: bool = False) -> None:
+        """SHARDED -> UNSHARDING (all-gather issued) -> UNSHARDED (waited, views installed)."""
+        if self._sharded_state is ShardedState.UNSHARDED:
+            return
+        handle = self._handle
+        if self._sharded_state is ShardedState.SHARDED:
+            handle.alloc_full()
+            self._pending_unshard = (
+                all_gather_flat(
+                    handle.full_flat, handle.local_shard, self._process_group, async_op=async_op
+                )
+                if handle.owns_full_flat
+                else Pending(done=True)
+            )
+            self._sharded_state = ShardedState.UNSHARDING
+            if async_op:
+                return
+        assert self._pending_unshard is not None
+        self._pending_unshard.wait()
+        handle.use_unsharded()
+        self._sharded_state = ShardedState.UNSHARDED
+
+    def _reshard(self) -> None:
+        """Any state -> SHARDED: the sharded parameters installed, the full buffer freed."""
+        if self._sharded_state is ShardedState.SHARDED:
+            return
+        if self._pending_unshard is not None:
+            self._pending_unshard.wait()
+        self._handle.use_sharded()
+        self._handle.free_full()
+        self._sharded_state = ShardedState.SHARDED
+
+    # forward -------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module with its full parameters (see the class docstring)."""
+        self._lazy_init()
+        hooks.pre_forward(self)
+        output = self.module(*args, **kwargs)
+        hooks.post_forward(self, output)
+        return output
+
+    # names ---------------------------------------------------------------------
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters under their original names (no wrapper prefixes)."""
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield _clean(name), param
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The buffers under their original names (no wrapper prefixes)."""
+        for name, buf in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield _clean(name), buf
+
+    def units(self) -> list[FullyShardedDataParallel]:
+        """This unit and every unit nested in it, in module order."""
+        return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+
+    # user-facing contexts ------------------------------------------------------
+    @contextlib.contextmanager
+    def summon_full_params(self, recurse: bool = True, writeback: bool = True) -> Iterator[None]:
+        """A context in which the module holds its full parameters (original shapes).
+
+        Args:
+            recurse: also unshard every nested unit. Default True.
+            writeback: copy changes of this rank's slice back into its shard on exit
+                (change parameters under ``torch.no_grad()``). Default True.
+
+        Raises:
+            RuntimeError: called during forward or backward.
+        """
+        units = self.units() if recurse else [self]
+        busy = [
+            u._training_state.name for u in units if u._training_state is not TrainingState.IDLE
+        ]
+        if busy:
+            raise RuntimeError(
+                f"summon_full_params needs idle units, found states {busy}: call it outside "
+                "forward and backward (after optimizer.step(), before the next forward)"
+            )
+        saved = [u._handle.local_shard.clone() if not writeback else None for u in units]
+        for unit in units:
+            unit._unshard()
+            unit._training_state = TrainingState.SUMMON_FULL_PARAMS
+        try:
+            yield
+        finally:
+            for unit, copy in zip(units, saved):
+                unit._end_summon(copy)
+
+    @torch.no_grad()
+    def _end_summon(self, saved_shard: torch.Tensor | None) -> None:
+        handle = self._handle
+        if saved_shard is not None:
+            handle.local_shard.copy_(saved_shard)
+        elif handle.owns_full_flat:
+            handle.local_shard.copy_(handle.full_shard_slice())
+        self._training_state = TrainingState.IDLE
+        self._reshard()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without communication (each rank keeps full gradients).
+
+        Inside, backward keeps every unit's full gradient (psi elements per rank); the
+        first backward outside reduce-scatters the accumulated sum. Without ``no_sync``
+        accumulation is also correct and keeps only sharded gradients.
+        """
+        units = self.units()
+        for unit in units:
+            unit._sync_gradients = False
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit._sync_gradients = True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their global norm; same result as torch's on the unwrapped model.
+
+        Args:
+            max_norm: largest allowed norm.
+            norm_type: p of the p-norm (``float('inf')`` for the max norm). Default 2.
+
+        Returns:
+            The total norm before clipping (a scalar tensor, equal on every rank).
+        """
+        params = list(self.parameters())  # disjoint pieces: every element owned once
+        return clip_grad_norm_sharded(params, max_norm, norm_type, self._process_group)
+
+    # state dicts ---------------------------------------------------------------
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """The full, unsharded state dict with the unwrapped module's keys.
+
+        Every rank gathers; with ``state_dict_on_rank_0_only`` other ranks get ``{}``.
+        Tensors are copies on ``state_dict_device``.
+        """
+        return sd.full_state_dict(self, destination, prefix, keep_vars)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load a full state dict (the unwrapped module's keys) on every rank."""
+        with self.summon_full_params(recurse=True, writeback=True), torch.no_grad():
+            return super().load_state_dict(state_dict, strict=strict)
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shards: ``"<unit>flat_param"`` per unit, and the buffers."""
+        return sd.local_state_dict(self)
+
+    def load_local_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load what :meth:`local_state_dict` returned (same world size and wrapping)."""
+        sd.load_local_state_dict(self, state)
+
+    # optimizer state -----------------------------------------------------------
+    def gather_full_optim_state_dict(
+        self, optim: torch.optim.Optimizer, recipient_rank: int = 0
+    ) -> dict[str, Any] | None:
+        """The optimizer state of the unwrapped model, on group rank ``recipient_rank``.
+
+        A collective (every rank calls it); other ranks get None.
+        """
+        return gather_full(self, optim, recipient_rank)
+
+    def get_shard_from_optim_state_dict(
+        self, full: Mapping[str, Any], optim: torch.optim.Optimizer | None = None
+    ) -> dict[str, Any]:
+        """This rank's share of a full optimizer state dict, for ``optim.load_state_dict``.
+
+        Pass ``optim`` (or build it from ``named_parameters()``) when its parameter order
+        differs from ``parameters()`` (e.g. groups chosen by name).
+        """
+        return shard_full(self, full, optim)
+
+
+FSDP = FullyShardedDataParallel
+
+
+def _is_unit(module: nn.Module) -> bool:
+    return isinstance(module, FullyShardedDataParallel)
+
+
+def _post_accumulate_hook(unit: FullyShardedDataParallel, index: int, _: torch.Tensor) -> None:
+    hooks.post_accumulate_grad(unit, index)
+
+
+def _original(info: ParamInfo) -> nn.Parameter:
+    loc = info.locations[0]
+    param = loc.module._parameters[loc.attr]
+    assert isinstance(param, nn.Parameter)
+    return param
+
+
+def _flatten(params: list[nn.Parameter], module: nn.Module) -> torch.Tensor:
+    if not params:
+        return torch.empty(0, device=next(iter(module.buffers()), torch.empty(0)).device)
+    with torch.no_grad():
+        return torch.cat([p.detach().reshape(-1) for p in params])

@@ -1,0 +1,95 @@
+"""The collectives of FSDP: all-gather a unit's shards, reduce-scatter its gradient.
+
+Both take the unit's process group and may run asynchronously (``async_op=True``),
+returning a :class:`Pending` whose ``wait()`` completes them; gloo runs asynchronous
+collectives on its own threads, so they overlap compute on CPU as NCCL does on GPU.
+
+[Note: version counters]
+Autograd saves the unsharded parameters (views of the full flat buffer) for backward
+and checks their version counter when it uses them. Re-filling the buffer by
+all-gather after a reshard is not a change of value autograd should see (the same
+numbers come back), so the version is recorded before the all-gather is issued and restored after it was
+issued and again after its ``wait()`` (an asynchronous gloo all-gather bumps the
+counter when it completes, on its own thread), with
+``torch.autograd._unsafe_preserve_version_counter``, as torch's FSDP does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+
+from shardkit.distributed.collectives import global_rank
+
+__all__ = ["Pending", "all_gather_flat", "broadcast_tensors", "reduce_scatter_flat"]
+
+
+@dataclass
+class Pending:
+    """An issued collective; ``wait()`` completes it and runs ``then`` once."""
+
+    work: Any = None
+    then: Callable[[], None] | None = None
+    nbytes: int = 0
+    done: bool = field(default=False)
+    keep_version: Any = None  # a version-preserving context made before the issue
+
+    def wait(self) -> None:
+        """Block until the collective finished, then run the continuation."""
+        if self.done:
+            return
+        if self.work is not None:
+            if self.keep_version is None:
+                self.work.wait()
+            else:  # waiting marks the output as written: see the module note
+                with self.keep_version:
+                    self.work.wait()
+        self.done = True
+        if self.then is not None:
+            self.then()
+
+
+def all_gather_flat(
+    full: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    async_op: bool = False,
+) -> Pending:
+    """All-gather every rank's ``shard`` ``(S,)`` into ``full`` ``(N * S,)`` (rank order).
+
+    ``full``'s version counter is left unchanged (see the module note).
+    """
+    if full.numel() == 0:
+        return Pending(done=True)
+    keep = _unsafe_preserve_version_counter(full)  # records the version now
+    with keep:
+        work = dist.all_gather_single(full, shard, group=group, async_op=async_op)
+    return Pending(work=work, nbytes=full.numel() * full.element_size(), keep_version=keep)
+
+
+def reduce_scatter_flat(
+    shard_out: torch.Tensor,
+    flat: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    async_op: bool = False,
+) -> Pending:
+    """Sum ``flat`` ``(N * S,)`` over ranks; rank r receives elements ``[r*S, (r+1)*S)``."""
+    if flat.numel() == 0:
+        return Pending(done=True)
+    work = dist.reduce_scatter_single(shard_out, flat, group=group, async_op=async_op)
+    return Pending(work=work, nbytes=flat.numel() * flat.element_size())
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Overwrite ``tensors`` on every rank with the group's first rank's values."""
+    src = global_rank(group, 0)
+    for tensor in tensors:
+        if tensor.numel() > 0:
+            dist.broadcast(tensor, src=src, group=group)

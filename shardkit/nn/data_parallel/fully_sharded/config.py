@@ -1,0 +1,62 @@
+"""User-facing options of FullyShardedDataParallel, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FSDPConfig"]
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """The options of one FSDP unit (FairScale's argument names and defaults).
+
+    Attributes:
+        reshard_after_forward: free the full parameters after the unit's forward and
+            all-gather them again before its backward (ZeRO-3). False keeps them from
+            forward to backward: one all-gather less per step, more memory. Default True.
+        disable_reshard_on_root: keep the root unit's full parameters after forward
+            (it is the first unit needed in backward). Default True.
+        flatten_parameters: must be True: each unit communicates one flat buffer; the
+            original parameters are exposed regardless. Default True.
+        bucket_cap_mb: most megabytes (2**20 bytes) of gradient reduce-scatters in
+            flight before the oldest is waited for. Default 25.
+        compute_device: device of the full parameters during forward and backward;
+            default None: the device of the module's parameters.
+        state_dict_device: device of the tensors of ``state_dict()``; default None:
+            the compute device.
+        state_dict_on_rank_0_only: ``state_dict()`` returns the full state on the
+            group's first rank and ``{}`` elsewhere. Default False.
+        gradient_predivide_factor: gradients are divided by this factor before the
+            reduce-scatter and by ``world_size / factor`` after (averaged, as DDP).
+            Default None: 1 (all of the division after the sum).
+    """
+
+    reshard_after_forward: bool = True
+    disable_reshard_on_root: bool = True
+    flatten_parameters: bool = True
+    bucket_cap_mb: float = 25.0
+    compute_device: torch.device | None = None
+    state_dict_device: torch.device | None = None
+    state_dict_on_rank_0_only: bool = False
+    gradient_predivide_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.flatten_parameters:
+            raise ValueError(
+                "flatten_parameters=False is not supported: each unit communicates one "
+                "flat buffer, and the original parameters (names and shapes) are exposed "
+                "anyway; drop the argument"
+            )
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0 megabytes; got {self.bucket_cap_mb}")
+        factor = self.gradient_predivide_factor
+        if factor is not None and factor <= 0:
+            raise ValueError(f"gradient_predivide_factor must be > 0; got {factor}")
+
+    def divide_factors(self, world_size: int) -> tuple[float, float]:
+        """(pre, post) divisors of the gradient sum; their product is ``world_size``."""
+        pre = 1.0 if self.gradient_predivide_factor is None else self.gradient_predivide_factor
+        return pre, world_size / pre

@@ -1,0 +1,260 @@
+"""The flat parameter of one unit: layout, padding, shard, and the views users see.
+
+[Note: flat layout, original parameters]
+A unit's parameters are flattened in module order into one buffer of ``total``
+elements, padded with zeros to ``padded = ceil(total / N) * N`` (at most N - 1 padding
+elements per unit), and rank r keeps the contiguous slice ``[r * S, (r + 1) * S)`` with
+``S = padded / N`` (the *local shard*). Communication is one all-gather and one
+reduce-scatter of that buffer per unit, and the full parameters are plain views into
+the gathered buffer: no copy in, no copy out.
+
+What the optimizer and ``named_parameters()`` see are the *sharded parameters*: for
+every original parameter, one ``nn.Parameter`` under its original name, which is a 1-D
+view of the part of the local shard that belongs to it (possibly empty on some ranks).
+The optimizer steps these views, so it updates the local shard in place, and
+per-parameter settings (no weight decay on biases and norms, chosen by name) work as
+on the unwrapped model. During forward and backward the module's attributes are
+swapped for the *unsharded parameters*: full-shape ``nn.Parameter`` views of the
+gathered buffer, created once and reused, whose gradients autograd accumulates.
+
+The price: a shape-dependent optimizer sees a 1-D piece of each parameter, different
+on each rank. Element-wise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop) are exact;
+optimizers that take a norm per tensor (LAMB, LARS), factor the second moment
+(Adafactor) or precondition by matrix (Shampoo) would compute on the piece, not on the
+tensor. FairScale's flat parameters hide the names too; torch's FSDP2 shards each
+parameter on dim 0 (per-parameter padding, a copy after each all-gather) and has the
+same limitation on dim 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["FlatLayout", "FlatParamHandle", "ParamInfo", "ParamLocation"]
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each parameter sits in a unit's flat buffer, and which rank owns what.
+
+    Args:
+        numels: elements of each parameter, in flat order.
+        world_size: N, the number of ranks sharing the unit.
+    """
+
+    numels: tuple[int, ...]
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1; got {self.world_size}")
+        if any(n < 0 for n in self.numels):
+            raise ValueError(f"numels must be >= 0; got {self.numels}")
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Start of each parameter in the flat buffer (elements)."""
+        starts, acc = [], 0
+        for n in self.numels:
+            starts.append(acc)
+            acc += n
+        return tuple(starts)
+
+    @property
+    def total(self) -> int:
+        """Elements of all parameters, without padding."""
+        return sum(self.numels)
+
+    @property
+    def shard_numel(self) -> int:
+        """S: elements each rank keeps, padding included."""
+        return math.ceil(self.total / self.world_size)
+
+    @property
+    def padded(self) -> int:
+        """N * S: elements of the full flat buffer, padding included."""
+        return self.shard_numel * self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """``[start, end)`` of rank ``rank``'s shard in flat coordinates."""
+        s = self.shard_numel
+        return rank * s, (rank + 1) * s
+
+    def piece(self, index: int, rank: int) -> tuple[int, int]:
+        """``[start, end)`` of parameter ``index``'s piece inside rank ``rank``'s shard.
+
+        Local coordinates (0 is the first element of the shard); empty when the rank
+        owns none of the parameter (then ``start == end``).
+        """
+        lo, hi = self.shard_range(rank)
+        start = self.offsets[index]
+        a, b = max(start, lo), min(start + self.numels[index], hi)
+        if b <= a:
+            return 0, 0
+        return a - lo, b - lo
+
+
+@dataclass
+class ParamLocation:
+    """One place a parameter is registered: ``module._parameters[attr]``.
+
+    Attributes:
+        module: the owning module.
+        attr: attribute name on ``module``.
+        name: dotted name relative to the unit's wrapped module (``"blocks.0.ln_1.weight"``).
+    """
+
+    module: nn.Module
+    attr: str
+    name: str
+
+
+@dataclass
+class ParamInfo:
+    """One unique original parameter of a unit (tied parameters have several locations)."""
+
+    shape: torch.Size
+    requires_grad: bool
+    locations: list[ParamLocation] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the parameter."""
+        return math.prod(self.shape)
+
+    @property
+    def name(self) -> str:
+        """The first location's dotted name."""
+        return self.locations[0].name
+
+
+def _free(tensor: torch.Tensor) -> None:
+    tensor.untyped_storage().resize_(0)
+
+
+def _alloc(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    wanted = tensor.numel() * tensor.element_size()
+    if storage.nbytes() != wanted:
+        storage.resize_(wanted)
+
+
+class FlatParamHandle:
+    """The tensors of one unit: local shard, full flat buffer, sharded and unsharded views.
+
+    Built from the unit's original parameters (identical on every rank; the caller
+    broadcasts first). Afterwards the module's attributes hold the sharded parameters.
+
+    Args:
+        infos: the unit's unique parameters, in flat order.
+        flat: the full, unpadded concatenation of the original parameters, ``(total,)``.
+        rank: this rank's index in the unit's process group.
+        world_size: N.
+    """
+
+    def __init__(
+        self, infos: list[ParamInfo], flat: torch.Tensor, rank: int, world_size: int
+    ) -> None:
+        self.infos = infos
+        self.rank = rank
+        self.layout = FlatLayout(tuple(i.numel for i in infos), world_size)
+        lo, hi = self.layout.shard_range(rank)
+        padded = torch.zeros(self.layout.padded, dtype=flat.dtype, device=flat.device)
+        padded[: flat.numel()].copy_(flat)
+        self.local_shard = padded[lo:hi].clone()
+        del padded
+        self.full_flat = self._new_full_flat()
+        self.sharded_params = [self._sharded_view(i) for i in range(len(infos))]
+        self.unsharded_params = [self._unsharded_view(i) for i in range(len(infos))]
+        self.free_full()
+        self.use_sharded()
+
+    # construction --------------------------------------------------------------
+    def _new_full_flat(self) -> torch.Tensor:
+        if self.layout.world_size == 1:
+            return self.local_shard  # the shard is the full buffer: nothing to gather
+        # Allocated for now: the unsharded views are made from it, then it is freed.
+        return torch.empty(
+            self.layout.padded, dtype=self.local_shard.dtype, device=self.local_shard.device
+        )
+
+    def _sharded_view(self, index: int) -> nn.Parameter:
+        a, b = self.layout.piece(index, self.rank)
+        info = self.infos[index]
+        return nn.Parameter(self.local_shard[a:b], requires_grad=info.requires_grad)
+
+    def _unsharded_view(self, index: int) -> nn.Parameter:
+        start, info = self.layout.offsets[index], self.infos[index]
+        view = self.full_flat[start : start + info.numel].view(info.shape)
+        return nn.Parameter(view, requires_grad=info.requires_grad)
+
+    # the module's attributes ---------------------------------------------------
+    def _install(self, params: list[nn.Parameter]) -> None:
+        for info, param in zip(self.infos, params):
+            for loc in info.locations:
+                loc.module._parameters[loc.attr] = param
+
+    def use_sharded(self) -> None:
+        """Point every location at its sharded (1-D piece) parameter."""
+        self._install(self.sharded_params)
+
+    def use_unsharded(self) -> None:
+        """Point every location at its unsharded (full-shape) parameter."""
+        self._install(self.unsharded_params)
+
+    # the full flat buffer ------------------------------------------------------
+    @property
+    def owns_full_flat(self) -> bool:
+        """False when the full buffer is the local shard (N == 1)."""
+        return self.full_flat is not self.local_shard
+
+    def alloc_full(self) -> None:
+        """Give the full flat buffer its memory (contents undefined until gathered)."""
+        if self.owns_full_flat:
+            _alloc(self.full_flat)
+
+    def free_full(self) -> None:
+        """Release the full flat buffer's memory; the unsharded views stay as metadata."""
+        if self.owns_full_flat:
+            _free(self.full_flat)
+
+    def full_shard_slice(self) -> torch.Tensor:
+        """This rank's slice of the full flat buffer, ``(S,)``."""
+        lo, hi = self.layout.shard_range(self.rank)
+        return self.full_flat[lo:hi]
+
+    # gradients -----------------------------------------------------------------
+    @property
+    def trainable(self) -> list[int]:
+        """Indices of parameters that require a gradient."""
+        return [i for i, info in enumerate(self.infos) if info.requires_grad]
+
+    def take_flat_grad(self) -> torch.Tensor:
+        """The padded flat gradient ``(N * S,)`` of the unsharded parameters.
+
+        Missing gradients (frozen, unused or empty parameters) and padding are zeros.
+        The unsharded parameters' ``.grad`` are cleared.
+        """
+        out = self.local_shard.new_zeros(self.layout.padded)
+        for index, (start, param) in enumerate(zip(self.layout.offsets, self.unsharded_params)):
+            if param.grad is not None:
+                out[start : start + self.infos[index].numel].copy_(param.grad.reshape(-1))
+                param.grad = None
+        return out
+
+    def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
+        """Add a reduced gradient shard ``(S,)`` into the sharded parameters' ``.grad``.
+
+        A ``.grad`` that is None becomes a view of ``grad_shard`` (no copy).
+        """
+        for index in self.trainable:
+            a, b = self.layout.piece(index, self.rank)
+            param, piece = self.sharded_params[index], grad_shard[a:b]
+            if param.grad is None:
+                param.grad = piece
+            else:
+                param.grad.add_(piece)

@@ -1,0 +1,127 @@
+"""Full (unsharded, unwrapped keys) and local (this rank's shards) state dicts.
+
+[Note: keys without wrapper prefixes]
+Each unit holds its module as ``_fsdp_wrapped_module``. ``state_dict()`` on the root
+all-gathers every unit (``summon_full_params``) and calls the wrapped module's
+``state_dict``; ``nn.Module.state_dict`` recurses through each child's ``state_dict``,
+so a nested unit in gathering mode passes its prefix straight to its own wrapped
+module and no ``_fsdp_wrapped_module.`` appears in a key. Loading goes the other way:
+a load pre-hook on each unit inserts ``_fsdp_wrapped_module.`` after the unit's prefix,
+and a post-hook strips it from the missing/unexpected key lists, so errors show the
+unwrapped names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from shardkit.nn.data_parallel.fully_sharded.api import FullyShardedDataParallel
+
+__all__ = [
+    "full_state_dict",
+    "insert_wrapper_prefix",
+    "load_local_state_dict",
+    "local_state_dict",
+    "strip_wrapper_prefix",
+]
+
+WRAPPED = "_fsdp_wrapped_module."
+
+
+def full_state_dict(
+    unit: FullyShardedDataParallel, destination: Any, prefix: str, keep_vars: bool
+) -> dict[str, Any]:
+    """The state dict of ``unit``'s module with full tensors (see the module note)."""
+    if unit._gathering_state_dict:  # nested: the root gathered already
+        return unit.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+    units = unit.units()
+    with unit.summon_full_params(recurse=True, writeback=True):
+        for other in units:
+            other._gathering_state_dict = True
+        try:
+            raw = unit.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+        finally:
+            for other in units:
+                other._gathering_state_dict = False
+        copies = _copy_tensors(raw, unit._config.state_dict_device)
+    out: dict[str, Any] = {} if destination is None else destination
+    if unit._config.state_dict_on_rank_0_only and unit._rank != 0:
+        return out
+    out.update(copies)
+    return out
+
+
+def _copy_tensors(raw: Mapping[str, Any], device: torch.device | None) -> dict[str, Any]:
+    """Detached copies (tied tensors stay tied) that outlive the full flat buffers."""
+    memo: dict[int, torch.Tensor] = {}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, torch.Tensor):
+            if id(value) not in memo:
+                memo[id(value)] = value.detach().to(device=device, copy=True)
+            value = memo[id(value)]
+        out[key] = value
+    return out
+
+
+def insert_wrapper_prefix(state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Load pre-hook: ``<prefix>x`` -> ``<prefix>_fsdp_wrapped_module.x``, in place."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if not key.startswith(prefix + WRAPPED):
+            state_dict[prefix + WRAPPED + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def strip_wrapper_prefix(module: nn.Module, incompatible: Any) -> None:
+    """Load post-hook: remove wrapper names from the missing / unexpected key lists."""
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        keys[:] = [k.replace(WRAPPED, "") for k in keys]
+
+
+def unit_names(root: FullyShardedDataParallel) -> dict[str, FullyShardedDataParallel]:
+    from shardkit.nn.data_parallel.fully_sharded.api import FullyShardedDataParallel as FSDP
+
+    found = {}
+    for name, module in root.named_modules():
+        if isinstance(module, FSDP):
+            clean = name.replace(WRAPPED, "")
+            found[f"{clean}.flat_param" if clean else "flat_param"] = module
+    return found
+
+
+def local_state_dict(root: FullyShardedDataParallel) -> dict[str, torch.Tensor]:
+    """Copies of this rank's local shards (``"<unit name>.flat_param"``) and buffers."""
+    out = {key: unit._handle.local_shard.detach().clone() for key, unit in unit_names(root).items()}
+    out.update({name: buf.detach().clone() for name, buf in root.named_buffers()})
+    return out
+
+
+@torch.no_grad()
+def load_local_state_dict(
+    root: FullyShardedDataParallel, state: Mapping[str, torch.Tensor]
+) -> None:
+    """Copy shards and buffers from :func:`local_state_dict`'s output into ``root``.
+
+    Raises:
+        KeyError: keys differ (both lists named).
+        ValueError: a shard's length differs (another world size or wrapping).
+    """
+    targets: dict[str, torch.Tensor] = {
+        key: unit._handle.local_shard for key, unit in unit_names(root).items()
+    }
+    targets.update(dict(root.named_buffers()))
+    missing, unexpected = sorted(set(targets) - set(state)), sorted(set(state) - set(targets))
+    if missing or unexpected:
+        raise KeyError(f"local state dict keys differ: missing {missing}, unexpected {unexpected}")
+    for key, target in targets.items():
+        if target.shape != state[key].shape:
+            raise ValueError(
+                f"{key}: shape {tuple(state[key].shape)} != this rank's {tuple(target.shape)}; "
+                "a local state dict loads only at the same world size and wrapping (use "
+                "shardkit.checkpoint.fsdp for another world size)"
+            )
+        target.copy_(state[key])
