@@ -26,12 +26,21 @@ from tests.nn.offload.common import (
 STEPS = 3
 
 
+_GRID = [(1, False, 1), (1, True, 3), (3, False, 1), (3, True, 1), (3, True, 3), (3, False, 3)]
+_GRID += [(4, False, 1), (4, True, 3)]
+_DISK_GRID = [("disk", *c) for c in _GRID]  # the slowest tier (files, fsync): 8 configs
+_MEMORY_GRID = [
+    (tier, n, c, m)
+    for tier in ("resident", "memory")
+    for n in (1, 3, 4)
+    for c, m in [(False, 1), (True, 1), (True, 3), (False, 3)]
+]
+
+
 @pytest.mark.parametrize("optim", sorted(OPTIMIZERS))
 @pytest.mark.parametrize(
-    ("checkpoint", "microbatches"), [(False, 1), (True, 1), (True, 3), (False, 3)]
+    ("tier", "num_slices", "checkpoint", "microbatches"), _MEMORY_GRID + _DISK_GRID
 )
-@pytest.mark.parametrize("num_slices", [1, 3, 4])
-@pytest.mark.parametrize("tier", ["resident", "memory", "disk"])
 def test_parity_with_plain_model(
     tier: str, num_slices: int, checkpoint: bool, microbatches: int, optim: str, tmp_path: Path
 ) -> None:

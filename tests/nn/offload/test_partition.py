@@ -21,7 +21,7 @@ def _brute_force_best(sizes: list[int], k: int) -> int:
     return best
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=9), st.data())
 def test_balance_is_valid_and_optimal(sizes: list[int], data: st.DataObject) -> None:
     k = data.draw(st.integers(1, len(sizes)))

@@ -1,0 +1,271 @@
+"""OffloadModel: peak RSS and step time of the plain GPT vs the CPU and disk tiers.
+
+Run::
+
+    python -m benchmarks.bench_offload                 # GPT 8 x 512 (25.5M params), batch 8 x 128
+    python -m benchmarks.bench_offload --quick         # a small model, 2 steps: a smoke run
+    python -m benchmarks.bench_offload --largest --limit-gb 1.5 --n-layer 16 --n-embd 768
+
+Every configuration runs in its own child process (``python -m benchmarks.bench_offload
+--child <json>``), so the child's peak resident set (``getrusage().ru_maxrss``) is that
+configuration's alone; ``--rounds`` repeats the whole list in turn, so the load from
+other processes on a shared machine falls on all configurations alike. A step is
+``zero_grad`` + forward + backward + ``step`` with AdamW; one untimed warm-up step,
+then ``--steps`` timed ones. Reported: median step time and its ratio to the plain
+model, peak RSS and its growth over the RSS after ``import torch`` and one optimizer
+step on a single element (the interpreter, torch with its lazy imports, shardkit: the
+same for every configuration), and the model-state bytes
+(16 bytes per parameter for fp32 AdamW).
+
+Configurations: ``plain`` (the GPT, no wrapper), ``cpu`` (OffloadModel with
+``device == offload_device == cpu``: nothing moves; the cost of the slicing machinery),
+``cpu-copy`` (``MemoryTier(cpu, cpu)``: every load/offload really copies, the CUDA code
+path), ``disk`` (the disk tier, model built on ``meta`` and initialised slice by slice).
+Offloaded configurations use activation checkpointing.
+
+``--largest`` runs one disk-tier step of the given GPT in a child whose address space is
+capped with ``RLIMIT_AS`` (``ulimit -v``) at ``--limit-gb``, below the model state, and
+the plain model under the same cap (expected to fail with an out-of-memory error).
+
+Markdown goes to stdout, raw numbers to ``benchmarks/results/bench_offload-<time>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardkit.nn.offload import MemoryTier, OffloadModel, gpt_init_fn, gpt_stages
+from shardkit.testing.models import GPT, GPTConfig
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.01}
+MB = 2**20
+
+
+def _status_bytes(key: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of this process from ``/proc/self/status``, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _maxrss_bytes() -> int:
+    """Peak resident set of this process image, in bytes.
+
+    ``VmHWM`` rather than ``getrusage().ru_maxrss``: Linux carries ``ru_maxrss`` across
+    ``execve`` from the forking parent, so a child of a large process (pytest) would
+    report the parent's peak. ``VmHWM`` belongs to the current address space.
+    """
+    return _status_bytes("VmHWM")
+
+
+def _warm_up() -> None:
+    """One optimizer step on one element: torch's lazy imports land before the baseline."""
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p])
+    p.sum().backward()
+    opt.step()
+
+
+def _build(cfg: dict[str, Any], directory: str) -> tuple[Any, Any, int]:
+    """``(loss_fn, optimizer, num_params)`` of one configuration."""
+    config = GPTConfig(
+        vocab_size=256,
+        block_size=cfg["seq"],
+        n_layer=cfg["n_layer"],
+        n_head=cfg["n_head"],
+        n_embd=cfg["n_embd"],
+    )
+    tier, slices = cfg["tier"], cfg.get("slices", 1)
+    if tier == "plain":
+        model = GPT(config)
+        opt: Any = torch.optim.AdamW(model.parameters(), **ADAMW)
+        return (lambda x, y: model(x, targets=y)[1]), opt, model.num_parameters()
+    kwargs: dict[str, Any] = {"num_slices": slices, "checkpoint_activation": True}
+    if tier == "disk":
+        with torch.device("meta"):
+            gpt = GPT(config)
+        om = OffloadModel(
+            gpt_stages(gpt), "cpu", offload_dir=directory, param_init_fn=gpt_init_fn, **kwargs
+        )
+        opt = om.sliced_optimizer(torch.optim.AdamW, **ADAMW)
+    else:
+        gpt = GPT(config)
+        target = (
+            MemoryTier(torch.device("cpu"), torch.device("cpu")) if tier == "cpu-copy" else "cpu"
+        )
+        om = OffloadModel(gpt_stages(gpt), "cpu", offload_device=target, **kwargs)
+        opt = torch.optim.AdamW(om.parameters(), **ADAMW)
+
+    def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(om(x).flatten(0, 1), y.flatten())
+
+    return loss_fn, opt, sum(s.numel() for _, s in om.named_slices())
+
+
+def child(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Build one configuration, run its steps; peak RSS and step times (this process)."""
+    torch.set_num_threads(cfg.get("threads", 1))
+    _warm_up()
+    torch.manual_seed(0)
+    rss_import = _maxrss_bytes()
+    with tempfile.TemporaryDirectory(dir=cfg.get("tmp")) as directory:
+        loss_fn, opt, num_params = _build(cfg, directory)
+        rss_built = _maxrss_bytes()
+        x = torch.randint(0, 256, (cfg["batch"], cfg["seq"]))
+        times = []
+        for _ in range(cfg["steps"] + 1):
+            start = time.perf_counter()
+            opt.zero_grad()
+            loss_fn(x, x).backward()
+            opt.step()
+            times.append(time.perf_counter() - start)
+    return {
+        **cfg,
+        "params": num_params,
+        "rss_import": rss_import,
+        "rss_built": rss_built,
+        "rss_peak": _maxrss_bytes(),
+        "times": times[1:],
+    }
+
+
+def _run_child(cfg: dict[str, Any], limit_bytes: int | None = None) -> dict[str, Any]:
+    def cap() -> None:
+        if limit_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_offload", "--child", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        preexec_fn=cap,
+        check=False,
+    )
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return {**cfg, "error": tail}
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _configs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    base = {
+        "n_layer": args.n_layer,
+        "n_embd": args.n_embd,
+        "n_head": args.n_head,
+        "seq": args.seq,
+        "batch": args.batch,
+        "steps": args.steps,
+        "tmp": args.tmp,
+    }
+    configs = [{**base, "tier": "plain"}]
+    for slices in args.slices:
+        configs += [{**base, "tier": t, "slices": slices} for t in ("cpu", "disk")]
+    configs.append({**base, "tier": "cpu-copy", "slices": max(args.slices)})
+    return configs
+
+
+def _name(cfg: dict[str, Any]) -> str:
+    return cfg["tier"] if cfg["tier"] == "plain" else f"{cfg['tier']} n={cfg['slices']}"
+
+
+def _table(runs: list[dict[str, Any]]) -> str:
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by_name.setdefault(_name(r), []).append(r)
+    plain = by_name["plain"]
+    base_time = statistics.median(t for r in plain for t in r["times"])
+    base_growth = statistics.median(r["rss_peak"] - r["rss_import"] for r in plain)
+    state = 16 * plain[0]["params"]
+    lines = [
+        f"GPT {plain[0]['n_layer']} x {plain[0]['n_embd']}, {plain[0]['params'] / 1e6:.1f}M "
+        f"params, model state (fp32 AdamW) {state / MB:.0f} MB, batch {plain[0]['batch']} x "
+        f"{plain[0]['seq']}, 1 thread",
+        "",
+        "| config | step s (median) | x plain | peak RSS MB | growth over import MB | "
+        "x plain growth | state/n MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, rs in by_name.items():
+        step = statistics.median(t for r in rs for t in r["times"])
+        peak = statistics.median(r["rss_peak"] for r in rs)
+        growth = statistics.median(r["rss_peak"] - r["rss_import"] for r in rs)
+        per_slice = state / rs[0].get("slices", 1) / MB if name != "plain" else state / MB
+        lines.append(
+            f"| {name} | {step:.2f} | {step / base_time:.2f} | {peak / MB:.0f} | "
+            f"{growth / MB:.0f} | {growth / base_growth:.2f} | {per_slice:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def _largest(args: argparse.Namespace) -> dict[str, Any]:
+    limit = int(args.limit_gb * 2**30)
+    cfg = {
+        "n_layer": args.n_layer,
+        "n_embd": args.n_embd,
+        "n_head": args.n_head,
+        "seq": args.seq,
+        "batch": args.batch,
+        "steps": 1,
+        "tmp": args.tmp,
+    }
+    disk = _run_child({**cfg, "tier": "disk", "slices": args.slices[-1]}, limit)
+    plain = _run_child({**cfg, "tier": "plain"}, limit)
+    return {"limit_bytes": limit, "disk": disk, "plain": plain}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="small model, 2 steps, 1 round")
+    parser.add_argument("--largest", action="store_true", help="one disk-tier step under a cap")
+    parser.add_argument("--limit-gb", type=float, default=1.5, help="address-space cap (GiB)")
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--n-embd", type=int, default=512)
+    parser.add_argument("--n-head", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--slices", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--tmp", default=None, help="where the disk tier writes (default: TMPDIR)")
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    if args.quick:
+        args.n_layer, args.n_embd, args.n_head, args.seq, args.batch = 6, 128, 4, 64, 4
+        args.steps, args.rounds = 2, 1
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if args.largest:
+        out: dict[str, Any] = _largest(args)
+        print(json.dumps(out, indent=1))
+    else:
+        runs = [_run_child(cfg) for _ in range(args.rounds) for cfg in _configs(args)]
+        failed = [r for r in runs if "error" in r]
+        if failed:
+            raise SystemExit(f"{len(failed)} configurations failed: {failed[0]}")
+        print(_table(runs))
+        out = {"runs": runs}
+    path = RESULTS / f"bench_offload-{'largest-' if args.largest else ''}{stamp}.json"
+    path.write_text(json.dumps(out, indent=1))
+    print(f"\nraw numbers: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The disk tier: reopen and resume, crash safety, initialisation from the meta device."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardkit.nn.offload.disk as disk
+from shardkit.nn.offload import OffloadModel
+from shardkit.testing import assert_state_dicts_close
+from tests.nn.offload.common import optimizer_for, plain_state, tiny, train, wrap
+
+
+def _reopen(directory: Path, seed: int = 99) -> tuple[OffloadModel, dict[str, str]]:
+    """Reopen ``directory`` around a model with *other* initial values (overwritten)."""
+    return wrap(tiny(seed), offload_device=directory, num_slices=3, resume=True)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_reopen_and_resume_identically(optim: str, tmp_path: Path) -> None:
+    plain = tiny()
+    expected = train(plain, optimizer_for(plain, optim), 4)
+    om, _ = wrap(tiny(), offload_device=tmp_path, num_slices=3)
+    first = train(om, optimizer_for(om, optim), 2)
+    del om
+    reopened, rename = _reopen(tmp_path)
+    rest = train(reopened, optimizer_for(reopened, optim), 2)
+    assert first + rest == expected  # the same losses, bit for bit
+    assert_state_dicts_close(plain_state(reopened, rename), dict(plain.named_parameters()), atol=0)
+
+
+def test_crash_mid_step_leaves_committed_generation(tmp_path: Path, monkeypatch: Any) -> None:
+    plain = tiny()
+    expected = train(plain, optimizer_for(plain, "adamw"), 3)
+    om, _ = wrap(tiny(), offload_device=tmp_path, num_slices=3)
+    opt = optimizer_for(om, "adamw")
+    train(om, opt, 2)
+    committed = (tmp_path / "slice1.params.g2").read_bytes()
+    real_write = disk._write_tensor
+    calls = []
+
+    def write_half_then_fail(handle: Any, flat: torch.Tensor) -> None:
+        calls.append(flat.numel())
+        if len(calls) == 2:  # slice0 written, slice1 fails half-way through its file
+            handle.write(bytes(flat.numel() // 2))
+            raise OSError("disk full (simulated)")
+        real_write(handle, flat)
+
+    monkeypatch.setattr(disk, "_write_tensor", write_half_then_fail)
+    with pytest.raises(OSError, match="simulated"):
+        train(om, opt, 1)
+    monkeypatch.setattr(disk, "_write_tensor", real_write)
+    del om, opt
+    assert (tmp_path / "slice1.params.g2").read_bytes() == committed
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    reopened, rename = _reopen(tmp_path)
+    assert not [f for f in os.listdir(tmp_path) if ".g3" in f]  # half a step, deleted
+    losses = train(reopened, optimizer_for(reopened, "adamw"), 1)
+    assert losses == expected[2:]  # the step that crashed, redone
+    assert_state_dicts_close(plain_state(reopened, rename), dict(plain.named_parameters()), atol=0)
+
+
+def test_meta_model_initialised_slice_by_slice(tmp_path: Path) -> None:
+    plain = tiny(seed=5)
+    with torch.device("meta"):
+        meta = tiny(seed=5)  # consumes no random numbers: reset_parameters replays them
+    om = OffloadModel(meta, "cpu", offload_dir=tmp_path, num_slices=3)
+    values = [v for k, v in om.state_dict().items() if "weight" in k or "bias" in k]
+    for got, want in zip(values, plain.parameters(), strict=True):
+        assert torch.equal(got, want.detach())
+    train(om, optimizer_for(om, "sgd"), 1)
+
+
+def test_gradients_live_in_files_and_zero_grad_deletes_them(tmp_path: Path) -> None:
+    om, _ = wrap(tiny(), offload_device=tmp_path, num_slices=3)
+    opt = optimizer_for(om, "sgd")
+    torch.nn.functional.mse_loss(om(torch.ones(2, 8)), torch.zeros(2, 4)).backward()
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".grad")) == [
+        "slice0.grad",
+        "slice1.grad",
+        "slice2.grad",
+    ]
+    assert all(p.numel() == 0 and p.grad is None for p in om.parameters())  # nothing resident
+    opt.zero_grad()
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".grad")]
