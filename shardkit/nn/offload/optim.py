@@ -24,8 +24,12 @@ if TYPE_CHECKING:
 __all__ = ["SlicedOptimizer"]
 
 
-class SlicedOptimizer:
+class SlicedOptimizer(torch.optim.Optimizer):
     """Steps an ``OffloadModel`` on the disk tier one slice at a time; state in files.
+
+    A ``torch.optim.Optimizer`` with one parameter group (all parameters) holding the
+    hyperparameters, so LR schedulers work; its ``state`` stays empty: the optimizer
+    state lives in the slices' files.
 
     Made by :meth:`OffloadModel.sliced_optimizer`. Used like a torch optimizer::
 
@@ -41,8 +45,9 @@ class SlicedOptimizer:
     Args:
         tier: the model's disk tier.
         optimizer_class: a per-parameter ``torch.optim.Optimizer`` class.
-        defaults: its hyperparameters; ``param_groups[0]`` holds them and may be edited
-            between steps (learning-rate schedules).
+        defaults: its hyperparameters (keyword arguments of ``optimizer_class``);
+            ``param_groups[0]`` holds them and may be edited between steps, by hand or by
+            an LR scheduler.
 
     Raises:
         ValueError: if the directory was written with another optimizer class.
@@ -57,12 +62,20 @@ class SlicedOptimizer:
                 f"offload_dir holds optimizer state of {tier.optimizer_class}, not {name}; "
                 "resume with the same optimizer class"
             )
+        params = [p for s in tier.slices for p in s.parameters]
+        super().__init__(params, dict(defaults))
         self.tier = tier
         self.optimizer_class = optimizer_class
         self.class_name = name
-        self.param_groups: list[dict[str, Any]] = [dict(defaults)]
+        self._hyper_keys = set(defaults)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    _shardkit_sliced = True  # lets OffloadModel's guard on torch optimizers through
+
+    def _hyperparameters(self) -> dict[str, Any]:
+        group = self.param_groups[0]
+        return {k: group[k] for k in self._hyper_keys}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         """Forget all gradients (deletes the gradient files).
 
         Raises:
@@ -73,8 +86,15 @@ class SlicedOptimizer:
             raise ValueError("the disk tier supports only zero_grad(set_to_none=True)")
         self.tier.zero_grads()
 
-    def step(self) -> None:
-        """One optimizer step over every slice, then an atomic commit of the new generation."""
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        """One optimizer step over every slice, then an atomic commit of the new generation.
+
+        Raises:
+            ValueError: if ``closure`` is given (a closure would re-run forward per slice).
+        """
+        if closure is not None:
+            raise ValueError("SlicedOptimizer.step does not take a closure")
         generation = self.tier.generation + 1
         for s in self.tier.slices:
             self._step_slice(s, generation)
@@ -87,12 +107,13 @@ class SlicedOptimizer:
             self.tier.load(s)
         try:
             self.tier.open_grads(s)
-            optimizer = self.optimizer_class(s.parameters, **self.param_groups[0])
+            hyper = self._hyperparameters()
+            optimizer = self.optimizer_class(s.parameters, **hyper)
             optimizer._shardkit_sliced = True  # type: ignore[attr-defined]
             state = self.tier.load_optim_state(s)
             if state is not None:
                 optimizer.load_state_dict(state)
-                optimizer.param_groups[0].update(self.param_groups[0])
+                optimizer.param_groups[0].update(hyper)
             optimizer.step()
             self.tier.step_slice(s, generation, optimizer.state_dict())
         finally:

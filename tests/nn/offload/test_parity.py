@@ -91,14 +91,17 @@ def test_gradient_accumulation_and_eval(tier: str, tmp_path: Path) -> None:
         assert torch.allclose(om(X), plain(X), atol=1e-6)
 
 
-def test_learning_rate_change_reaches_sliced_optimizer(tmp_path: Path) -> None:
+def test_learning_rate_changes_reach_sliced_optimizer(tmp_path: Path) -> None:
     plain = tiny()
     om, rename = wrap(tiny(), offload_device=tmp_path / "d", num_slices=2)
     for model in (plain, om):
-        opt = optimizer_for(model, "sgd")
+        opt = optimizer_for(model, "adamw")
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         train(model, opt, 1)
-        opt.param_groups[0]["lr"] = 0.5
+        scheduler.step()
+        opt.param_groups[0]["weight_decay"] = 0.5  # by hand
         train(model, opt, 1)
+        assert opt.param_groups[0]["lr"] == 0.005
     assert_state_dicts_close(plain_state(om, rename), dict(plain.named_parameters()), atol=0.0)
 
 
