@@ -1,0 +1,217 @@
+"""Sharded FSDP checkpoints: one file per rank, loadable at any world size.
+
+Each rank writes only its own shards (no gather), atomically::
+
+    <directory>/fsdp-shard-<rank>-of-<world_size>.pt  holds
+    {"format": "shardkit.fsdp_sharded/1", "rank": r, "world_size": N,
+     "units": {unit key: {"total": T, "shard_numel": S, "names": [...],
+                          "shapes": [...], "flat": (S,) tensor}},
+     "buffers": {name: tensor},
+     "optim": None | {"param_groups": [...], "scalars": {param name: {...}},
+                      "flat": {unit key: {state key: (S,) tensor}}}}
+
+A unit's flat parameter is the concatenation of its parameters padded to N * S
+elements; rank r's file holds elements ``[r * S, (r + 1) * S)``. Loading at another
+world size M reads, for each unit, the elements of the new rank's range from the old
+files it overlaps (memory-mapped, so only those bytes are read) and pads the rest.
+Optimizer state is stored the same way (flat shards per state key, see
+``shardkit.nn.data_parallel.fully_sharded.optim_state``), so it re-shards too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardkit.checkpoint.atomic import atomic_save
+
+if TYPE_CHECKING:
+    from shardkit.nn.data_parallel.fully_sharded.api import FullyShardedDataParallel
+
+__all__ = [
+    "FSDP_SHARD_FORMAT",
+    "fsdp_shard_path",
+    "load_fsdp_sharded",
+    "read_flat_range",
+    "save_fsdp_sharded",
+]
+
+FSDP_SHARD_FORMAT = "shardkit.fsdp_sharded/1"
+PathLike = str | os.PathLike[str]
+_NAME = re.compile(r"fsdp-shard-(\d+)-of-(\d+)\.pt")
+
+
+def fsdp_shard_path(directory: PathLike, rank: int, world_size: int) -> Path:
+    """The file of rank ``rank`` in a checkpoint saved at ``world_size`` ranks."""
+    return Path(directory) / f"fsdp-shard-{rank}-of-{world_size}.pt"
+
+
+def read_flat_range(
+    shards: Sequence[torch.Tensor], shard_numel: int, start: int, end: int
+) -> torch.Tensor:
+    """Elements ``[start, end)`` of the concatenation of ``shards`` (each ``(S,)``).
+
+    Only the shards overlapping the range are touched.
+
+    Raises:
+        ValueError: the range is outside ``[0, len(shards) * S]``.
+    """
+    if not 0 <= start <= end <= len(shards) * shard_numel:
+        raise ValueError(
+            f"range [{start}, {end}) outside the {len(shards)} x {shard_numel} saved elements"
+        )
+    pieces = []
+    for k in range(start // shard_numel if shard_numel else 0, len(shards)):
+        lo, hi = k * shard_numel, (k + 1) * shard_numel
+        if lo >= end:
+            break
+        pieces.append(shards[k][max(start, lo) - lo : min(end, hi) - lo])
+    if not pieces:
+        return torch.empty(0)
+    return torch.cat(pieces)
+
+
+def _unit_record(unit: FullyShardedDataParallel) -> dict[str, Any]:
+    handle = unit._handle
+    return {
+        "total": handle.layout.total,
+        "shard_numel": handle.layout.shard_numel,
+        "names": [info.name for info in handle.infos],
+        "shapes": [list(info.shape) for info in handle.infos],
+        "flat": handle.local_shard.detach().clone(),
+    }
+
+
+def save_fsdp_sharded(
+    model: FullyShardedDataParallel,
+    directory: PathLike,
+    optim: torch.optim.Optimizer | None = None,
+) -> Path:
+    """Write this rank's shards (and ``optim``'s) to ``directory``; no communication.
+
+    Every rank calls it with the same ``directory`` (created if missing).
+
+    Returns:
+        The path written.
+    """
+    from shardkit.nn.data_parallel.fully_sharded.optim_state import flat_optim_state
+    from shardkit.nn.data_parallel.fully_sharded.state_dict import unit_names
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    units = {key: _unit_record(unit) for key, unit in unit_names(model).items()}
+    record: dict[str, Any] = {
+        "format": FSDP_SHARD_FORMAT,
+        "rank": model._rank,
+        "world_size": model._world_size,
+        "units": units,
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "optim": None,
+    }
+    if optim is not None:
+        flat, scalars = flat_optim_state(model, optim)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
+        record["optim"] = {"param_groups": groups, "scalars": scalars, "flat": flat}
+    path = fsdp_shard_path(directory, model._rank, model._world_size)
+    atomic_save(record, path)
+    return path
+
+
+def _open_all(directory: PathLike) -> list[dict[str, Any]]:
+    found = {}
+    for entry in Path(directory).iterdir():
+        match = _NAME.fullmatch(entry.name)
+        if match:
+            found[(int(match.group(1)), int(match.group(2)))] = entry
+    sizes = {n for _, n in found}
+    if len(sizes) != 1:
+        raise FileNotFoundError(
+            f"{directory}: expected the files of one sharded FSDP checkpoint, found world "
+            f"sizes {sorted(sizes)}; save each checkpoint to its own directory"
+        )
+    (n,) = sizes
+    missing = [r for r in range(n) if (r, n) not in found]
+    if missing:
+        raise FileNotFoundError(f"{directory}: shard files of ranks {missing} (of {n}) missing")
+    return [torch.load(found[(r, n)], mmap=True, weights_only=True) for r in range(n)]
+
+
+def _dig(record: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for part in path:
+        record = record[part]
+    return record
+
+
+def _resharded(
+    records: list[dict[str, Any]], unit: FullyShardedDataParallel, key: str, path: tuple[str, ...]
+) -> torch.Tensor:
+    """This rank's shard of the flat tensor at ``path`` in every record, zero-padded."""
+    lo, hi = unit._handle.layout.shard_range(unit._rank)
+    total = records[0]["units"][key]["total"]
+    shards = [_dig(rec, path) for rec in records]
+    end = min(hi, total)
+    part = read_flat_range(shards, records[0]["units"][key]["shard_numel"], min(lo, end), end)
+    out = shards[0].new_zeros(hi - lo)
+    out[: part.numel()].copy_(part)
+    return out
+
+
+@torch.no_grad()
+def load_fsdp_sharded(
+    model: FullyShardedDataParallel,
+    directory: PathLike,
+    optim: torch.optim.Optimizer | None = None,
+) -> None:
+    """Load a checkpoint written by :func:`save_fsdp_sharded`, at any world size.
+
+    The model must be wrapped the same way (same units, same parameters); the world
+    size may differ. ``optim`` (built after wrapping) gets the saved state.
+
+    Raises:
+        FileNotFoundError: shard files missing.
+        ValueError: the units or their parameters differ from the saved ones, or
+            ``optim`` is given and the checkpoint has no optimizer state.
+    """
+    from shardkit.nn.data_parallel.fully_sharded.optim_state import load_flat_optim_state
+    from shardkit.nn.data_parallel.fully_sharded.state_dict import unit_names
+
+    records = _open_all(directory)
+    units = unit_names(model)
+    _check_units(records[0]["units"], units)
+    for key, unit in units.items():
+        unit._handle.local_shard.copy_(_resharded(records, unit, key, ("units", key, "flat")))
+    for name, buf in model.named_buffers():
+        buf.copy_(records[0]["buffers"][name])
+    if optim is None:
+        return
+    saved = records[0]["optim"]
+    if saved is None:
+        raise ValueError(f"{directory}: the checkpoint has no optimizer state")
+    flat = {
+        key: {
+            sk: _resharded(records, unit, key, ("optim", "flat", key, sk))
+            for sk in saved["flat"][key]
+        }
+        for key, unit in units.items()
+    }
+    load_flat_optim_state(model, optim, flat, saved["scalars"], saved["param_groups"])
+
+
+def _check_units(saved: dict[str, Any], units: dict[str, Any]) -> None:
+    if set(saved) != set(units):
+        raise ValueError(
+            f"the checkpoint's units {sorted(saved)} differ from the model's {sorted(units)}; "
+            "wrap the model as it was wrapped when saved"
+        )
+    for key, unit in units.items():
+        names = [info.name for info in unit._handle.infos]
+        shapes = [list(info.shape) for info in unit._handle.infos]
+        if saved[key]["names"] != names or saved[key]["shapes"] != shapes:
+            raise ValueError(
+                f"unit {key!r}: saved parameters {list(zip(saved[key]['names'], saved[key]['shapes']))} "
+                f"differ from the model's {list(zip(names, shapes))}"
+            )
