@@ -14,6 +14,7 @@ Nothing here knows about optimizers or modules; it moves lists of tensors.
 from shardkit.distributed.buckets import (
     DEFAULT_BUCKET_BYTES,
     BufferPool,
+    copy_scaled,
     pack,
     plan_buckets,
     unpack,
@@ -30,6 +31,7 @@ __all__ = [
     "BroadcastBucket",
     "BufferPool",
     "broadcast_from_owners",
+    "copy_scaled",
     "global_rank",
     "pack",
     "plan_buckets",

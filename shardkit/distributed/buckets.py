@@ -23,7 +23,14 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "BufferPool", "pack", "plan_buckets", "unpack"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "BufferPool",
+    "copy_scaled",
+    "pack",
+    "plan_buckets",
+    "unpack",
+]
 
 DEFAULT_BUCKET_BYTES = 2**24
 """Default bucket size: 16 MiB (4 Mi fp32 elements)."""
@@ -87,14 +94,22 @@ def pack(
     offset = 0
     for tensor in tensors:
         n = tensor.numel()
-        out = buffer[offset : offset + n].view_as(tensor)
-        if divide_by is None:
-            out.copy_(tensor)
-        elif tensor.dtype == out.dtype:
-            torch.div(tensor, divide_by, out=out)
-        else:
-            out.copy_(tensor / divide_by)
+        copy_scaled(tensor, buffer[offset : offset + n].view_as(tensor), divide_by)
         offset += n
+
+
+def copy_scaled(tensor: torch.Tensor, out: torch.Tensor, divide_by: float | None = None) -> None:
+    """``out.copy_(tensor)``, or ``out.copy_(tensor / divide_by)`` (cast to ``out.dtype``).
+
+    Same shape required; the division happens in ``tensor``'s dtype when ``out`` has
+    another dtype (a gradient averaged in fp32, then cast to a half-precision bucket).
+    """
+    if divide_by is None:
+        out.copy_(tensor)
+    elif tensor.dtype == out.dtype:
+        torch.div(tensor, divide_by, out=out)
+    else:
+        out.copy_(tensor / divide_by)
 
 
 def unpack(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
@@ -147,7 +162,7 @@ class BufferPool:
         free = self._free.setdefault(base.dtype, [])
         free.append(base)
         if len(free) > self.max_free:
-            free.remove(min(free, key=lambda b: b.numel()))
+            free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
 
     def clear(self) -> None:
         """Release every pooled buffer."""

@@ -4,5 +4,6 @@ Each wrapper is imported here as it lands; ``__all__`` lists the public names.
 """
 
 from shardkit.nn.checkpoint import checkpoint_wrapper
+from shardkit.nn.data_parallel import ShardedDataParallel, ShardedDDP
 
-__all__ = ["checkpoint_wrapper"]
+__all__ = ["ShardedDDP", "ShardedDataParallel", "checkpoint_wrapper"]

@@ -1,3 +1,5 @@
 """Data-parallel wrappers: ShardedDataParallel (ZeRO-2) and FullyShardedDataParallel (ZeRO-3)."""
 
-__all__: list[str] = []
+from shardkit.nn.data_parallel.sharded_ddp import ShardedDataParallel, ShardedDDP
+
+__all__ = ["ShardedDDP", "ShardedDataParallel"]
