@@ -6,7 +6,7 @@ Run (gloo, one thread per rank)::
     python -m benchmarks.bench_pipe --n-layer 4 --steps 2 --rounds 1   # quick
 
 The model is the main job's GPT as ``nn.Sequential(embed, *blocks, head)``
-(``examples/strategies.py``), split in two equal halves of blocks. One training step
+(``shardkit.nn.offload.gpt_stages``), split in two equal halves of blocks. One training step
 (forward, loss, backward; no optimizer) on the same mini-batch runs
 
 - in one process (rank 0 alone, the plain module, no micro-batches), and
@@ -30,15 +30,16 @@ import argparse
 import json
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
+from shardkit.nn.offload import gpt_stages
 from shardkit.nn.pipe import (
     PipelineStage,
     Schedule1F1B,
@@ -48,11 +49,6 @@ from shardkit.nn.pipe import (
 )
 from shardkit.testing import RankPool, run_distributed
 from shardkit.testing.models import GPT, GPTConfig
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-from strategies import gpt_sequential, lm_loss  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -69,7 +65,12 @@ def _model(args: dict[str, Any]) -> tuple[nn.Sequential, list[int]]:
         n_embd=args["n_embd"],
     )
     half = args["n_layer"] // 2
-    return gpt_sequential(GPT(config)), [1 + half, args["n_layer"] - half + 1]
+    return gpt_stages(GPT(config)), [1 + half, args["n_layer"] - half + 1]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over ``(B, T, V)`` logits and ``(B, T)`` targets."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _batch(args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,34 +79,38 @@ def _batch(args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 256, shape, generator=g), torch.randint(0, 256, shape, generator=g)
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+def _reduce(wall_s: float, cpu_s: float, wait_s: float) -> tuple[float, float, float]:
+    """(slowest rank's wall seconds, CPU seconds of all ranks, mean waiting share)."""
+    t = torch.tensor([wall_s], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    wall = float(t.item())
+    sums = torch.tensor([cpu_s, wait_s / wall], dtype=torch.float64)
+    dist.all_reduce(sums)
+    return wall, float(sums[0]), float(sums[1]) / STAGES
 
 
-def _one_process_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Rank 0 runs the plain model while rank 1 waits; returns seconds."""
+def _one_process_step(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[float, float, float]:
+    """Rank 0 runs the plain model while rank 1 waits (it uses no CPU in a barrier)."""
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if dist.get_rank() == 0:
         model.zero_grad(set_to_none=True)
         lm_loss(model(x), y).backward()
-    seconds = time.perf_counter() - start if dist.get_rank() == 0 else 0.0
-    return _slowest(seconds)
+    busy = dist.get_rank() == 0
+    wall_s = time.perf_counter() - start if busy else 0.0
+    return _reduce(wall_s, time.process_time() - cpu if busy else 0.0, 0.0)
 
 
-def _pipe_step(runner: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """One pipeline step; (slowest rank's seconds, mean over stages of the waiting share)."""
+def _pipe_step(runner: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+    """One pipeline step: (wall s, CPU s of all ranks, mean over stages of the waiting share)."""
     stage: PipelineStage = runner.stage
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     stage.module.zero_grad(set_to_none=True)
     runner.step(x if stage.is_first else None, target=y if stage.is_last else None)
-    seconds = _slowest(time.perf_counter() - start)
-    share = torch.tensor([stage.wait_s / seconds], dtype=torch.float64)
-    dist.all_reduce(share)
-    return seconds, float(share.item()) / STAGES
+    return _reduce(time.perf_counter() - start, time.process_time() - cpu, stage.wait_s)
 
 
 def _bench(args: dict[str, Any]) -> dict[str, Any]:
@@ -119,20 +124,23 @@ def _bench(args: dict[str, Any]) -> dict[str, Any]:
         for name, cls in SCHEDULES.items()
     }
     x, y = _batch(args)
-    times: dict[str, list[float]] = {"one process": [], **{k: [] for k in runners}}
-    waits: dict[str, list[float]] = {k: [] for k in runners}
+    keys = ["one process", *runners]
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    cpus: dict[str, list[float]] = {k: [] for k in keys}
+    waits: dict[str, list[float]] = {k: [] for k in keys}
     for rnd in range(args["rounds"]):
         for n in range(args["steps"] + (1 if rnd == 0 else 0)):
-            warm = rnd == 0 and n == 0
-            seconds = _one_process_step(full, x, y)
-            if not warm:
-                times["one process"].append(seconds)
-            for key, runner in runners.items():
-                seconds, share = _pipe_step(runner, x, y)
-                if not warm:
-                    times[key].append(seconds)
+            for key in keys:
+                if key == "one process":
+                    wall, cpu, share = _one_process_step(full, x, y)
+                else:
+                    wall, cpu, share = _pipe_step(runners[key], x, y)
+                if not (rnd == 0 and n == 0):  # the first round's first step warms up
+                    times[key].append(wall)
+                    cpus[key].append(cpu)
                     waits[key].append(share)
-    return {"times": times, "waits": waits, "params": sum(p.numel() for p in full.parameters())}
+    params = sum(p.numel() for p in full.parameters())
+    return {"times": times, "cpu": cpus, "waits": waits, "params": params}
 
 
 def _peak_rss(args: dict[str, Any], schedule: str | None) -> dict[str, float]:
@@ -168,18 +176,34 @@ def _tables(
         f"{args['batch_size']} x {args['seq_len']} tokens, {STAGES} stages on {STAGES} ranks (gloo, 1 thread "
         f"each) vs 1 process (1 thread); forward + backward; medians of {len(bench['times']['one process'])} steps",
         "",
-        "| config | step s (median) | throughput vs 1 process | theory | bubble measured | bubble theory |",
-        "|---|---|---|---|---|---|",
-        f"| one process | {base:.3f} | 1.00 | 1.00 | - | - |",
+        "| config | step s | throughput vs 1 process | theory | bubble measured | bubble theory "
+        "| cores busy | CPU s vs 1 process |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for key in bench["waits"]:
-        m = int(key.split("m=")[1])
+    base_cpu = statistics.median(bench["cpu"]["one process"])
+    for key in bench["times"]:
         med = statistics.median(bench["times"][key])
-        bubble = statistics.median(bench["waits"][key])
-        theory = STAGES * m / (m + STAGES - 1)
+        cpu = statistics.median(bench["cpu"][key])
+        cores = statistics.median(c / t for c, t in zip(bench["cpu"][key], bench["times"][key]))
+        if key == "one process":
+            theory, bubble, bubble_theory = "1.00", "-", "-"
+        else:
+            m = int(key.split("m=")[1])
+            theory = f"{STAGES * m / (m + STAGES - 1):.2f}"
+            bubble = f"{statistics.median(bench['waits'][key]):.2f}"
+            bubble_theory = f"{bubble_fraction(STAGES, m):.2f}"
         lines.append(
-            f"| {key} | {med:.3f} | {base / med:.2f} | {theory:.2f} | {bubble:.2f} | {bubble_fraction(STAGES, m):.2f} |"
+            f"| {key} | {med:.3f} | {base / med:.2f} | {theory} | {bubble} | {bubble_theory} "
+            f"| {cores:.2f} | {cpu / base_cpu:.2f} |"
         )
+    lines += [
+        "",
+        "step s: median wall seconds of a step (slowest rank). cores busy: CPU seconds of all "
+        "ranks / wall seconds (2.00 at most for the pipeline, 1.00 for one process; below "
+        "that, other processes on the machine took the cores). CPU s vs 1 process: the "
+        "pipeline's total CPU work relative to the plain step (micro-batch and send/recv "
+        "overhead).",
+    ]
     lines += [
         "",
         f"Peak RSS (MiB, fresh processes, m = {args['rss_chunks']}; before the steps in brackets)",
@@ -215,7 +239,10 @@ def main(argv: list[str] | None = None) -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (RESULTS / f"bench_pipe-{stamp}.md").write_text(table + "\n")
     out = RESULTS / f"bench_pipe-{stamp}.json"
-    out.write_text(json.dumps({"args": args, "bench": bench, "rss": rss}, indent=1))
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
+    out.write_text(
+        json.dumps({"args": args, "bench": bench, "rss": rss, "loadavg_end": load}, indent=1)
+    )
     print(f"\nwrote {out}")
 
 
