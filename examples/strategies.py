@@ -52,6 +52,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.memory import ModelStateBytes, model_state_bytes
+from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.nn.pipe import (
     PipelineStage,
     Schedule1F1B,
@@ -140,6 +141,13 @@ def _oss(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy
     device_ids = [device] if device.type == "cuda" else None
     module = DistributedDataParallel(model, device_ids=device_ids)
     optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, **adamw_kwargs(args))
+    return _OSSStrategy(module=module, optimizer=optimizer, model=model)
+
+
+def _sdp(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
+    """ShardedDataParallel + OSS(AdamW): gradients and optimizer state sharded (ZeRO-2)."""
+    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, **adamw_kwargs(args))
+    module = ShardedDataParallel(model, optimizer)
     return _OSSStrategy(module=module, optimizer=optimizer, model=model)
 
 
@@ -249,5 +257,6 @@ def _pipe(model: GPT, args: argparse.Namespace, device: torch.device) -> Strateg
 STRATEGIES: dict[str, StrategyFactory] = {
     "ddp": _ddp,
     "oss": _oss,
+    "sdp": _sdp,
     "pipe": _pipe,
 }
