@@ -53,6 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.memory import ModelStateBytes, model_state_bytes
 from shardkit.nn.data_parallel import ShardedDataParallel
+from shardkit.nn.offload import DiskTier, OffloadModel, gpt_stages
 from shardkit.nn.pipe import (
     PipelineStage,
     Schedule1F1B,
@@ -254,9 +255,93 @@ def _pipe(model: GPT, args: argparse.Namespace, device: torch.device) -> Strateg
     return _PipeStrategy(module, optimizer, model)
 
 
+class OffloadGPT(nn.Module):
+    """The GPT as an :class:`OffloadModel` behind the loop's ``module(x, targets=y)``."""
+
+    def __init__(self, offload: OffloadModel) -> None:
+        super().__init__()
+        self.offload = offload
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.offload(x)
+        return logits, lm_loss(logits, targets)
+
+
+class _OffloadStrategy(Strategy):
+    """Offload: checkpoints and ``model.pt`` hold plain GPT keys. On the disk tier the
+    optimizer state lives in ``--offload-dir/rank<r>``: a checkpoint records the
+    directory's generation, and resuming reopens the directory at that generation."""
+
+    module: OffloadGPT
+
+    def __init__(self, module: OffloadGPT, optimizer: torch.optim.Optimizer, gpt: GPT) -> None:
+        super().__init__(module=module, optimizer=optimizer, model=gpt)
+        names = {id(p): n for n, p in gpt.named_parameters()}
+        self.to_gpt = {n: names[id(p)] for n, p in module.offload.named_parameters()}
+        self.disk = module.offload.tier if isinstance(module.offload.tier, DiskTier) else None
+
+    def _gpt_state(self) -> dict[str, Any]:
+        if self.disk is None:
+            return self.model.state_dict()
+        state = {self.to_gpt[k]: v for k, v in self.module.offload.state_dict().items()}
+        state["lm_head.weight"] = state["wte.weight"]  # tied
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.disk is None:
+            return super().state_dict()
+        return {
+            "model": self._gpt_state(),
+            "optimizer": self.optimizer.state_dict(),  # hyperparameters (LR) only
+            "offload_generation": self.disk.generation,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.disk is None:
+            super().load_state_dict(state)
+        elif state["offload_generation"] != self.disk.generation:
+            raise ValueError(
+                f"the checkpoint is at offload generation {state['offload_generation']} but "
+                f"{self.disk.directory} holds generation {self.disk.generation}; resume from "
+                "the checkpoint written with the directory's last step"
+            )
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def consolidated_model_state(self) -> dict[str, Any] | None:
+        return self._gpt_state()
+
+
+def _offload(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
+    """OffloadModel over the GPT's stages (embedding, blocks, head; the tied embedding /
+    LM head weight stays resident), 4 slices, activation checkpointing, gradients
+    averaged across ranks. CPU memory by default; ``--offload-dir`` for the disk tier
+    (one sub-directory per rank, stepped by ``sliced_optimizer``)."""
+    offload_dir = getattr(args, "offload_dir", None)
+    kwargs: dict[str, Any] = {"num_slices": min(4, len(model.blocks) + 2)}
+    if offload_dir is not None:
+        kwargs["offload_dir"] = f"{offload_dir}/rank{dist.get_rank()}"
+        kwargs["resume"] = bool(args.resume)
+    offload = OffloadModel(
+        gpt_stages(model),
+        device,
+        checkpoint_activation=True,
+        process_group=dist.group.WORLD,
+        **kwargs,
+    )
+    if offload_dir is None:
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            offload.parameters(), **adamw_kwargs(args)
+        )
+    else:
+        optimizer = offload.sliced_optimizer(torch.optim.AdamW, **adamw_kwargs(args))
+    return _OffloadStrategy(OffloadGPT(offload), optimizer, model)
+
+
 STRATEGIES: dict[str, StrategyFactory] = {
     "ddp": _ddp,
     "oss": _oss,
     "sdp": _sdp,
     "pipe": _pipe,
+    "offload": _offload,
 }
