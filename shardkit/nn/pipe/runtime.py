@@ -44,6 +44,7 @@ class _PipelineSchedule:
             raise ValueError("the last stage needs loss_fn (at construction) and target (in step)")
         batches = scatter(inputs, self.chunks) if inputs is not None and stage.is_first else []
         targets = scatter(target, self.chunks) if target is not None and stage.is_last else []
+        targets = [t.with_tensors([x.to(stage.device) for x in t.tensors]) for t in targets]
         rows = sum(len(t) for t in targets)
         losses: list[torch.Tensor] = []
         stage.begin_step()

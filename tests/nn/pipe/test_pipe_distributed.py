@@ -196,7 +196,7 @@ def test_training_steps_and_consolidated_state(rank_pool: Any) -> None:
     assert set(states[0]) == {f"{i}.{w}" for i in (0, 2, 3) for w in ("weight", "bias")}
 
 
-def run_two_d(steps: int) -> dict[str, torch.Tensor] | None:
+def run_two_d(steps: int, schedule: str) -> dict[str, torch.Tensor] | None:
     """2 stages x 2 replicas: ranks (replica r, stage s) = 2r + s; DDP over {s, s + 2}."""
     rank = dist.get_rank()
     replica, s = divmod(rank, 2)
@@ -206,7 +206,7 @@ def run_two_d(steps: int) -> dict[str, torch.Tensor] | None:
     reference = copy.deepcopy(full)
     part = DistributedDataParallel(stage_module(full, balance, s), process_group=dp_groups[s])
     stage = PipelineStage(part, process_group=pp_groups[replica])
-    runner = Schedule1F1B(stage, 3, loss_fn=F.mse_loss)
+    runner = SCHEDULES[schedule](stage, 3, loss_fn=F.mse_loss)
     opt = torch.optim.SGD(part.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(steps):
@@ -220,7 +220,9 @@ def run_two_d(steps: int) -> dict[str, torch.Tensor] | None:
         ref_opt.step()
     ref_params = dict(reference.named_parameters())
     for name, param in part.module.named_parameters():
-        assert_tensors_close(param, ref_params[name], atol=1e-5, name=f"rank {rank} {name}")
+        assert_tensors_close(
+            param, ref_params[name], atol=1e-5, name=f"{schedule} rank {rank} {name}"
+        )
     return consolidated_state_dict(part, process_group=pp_groups[replica])
 
 
@@ -233,9 +235,10 @@ def test_four_stages_and_pipeline_times_data_parallel(rank_pool: Any) -> None:
     peaks = pool.run(run_parity, configs)
     assert [peaks[r][3] for r in range(4)] == [4, 3, 2, 1]  # 1F1B, 5 micro-batches: p - s
     assert [peaks[r][1] for r in range(4)] == [5, 5, 5, 5]  # GPipe: all of them
-    states = pool.run(run_two_d, 2)
-    assert states[1] is None and states[3] is None
     reference, _ = make_model("mlp", 2)
-    for r in (0, 2):  # stage 0 of each replica holds the whole model; replicas agree
-        assert states[r] is not None and set(states[r]) == set(reference.state_dict())
-    assert_state_dicts_close(states[0], states[2], atol=0.0)
+    for schedule in ("gpipe", "1f1b"):
+        states = pool.run(run_two_d, 2, schedule)
+        assert states[1] is None and states[3] is None
+        for r in (0, 2):  # stage 0 of each replica holds the whole model; replicas agree
+            assert states[r] is not None and set(states[r]) == set(reference.state_dict())
+        assert_state_dicts_close(states[0], states[2], atol=0.0)
