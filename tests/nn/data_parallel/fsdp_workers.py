@@ -162,3 +162,195 @@ def frozen_state_check() -> dict[str, Any]:
     opt.step()
     frozen = dict(model.named_parameters())["blocks.0.ln_1.weight"]
     return {"grad": frozen.grad is None, "state": frozen not in opt.state}
+
+
+def _train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, local: bool) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in steps:
+        x, y = global_batch(step, world)
+        if local:
+            x, y = local_part(x, rank), local_part(y, rank)
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _named_optim(model: nn.Module) -> torch.optim.Optimizer:
+    return make_optim(list(model.named_parameters()), groups=True)
+
+
+def state_roundtrips() -> dict[str, Any]:
+    """Full / local state dicts and optimizer state: gather, shard, continue."""
+    out: dict[str, Any] = {}
+    ref = tiny_gpt()
+    model = wrap_model(copy.deepcopy(ref), "block")
+    opt, ref_opt = _named_optim(model), _named_optim(ref)
+    _train_steps(model, opt, range(2), local=True)
+    _train_steps(ref, ref_opt, range(2), local=False)
+    full = model.state_dict()
+    plain = tiny_gpt(seed=5)
+    plain.load_state_dict(full)
+    out["plain"], out["ref"] = plain.state_dict(), ref.state_dict()
+    full_optim = model.gather_full_optim_state_dict(opt)
+    out["full_optim"], out["ref_optim"] = full_optim, ref_opt.state_dict()
+    shared = [full_optim]
+    dist.broadcast_object_list(shared, src=0)
+    # a fresh wrapped model resumes from the full states and continues identically
+    resumed = wrap_model(tiny_gpt(seed=7), "block")
+    resumed.load_state_dict(full)
+    resumed_opt = _named_optim(resumed)
+    resumed_opt.load_state_dict(resumed.get_shard_from_optim_state_dict(shared[0], resumed_opt))
+    local = model.local_state_dict()
+    _train_steps(model, opt, range(2, 4), local=True)
+    _train_steps(resumed, resumed_opt, range(2, 4), local=True)
+    out["continued"], out["resumed"] = model.state_dict(), resumed.state_dict()
+    model.load_local_state_dict(local)
+    out["local_back"], out["before"] = model.state_dict(), full
+    rank0 = FSDP(tiny_gpt(), state_dict_on_rank_0_only=True)
+    out["rank0_only_keys"] = len(rank0.state_dict())
+    return out
+
+
+def save_sharded(directory: str) -> dict[str, Any]:
+    from shardkit.checkpoint.fsdp import save_fsdp_sharded
+
+    model = wrap_model(tiny_gpt(), "size")
+    opt = _named_optim(model)
+    _train_steps(model, opt, range(2), local=True)
+    save_fsdp_sharded(model, directory, opt)
+    return {"state": model.state_dict(), "optim": model.gather_full_optim_state_dict(opt)}
+
+
+def load_sharded(directory: str) -> dict[str, Any]:
+    from shardkit.checkpoint.fsdp import load_fsdp_sharded
+
+    model = wrap_model(tiny_gpt(seed=3), "size")
+    opt = _named_optim(model)
+    load_fsdp_sharded(model, directory, opt)
+    return {"state": model.state_dict(), "optim": model.gather_full_optim_state_dict(opt)}
+
+
+def memory_and_unsharded_count() -> dict[str, Any]:
+    """Model-state bytes per rank, and how many units are unsharded during forward."""
+    from shardkit.memory import model_state_bytes
+
+    model = wrap_model(tiny_gpt(), "block")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seen: list[int] = []
+
+    def count(*_: Any) -> None:
+        seen.append(sum(u._sharded_state.name != "SHARDED" for u in model.units()))
+
+    for block in model.blocks:
+        block.module.register_forward_pre_hook(count)
+    _train_steps(model, opt, range(1), local=True)
+    x, y = global_batch(1, 1)
+    model(x, y)[1].backward()
+    opt.step()  # measured with gradients held, as at the end of a step
+    shard_elems = sum(u._handle.layout.shard_numel for u in model.units())
+    return {
+        "bytes": model_state_bytes(model, opt).as_dict(),
+        "shard_elems": shard_elems,
+        "numel": tiny_gpt().num_parameters(),
+        "units": len(model.units()),
+        "max_unsharded": max(seen),
+        "n_params": len(list(model.parameters())),
+    }
+
+
+def _raises(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def bad_inputs() -> dict[str, str]:
+    out = {}
+    wrapped = FSDP(nn.Linear(2, 2))
+    out["double"] = _raises(lambda: FSDP(wrapped))
+    inner = nn.Linear(2, 2)
+    FSDP(inner)
+    out["twice"] = _raises(lambda: FSDP(inner))
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    out["devices"] = _raises(lambda: FSDP(mixed))
+    early = nn.Linear(2, 2)
+    opt = torch.optim.SGD(early.parameters(), lr=0.1)
+    late = FSDP(early)
+    late(torch.ones(1, 2)).sum().backward()
+    out["optimizer"] = _raises(opt.step)
+    gpt = tiny_gpt()
+    gpt.lm_head = FSDP(gpt.lm_head)
+    out["tie"] = _raises(lambda: FSDP(gpt))
+    return out
+
+
+class _Twice(nn.Module):
+    """A unit used twice in one forward, a zero-size parameter, a parameter-free unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+        self.empty = nn.Parameter(torch.zeros(0, 3))
+        self.act = nn.ReLU()
+        self.register_buffer("scale", torch.full((5,), float(dist.get_rank() + 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(self.lin(x * self.scale))).sum(-1) + self.empty.sum()
+
+
+def edge_cases() -> dict[str, Any]:
+    """Twice-used unit, zero-size parameter, parameter-free unit, buffers, eval."""
+    torch.manual_seed(0)
+    ref = _Twice()
+    ref.scale.fill_(1.0)  # rank 0's buffer: FSDP broadcasts it
+    model = copy.deepcopy(ref)
+    model.scale.fill_(float(dist.get_rank() + 1))
+    model.lin = FSDP(model.lin)
+    model.act = FSDP(model.act)
+    model = FSDP(model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(2 * world, 5, generator=torch.Generator().manual_seed(0))
+    model(x[2 * rank : 2 * rank + 2]).mean().backward()
+    ref(x).mean().backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt.step()
+    ref_opt.step()
+    model.eval()
+    with torch.no_grad():
+        eval_out = model(x)
+    states = [u._sharded_state.name for u in model.units()]
+    return {
+        "state": model.state_dict(),
+        "ref_state": ref.state_dict(),
+        "eval": eval_out,
+        "ref_eval": ref.eval()(x).detach(),
+        "states_after_eval": states,
+    }
+
+
+def shard_gather_identity(shape_lists: list[list[list[int]]]) -> list[dict[str, Any]]:
+    """For each list of shapes: shard, then gather (summon) gives back the values."""
+    results = []
+    for shapes in shape_lists:
+        module = nn.Module()
+        for i, shape in enumerate(shapes):
+            module.register_parameter(f"p{i}", nn.Parameter(torch.randn(shape)))
+        original = {k: v.detach().clone() for k, v in module.named_parameters()}
+        wrapped = FSDP(module)
+        pieces = [p.numel() for p in wrapped.parameters()]
+        counts = torch.tensor(pieces + [0], dtype=torch.int64)  # + [0] keeps it non-empty
+        dist.all_reduce(counts)
+        with wrapped.summon_full_params():
+            gathered = {k: v.detach().clone() for k, v in wrapped.named_parameters()}
+        results.append(
+            {
+                "original": original,
+                "gathered": gathered,
+                "owned": counts[:-1].tolist(),
+                "shard_numel": wrapped._handle.layout.shard_numel,
+            }
+        )
+    return results

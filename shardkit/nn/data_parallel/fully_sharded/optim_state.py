@@ -67,7 +67,7 @@ def flat_optim_state(
                         per_key[state_key] = value.new_zeros(handle.layout.shard_numel)
                     per_key[state_key][a:b].copy_(value)
                 else:
-                    scalars.setdefault(names[id(param)], {})[state_key] = value
+                    scalars.setdefault(names[id(param)], {})[state_key] = _copy(value)
         flat[key] = per_key
     return flat, scalars
 
@@ -92,7 +92,7 @@ def load_flat_optim_state(
             if id(param) not in index:
                 continue
             a, b = handle.layout.piece(i, handle.rank)
-            entry = dict(scalars.get(names[id(param)], {}))
+            entry = {k: _copy(v) for k, v in scalars.get(names[id(param)], {}).items()}
             if not entry:
                 continue  # no state saved for this parameter
             entry.update({k: t[a:b].clone() for k, t in flat.get(key, {}).items()})
@@ -163,15 +163,20 @@ def shard_full(
         start = lo + a - handle.layout.offsets[i] if b > a else 0
         state[k] = {
             key: _cut(value, info.shape, start, b - a, key)
-            if _is_full(value, info.shape)
-            else value
+            if _is_tensor_state(value)
+            else _copy(value)
             for key, value in entry.items()
         }
     return {"state": state, "param_groups": list(full["param_groups"])}
 
 
-def _is_full(value: Any, shape: torch.Size) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shape
+def _copy(value: Any) -> Any:
+    """A copy of a tensor (a 0-dim ``step`` must not be shared between optimizers)."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _is_tensor_state(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 def _cut(value: torch.Tensor, shape: torch.Size, start: int, length: int, key: str) -> torch.Tensor:
