@@ -95,6 +95,15 @@ def _seed_everything(seed: int) -> None:
         pass
 
 
+def _set_collective_timeout(seconds: float) -> None:
+    """Give the default group's collectives their own timeout after start-up."""
+    from torch.distributed import distributed_c10d
+
+    setter = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:  # private in torch 2.13; without it the start-up timeout stays
+        setter(timedelta(seconds=seconds))
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -116,8 +125,10 @@ def _worker_main(
             init_method=init_method,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout_s),
+            # Start-up on a loaded machine may take longer than a short task timeout.
+            timeout=timedelta(seconds=max(_START_TIMEOUT_S, pg_timeout_s)),
         )
+        _set_collective_timeout(pg_timeout_s)
     except BaseException:
         reports.put((rank, -1, "error", traceback.format_exc()))
         return
