@@ -87,6 +87,7 @@ CONFIGS: list[dict[str, Any]] = [
     {"name": "adam-bucket64", "optim": torch.optim.Adam, "kw": {"lr": 0.01}, "bucket": 64},
     {"name": "adam-nobucket", "optim": torch.optim.Adam, "kw": {"lr": 0.01}, "bucket": 0},
     {"name": "adamw-ddp", "optim": torch.optim.AdamW, "kw": {"lr": 0.01}, "ddp": True},
+    {"name": "adam-add-group", "optim": torch.optim.Adam, "kw": {"lr": 0.01}, "add_group_at": 2},
     {
         "name": "sgd-unfreeze",
         "optim": torch.optim.SGD,
@@ -105,8 +106,11 @@ def _run_parity(cfg: dict[str, Any], steps: int = 4) -> dict[str, Any]:
         model.mid.weight.requires_grad_(False)
     ref = copy.deepcopy(model)
     wrapped: nn.Module = DDP(model) if cfg.get("ddp") else model
-    groups, ref_groups = param_groups(model, cfg.get("groups", False)), None
+    groups = param_groups(model, cfg.get("groups", False))
     ref_groups = param_groups(ref, cfg.get("groups", False))
+    if cfg.get("add_group_at") is not None:  # model.scale joins in a group of its own later
+        for gs, m in ((groups, model), (ref_groups, ref)):
+            gs[0]["params"] = [p for p in gs[0]["params"] if p is not m.scale]
     opt = OSS(groups, optim=cfg["optim"], broadcast_buffer_size=cfg.get("bucket", -1), **cfg["kw"])
     ref_opt = cfg["optim"](ref_groups, **cfg["kw"])
     scheds = []
@@ -118,6 +122,9 @@ def _run_parity(cfg: dict[str, Any], steps: int = 4) -> dict[str, Any]:
         if step == cfg.get("unfreeze_at"):
             model.mid.weight.requires_grad_(True)
             ref.mid.weight.requires_grad_(True)
+        if step == cfg.get("add_group_at"):
+            opt.add_param_group({"params": [model.scale], "lr": 0.02})
+            ref_opt.add_param_group({"params": [ref.scale], "lr": 0.02})
         x, y = batch(step, rank)
         loss_fn(wrapped, x, y).backward()
         if not cfg.get("ddp") and world > 1:
