@@ -66,11 +66,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add = p.add_argument
     add("--strategy", default="ddp", help=f"one of {sorted(STRATEGIES)} (default ddp)")
     add("--model-size", default="tiny", choices=sorted(MODEL_SIZES), help="default tiny")
-    add("--steps", type=_positive, default=300, help="optimizer steps (default 300)")
+    add("--steps", type=_positive, default=500, help="optimizer steps (default 500)")
     add("--batch-size", type=_positive, default=8, help="sequences per rank (default 8)")
     add("--seq-len", type=_positive, default=128, help="tokens per sequence (default 128)")
-    add("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    add("--warmup-steps", type=_non_negative, default=None, help="default 5%% of --steps")
+    add("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    add("--warmup-steps", type=_non_negative, default=None, help="default 10%% of --steps")
     add("--seed", type=int, default=0, help="default 0")
     add("--out-dir", default="runs/gpt", help="checkpoints, metrics.json (default runs/gpt)")
     add("--eval-every", type=_non_negative, default=50, help="0: at the end only (default 50)")
@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"unknown --strategy {args.strategy!r}; choose one of {sorted(STRATEGIES)}"
         )
     if args.warmup_steps is None:
-        args.warmup_steps = max(1, args.steps // 20)
+        args.warmup_steps = max(1, args.steps // 10)
     return args
 
 
@@ -222,16 +222,17 @@ def format_bytes(per_rank: list[dict[str, int]]) -> str:
     return "state MiB p/g/o " + " ".join(mb)
 
 
-def report(run: Run, tokens_per_s: float) -> None:
+def report(run: Run, tokens_per_s: float | None) -> None:
     """Evaluate, record, and print the periodic line (collective)."""
     val = evaluate(run)
     run.history.val_loss.append([run.step, val])
     state = gather_state_bytes(run)
     train = f"{run.history.train_loss[-1][1]:.4f}" if run.history.train_loss else "  -   "
+    speed = "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
     say(
         run,
         f"step {run.step:5d}/{run.args.steps} | train {train} | val {val:.4f} | "
-        f"{tokens_per_s:,.0f} tok/s | {format_bytes(state)}",
+        f"{speed} tok/s | {format_bytes(state)}",
     )
 
 
@@ -240,7 +241,7 @@ def train_loop(run: Run, out_dir: Path) -> None:
     args, tokens_per_step = run.args, run.args.batch_size * run.args.seq_len * run.env.world_size
     stop = min(args.steps, args.stop_after or args.steps)
     if run.step == 0:
-        report(run, 0.0)
+        report(run, None)
     bar = tqdm(total=stop, initial=run.step, disable=run.env.rank != 0, desc="train", ncols=90)
     window_s, window_steps = 0.0, 0
     while run.step < stop:
@@ -263,7 +264,8 @@ def train_loop(run: Run, out_dir: Path) -> None:
             run.history.tokens_per_s.append([run.step, tps])
             report(run, tps)
             window_s, window_steps = 0.0, 0
-        if args.save_every and (run.step % args.save_every == 0 or run.step == stop):
+        end_of_run = run.step == stop and (args.save_every > 0 or stop < args.steps)
+        if (args.save_every and run.step % args.save_every == 0) or end_of_run:
             save_checkpoint(out_dir, run.step, checkpoint_payload(run), args.strategy)
     bar.close()
 

@@ -74,9 +74,14 @@ def _write_foreign_checkpoint(out_dir: Path) -> None:
 
 
 def test_resume_reproduces_losses_exactly(rank_pool: Any, tmp_path: Path) -> None:
-    """Run 8 steps straight; run 3 steps then resume to 8: the same losses, bitwise."""
+    """Run 8 steps straight; run 3 steps then resume to 8: the same losses, bitwise.
+
+    Also: resuming from a checkpoint of another world size fails on every rank with
+    exit code 2 (no hang); ``--resume`` with no checkpoint starts at step 0.
+    """
     common = [*TINY, "--steps", "8", "--eval-every", "4", "--save-every", "3"]
     full, split, foreign = tmp_path / "full", tmp_path / "split", tmp_path / "foreign"
+    fresh = tmp_path / "fresh"
     _write_foreign_checkpoint(foreign)
     codes = rank_pool(2).run(
         _run_main,
@@ -85,11 +90,13 @@ def test_resume_reproduces_losses_exactly(rank_pool: Any, tmp_path: Path) -> Non
             [*common, "--out-dir", str(split), "--stop-after", "3"],
             [*common, "--out-dir", str(split), "--resume"],
             [*common, "--out-dir", str(foreign), "--resume"],
+            [*common, "--out-dir", str(fresh), "--resume"],  # nothing to resume: step 0
         ],
         timeout_s=180,
     )
-    assert codes == [[0, 0, 0, 2], [0, 0, 0, 2]]  # the bad resume ends every rank
+    assert codes == [[0, 0, 0, 2, 0], [0, 0, 0, 2, 0]]  # the bad resume ends every rank
     a, b = _metrics(full), _metrics(split)
+    assert _metrics(fresh)["train_loss"] == a["train_loss"]
     assert (a["start_step"], b["start_step"], b["step"]) == (0, 3, 8)
     assert b["train_loss"] == a["train_loss"]  # steps 4..8 were computed after resuming
     assert b["val_loss"] == a["val_loss"]
