@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,14 @@ def _ckpt_name(step: int) -> str:
     return f"ckpt-{step:06d}"
 
 
-def save_checkpoint(out_dir: Path, step: int, payload: dict[str, Any], strategy: str) -> Path:
+def save_checkpoint(
+    out_dir: Path, step: int, payload: dict[str, Any], strategy: str, keep: int = 2
+) -> Path:
     """Write this rank's ``payload`` for ``step``; collective (call it on every rank).
+
+    Args:
+        keep: complete checkpoints to keep, the newest; older ones are deleted (by rank
+            0, after ``latest`` moved on). 0 keeps all. Default 2.
 
     Returns:
         The checkpoint directory.
@@ -67,8 +74,17 @@ def save_checkpoint(out_dir: Path, step: int, payload: dict[str, Any], strategy:
             json.dump(manifest, handle, indent=1)
         with atomic_write(out_dir / LATEST, "w") as handle:
             handle.write(ckpt.name + "\n")
+        _prune(out_dir, keep)
     dist.barrier()
     return ckpt
+
+
+def _prune(out_dir: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoint directories (0: keep all)."""
+    if keep <= 0:
+        return
+    for old in sorted(out_dir.glob("ckpt-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def find_latest(out_dir: Path) -> Path | None:

@@ -77,6 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--eval-batches", type=_positive, default=4, help="val batches per rank (default 4)")
     add("--log-every", type=_non_negative, default=0, help="train-loss lines; 0: off")
     add("--save-every", type=_non_negative, default=100, help="0: never (default 100)")
+    add("--keep", type=_non_negative, default=2, help="checkpoints kept; 0: all (default 2)")
     add("--stop-after", type=_positive, default=None, help="end this run after this step")
     add("--resume", action="store_true", help="continue from the latest checkpoint")
     add("--data", default=None, help="a text file or a directory of .txt files")
@@ -266,7 +267,7 @@ def train_loop(run: Run, out_dir: Path) -> None:
             window_s, window_steps = 0.0, 0
         end_of_run = run.step == stop and (args.save_every > 0 or stop < args.steps)
         if (args.save_every and run.step % args.save_every == 0) or end_of_run:
-            save_checkpoint(out_dir, run.step, checkpoint_payload(run), args.strategy)
+            save_checkpoint(out_dir, run.step, checkpoint_payload(run), args.strategy, args.keep)
     bar.close()
 
 
