@@ -331,6 +331,26 @@ def edge_cases() -> dict[str, Any]:
     }
 
 
+def frozen_first_in_unit() -> dict[str, Any]:
+    """Regression: a frozen Linear before a trainable one in a unit needs its weight in
+    backward after the unit's trainable gradients are complete (no early reshard)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)))
+    ref[1][0].requires_grad_(False)  # weight and bias
+    model = copy.deepcopy(ref)
+    model[1] = FSDP(model[1])
+    model = FSDP(model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(0))
+    model(x[2 * rank : 2 * rank + 2]).mean().backward()
+    ref(x).mean().backward()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
+    opt.step()
+    ref_opt.step()
+    return {"state": model.state_dict(), "ref_state": ref.state_dict()}
+
+
 def shard_gather_identity(shape_lists: list[list[list[int]]]) -> list[dict[str, Any]]:
     """For each list of shapes: shard, then gather (summon) gives back the values."""
     results = []

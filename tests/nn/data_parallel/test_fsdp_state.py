@@ -72,6 +72,11 @@ def test_edge_cases_match_unsharded(rank_pool: Any) -> None:
         assert set(r["states_after_eval"]) == {"SHARDED"}
 
 
+def test_frozen_layer_before_trainable_in_one_unit(rank_pool: Any) -> None:
+    for r in rank_pool(2).run(w.frozen_first_in_unit):
+        assert_state_dicts_close(r["state"], r["ref_state"], atol=1e-6, rtol=1e-5)
+
+
 def test_shard_then_gather_is_identity_and_ownership_exact(rank_pool: Any) -> None:
     rng = random.Random(0)
     shape_lists = [

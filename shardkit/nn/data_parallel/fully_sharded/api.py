@@ -176,9 +176,12 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module
 
     def __getattr__(self, name: str) -> Any:
+        """Attributes of the wrapped module (e.g. ``model.config``) are reachable here."""
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name == WRAPPED:  # not set yet (inside __init__): no recursion
+                raise
             return getattr(self._fsdp_wrapped_module, name)
 
     # state transitions ---------------------------------------------------------

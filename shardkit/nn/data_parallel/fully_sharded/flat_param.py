@@ -233,6 +233,11 @@ class FlatParamHandle:
         """Indices of parameters that require a gradient."""
         return [i for i, info in enumerate(self.infos) if info.requires_grad]
 
+    @property
+    def has_frozen(self) -> bool:
+        """True if some parameter of the unit does not require a gradient."""
+        return any(not info.requires_grad for info in self.infos)
+
     def take_flat_grad(self) -> torch.Tensor:
         """The padded flat gradient ``(N * S,)`` of the unsharded parameters.
 

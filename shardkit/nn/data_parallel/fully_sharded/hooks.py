@@ -23,6 +23,12 @@ every use of it (several forwards, a unit used twice), so when all of a unit's
 trainable parameters have reported, its gradient is complete. Parameters that receive
 no gradient (unused) are handled by ``finalize_backward``, a callback queued on
 autograd's engine that runs when the whole backward pass ends.
+
+[Note: frozen parameters]
+A frozen parameter has no gradient to report, yet a later backward op may read it (a
+frozen ``Linear`` early in the unit needs its weight for the input's gradient after
+every trainable parameter of the unit is done). A unit holding frozen parameters
+therefore reduce-scatters on time but stays unsharded until ``finalize_backward``.
 """
 
 from __future__ import annotations
@@ -161,7 +167,8 @@ def post_backward(unit: FullyShardedDataParallel) -> None:
         if unit._sync_gradients and unit._grads_ready:
             _reduce_grads(unit)
         unit._grads_ready.clear()
-        unit._reshard()
+        if not unit._handle.has_frozen:  # see [Note: frozen parameters]
+            unit._reshard()
 
 
 def _reduce_grads(unit: FullyShardedDataParallel) -> None:
