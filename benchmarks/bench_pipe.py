@@ -177,8 +177,8 @@ def _tables(
         f"each) vs 1 process (1 thread); forward + backward; medians of {len(bench['times']['one process'])} steps",
         "",
         "| config | step s | throughput vs 1 process | theory | bubble measured | bubble theory "
-        "| cores busy | CPU s vs 1 process |",
-        "|---|---|---|---|---|---|---|---|",
+        "| cores busy | CPU s vs 1 process | estimate on 2 free cores |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     base_cpu = statistics.median(bench["cpu"]["one process"])
     for key in bench["times"]:
@@ -186,15 +186,16 @@ def _tables(
         cpu = statistics.median(bench["cpu"][key])
         cores = statistics.median(c / t for c, t in zip(bench["cpu"][key], bench["times"][key]))
         if key == "one process":
-            theory, bubble, bubble_theory = "1.00", "-", "-"
+            theory, bubble, bubble_theory, estimate = "1.00", "-", "-", "1.00"
         else:
             m = int(key.split("m=")[1])
             theory = f"{STAGES * m / (m + STAGES - 1):.2f}"
             bubble = f"{statistics.median(bench['waits'][key]):.2f}"
             bubble_theory = f"{bubble_fraction(STAGES, m):.2f}"
+            estimate = f"{STAGES * (1 - bubble_fraction(STAGES, m)) * base_cpu / cpu:.2f}"
         lines.append(
             f"| {key} | {med:.3f} | {base / med:.2f} | {theory} | {bubble} | {bubble_theory} "
-            f"| {cores:.2f} | {cpu / base_cpu:.2f} |"
+            f"| {cores:.2f} | {cpu / base_cpu:.2f} | {estimate} |"
         )
     lines += [
         "",
@@ -202,7 +203,9 @@ def _tables(
         "ranks / wall seconds (2.00 at most for the pipeline, 1.00 for one process; below "
         "that, other processes on the machine took the cores). CPU s vs 1 process: the "
         "pipeline's total CPU work relative to the plain step (micro-batch and send/recv "
-        "overhead).",
+        "overhead). estimate on 2 free cores: p (1 - bubble theory) / (CPU s vs 1 process), "
+        "what the step times would give if each rank had a core of its own (a model, not a "
+        "measurement; use it when cores busy shows the machine was shared).",
     ]
     lines += [
         "",
@@ -227,7 +230,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rss-chunks", type=int, default=16)
     p.add_argument("--steps", type=int, default=3, help="timed steps per round (default 3)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    p.add_argument(
+        "--table", type=Path, default=None, help="re-render the tables of a results JSON"
+    )
     args = vars(p.parse_args(argv))
+    if args["table"] is not None:
+        saved = json.loads(args["table"].read_text())
+        print(_tables(saved["bench"], saved["rss"], saved["args"]))
+        return
+    args.pop("table")
     with RankPool(STAGES, timeout_s=3600.0) as pool:
         bench = pool.run(_bench, args, timeout_s=3600.0)[0]
     rss = {"one process": run_distributed(_peak_rss, 1, args, None, timeout_s=600.0)}
