@@ -58,20 +58,25 @@ def plan_owner_broadcast(
     owned: Sequence[Sequence[torch.Tensor]],
     bucket_bytes: int,
     comm_dtype: torch.dtype | None = None,
+    direct_bytes: int | None = None,
 ) -> list[BroadcastBucket]:
     """The buckets :func:`broadcast_from_owners` sends, in order (pure, same on every rank).
 
-    Tensors of one owner are grouped by dtype (first appearance order), then split by
-    :func:`~shardkit.distributed.buckets.plan_buckets`. A bucket of one tensor of at
-    least ``bucket_bytes`` is sent in place when it is contiguous and no ``comm_dtype``
-    conversion is needed.
+    Per owner and dtype (first appearance order): each contiguous tensor of at least
+    ``direct_bytes`` is sent alone, in place (no copy), when no ``comm_dtype``
+    conversion is needed; the others are packed into buckets by
+    :func:`~shardkit.distributed.buckets.plan_buckets`. The number of broadcasts is at
+    most ``total / direct_bytes + total / bucket_bytes + (owners x dtypes)``.
 
     Args:
         owned: ``owned[r]`` lists the tensors owned by group rank ``r``.
         bucket_bytes: bucket capacity in bytes (of the communication dtype); ``<= 0``
             sends each tensor alone.
         comm_dtype: dtype on the wire (e.g. ``torch.float16``); None keeps each tensor's.
+        direct_bytes: size from which a tensor is sent in place, in bytes; default
+            None means ``bucket_bytes``.
     """
+    threshold = bucket_bytes if direct_bytes is None else direct_bytes
     plan: list[BroadcastBucket] = []
     for src, tensors in enumerate(owned):
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -79,17 +84,17 @@ def plan_owner_broadcast(
             by_dtype.setdefault(t.dtype, []).append(t)
         for dtype, group in by_dtype.items():
             wire = comm_dtype or dtype
-            itemsize = torch.empty((), dtype=wire).element_size()
-            for indices in plan_buckets([t.numel() * itemsize for t in group], bucket_bytes):
-                members = [group[i] for i in indices]
-                numel = sum(t.numel() for t in members)
-                direct = (
-                    len(members) == 1
-                    and wire == dtype
-                    and members[0].is_contiguous()
-                    and (bucket_bytes <= 0 or numel * itemsize >= bucket_bytes)
-                )
-                plan.append(BroadcastBucket(src, members, numel, direct))
+            itemsize = wire.itemsize
+
+            def direct(t: torch.Tensor, wire: torch.dtype = wire) -> bool:
+                big = threshold <= 0 or t.numel() * wire.itemsize >= threshold
+                return big and wire == t.dtype and t.is_contiguous()
+
+            plan += [BroadcastBucket(src, [t], t.numel(), True) for t in group if direct(t)]
+            packed = [t for t in group if not direct(t)]
+            for indices in plan_buckets([t.numel() * itemsize for t in packed], bucket_bytes):
+                members = [packed[i] for i in indices]
+                plan.append(BroadcastBucket(src, members, sum(t.numel() for t in members), False))
     return plan
 
 

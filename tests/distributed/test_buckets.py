@@ -37,9 +37,12 @@ def test_owner_plan_sends_large_tensors_in_place() -> None:
     big, small = torch.zeros(1000), torch.zeros(3)
     plan = plan_owner_broadcast([[small, big], [small.clone()]], bucket_bytes=64)
     assert [(b.src, len(b.tensors), b.direct) for b in plan] == [
+        (0, 1, True),  # in-place tensors first, then the packed buckets
         (0, 1, False),
-        (0, 1, True),
         (1, 1, False),
     ]
     fp16 = plan_owner_broadcast([[big]], bucket_bytes=64, comm_dtype=torch.float16)
     assert not fp16[0].direct  # a dtype change needs a copy
+    mixed = [torch.zeros(300), torch.zeros(2), torch.zeros(5000), torch.zeros(3)]
+    plan = plan_owner_broadcast([mixed], bucket_bytes=2**24, direct_bytes=1000)
+    assert [(b.numel, b.direct) for b in plan] == [(300, True), (5000, True), (5, False)]
