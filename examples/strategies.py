@@ -53,6 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.memory import ModelStateBytes, model_state_bytes
 from shardkit.nn.data_parallel import ShardedDataParallel
+from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
 from shardkit.nn.offload import DiskTier, OffloadModel, gpt_stages
 from shardkit.nn.pipe import (
     PipelineStage,
@@ -62,8 +63,9 @@ from shardkit.nn.pipe import (
     consolidated_state_dict,
     stage_module,
 )
+from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 from shardkit.optim import OSS
-from shardkit.testing.models import GPT
+from shardkit.testing.models import GPT, Block
 
 __all__ = ["STRATEGIES", "Strategy", "StrategyFactory", "adamw_kwargs"]
 
@@ -338,10 +340,50 @@ def _offload(model: GPT, args: argparse.Namespace, device: torch.device) -> Stra
     return _OffloadStrategy(OffloadGPT(offload), optimizer, model)
 
 
+class _FSDPStrategy(Strategy):
+    """FSDP: checkpoints hold this rank's shards; the final model is gathered."""
+
+    module: FullyShardedDataParallel
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.module.local_state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_local_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def consolidated_model_state(self) -> dict[str, Any] | None:
+        return self.module.state_dict()  # a collective; plain GPT keys
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        return model_state_bytes(self.module, self.optimizer)
+
+
+def _no_decay(name: str) -> bool:
+    """Biases and LayerNorm weights, chosen by original parameter name."""
+    return name.endswith("bias") or ".ln_" in name or name.startswith("ln_")
+
+
+def _fsdp(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
+    """FullyShardedDataParallel, one unit per Block + the root (ZeRO-3); AdamW without
+    weight decay on biases and norms (FSDP keeps the original parameter names)."""
+    with enable_wrap(wrapper_cls=FullyShardedDataParallel):
+        wrapped = auto_wrap(model, transformer_auto_wrap_policy({Block}))
+    module = FullyShardedDataParallel(wrapped)
+    kwargs = adamw_kwargs(args)
+    named = list(module.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if not _no_decay(n)]},
+        {"params": [p for n, p in named if _no_decay(n)], "weight_decay": 0.0},
+    ]
+    return _FSDPStrategy(module=module, optimizer=torch.optim.AdamW(groups, **kwargs))
+
+
 STRATEGIES: dict[str, StrategyFactory] = {
     "ddp": _ddp,
     "oss": _oss,
     "sdp": _sdp,
     "pipe": _pipe,
     "offload": _offload,
+    "fsdp": _fsdp,
 }
