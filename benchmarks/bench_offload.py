@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -143,7 +144,9 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _run_child(cfg: dict[str, Any], limit_bytes: int | None = None) -> dict[str, Any]:
+def _run_child(
+    cfg: dict[str, Any], limit_bytes: int | None = None, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     def cap() -> None:
         if limit_bytes is not None:
             resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
@@ -153,6 +156,7 @@ def _run_child(cfg: dict[str, Any], limit_bytes: int | None = None) -> dict[str,
         capture_output=True,
         text=True,
         preexec_fn=cap,
+        env=None if env is None else {**os.environ, **env},
         check=False,
     )
     if proc.returncode != 0:
