@@ -47,8 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardkit.nn.offload import MemoryTier, OffloadModel, gpt_init_fn, gpt_stages
-from shardkit.testing.models import GPT, GPTConfig
+from shardkit.nn.offload import MemoryTier, OffloadModel
+from shardkit.testing.models import GPT, GPTConfig, gpt_init_fn, gpt_stages
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.01}

@@ -54,7 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardkit.memory import ModelStateBytes, model_state_bytes
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
-from shardkit.nn.offload import DiskTier, OffloadModel, gpt_stages
+from shardkit.nn.offload import DiskTier, OffloadModel
 from shardkit.nn.pipe import (
     PipelineStage,
     Schedule1F1B,
@@ -65,7 +65,7 @@ from shardkit.nn.pipe import (
 )
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 from shardkit.optim import OSS
-from shardkit.testing.models import GPT, Block
+from shardkit.testing.models import GPT, Block, gpt_stages
 
 __all__ = ["STRATEGIES", "Strategy", "StrategyFactory", "adamw_kwargs"]
 
@@ -154,34 +154,6 @@ def _sdp(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy
     return _OSSStrategy(module=module, optimizer=optimizer, model=model)
 
 
-class GPTEmbed(nn.Module):
-    """The GPT's input layers as one pipeline layer: ``(B, T)`` ids -> ``(B, T, C)``."""
-
-    def __init__(self, model: GPT) -> None:
-        super().__init__()
-        self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(pos))
-
-
-class GPTHead(nn.Module):
-    """The GPT's output layers as one pipeline layer: ``(B, T, C)`` -> logits ``(B, T, V)``."""
-
-    def __init__(self, model: GPT) -> None:
-        super().__init__()
-        self.ln_f, self.lm_head = model.ln_f, model.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
-
-
-def gpt_sequential(model: GPT) -> nn.Sequential:
-    """``model`` as ``nn.Sequential(embed, *blocks, head)``, sharing its modules."""
-    return nn.Sequential(GPTEmbed(model), *model.blocks, GPTHead(model))
-
-
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy, as ``GPT.forward`` computes it."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -202,11 +174,14 @@ class PipelineGPT(nn.Module):
     def __init__(self, model: GPT, args: argparse.Namespace, device: torch.device) -> None:
         super().__init__()
         rank, world = dist.get_rank(), dist.get_world_size()
-        layers = gpt_sequential(model)
+        layers = gpt_stages(model)
         self.stage_module = stage_module(layers, balance_by_size(world, layers), rank)
         self.stage = PipelineStage(self.stage_module, device=device)
-        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
-        self.runner = schedule(self.stage, args.chunks, loss_fn=lm_loss)
+        self.runner: ScheduleGPipe | Schedule1F1B
+        if args.schedule == "1f1b":
+            self.runner = Schedule1F1B(self.stage, args.chunks, loss_fn=lm_loss)
+        else:
+            self.runner = ScheduleGPipe(self.stage, args.chunks, loss_fn=lm_loss)
         self.tied_group = dist.new_group([0, world - 1]) if world > 1 else None
         self.tied = (model.wte.weight,)  # a tuple: not registered as this module's parameter
 
@@ -232,7 +207,7 @@ class PipelineGPT(nn.Module):
 
 
 class _PipeStrategy(Strategy):
-    """Checkpoints hold this rank's stage (keys of ``gpt_sequential``); the final
+    """Checkpoints hold this rank's stage (keys of ``gpt_stages``); the final
     ``model.pt`` holds the plain GPT, consolidated from every stage onto rank 0."""
 
     module: PipelineGPT
@@ -245,7 +220,7 @@ class _PipeStrategy(Strategy):
         merged = consolidated_state_dict(self.module.stage_module)
         if merged is None:
             return None
-        gpt_sequential(self.gpt).load_state_dict(merged)  # rank 0 still holds every layer
+        gpt_stages(self.gpt).load_state_dict(merged)  # rank 0 still holds every layer
         return self.gpt.state_dict()
 
 
@@ -372,7 +347,7 @@ def _fsdp(model: GPT, args: argparse.Namespace, device: torch.device) -> Strateg
     module = FullyShardedDataParallel(wrapped)
     kwargs = adamw_kwargs(args)
     named = list(module.named_parameters())
-    groups = [
+    groups: list[dict[str, Any]] = [
         {"params": [p for n, p in named if not _no_decay(n)]},
         {"params": [p for n, p in named if _no_decay(n)], "weight_decay": 0.0},
     ]

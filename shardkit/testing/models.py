@@ -4,7 +4,9 @@ Token + position embeddings, pre-LayerNorm blocks (causal self-attention through
 ``torch.nn.functional.scaled_dot_product_attention``, then a GELU MLP), a final
 LayerNorm and an LM head tied to the token embedding (Radford et al. 2019, GPT-2).
 The blocks live in ``GPT.blocks`` (an ``nn.ModuleList`` of :class:`Block`), which is
-what wrapping policies key on.
+what wrapping policies key on. :func:`gpt_stages` expresses the same model as an
+``nn.Sequential`` (embedding, blocks, head) for the wrappers that need a sequence
+(``Pipe``, ``OffloadModel``).
 
 Shapes: input ``idx`` is ``(batch, seq_len)`` int64 token ids; logits are
 ``(batch, seq_len, vocab_size)``; the loss is the mean next-token cross entropy.
@@ -18,7 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "MODEL_SIZES", "Block", "GPTConfig", "gpt_config"]
+__all__ = [
+    "GPT",
+    "MODEL_SIZES",
+    "Block",
+    "GPTConfig",
+    "GPTEmbedding",
+    "GPTHead",
+    "gpt_config",
+    "gpt_init_fn",
+    "gpt_stages",
+]
 
 
 @dataclass(frozen=True)
@@ -159,3 +171,49 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
+
+
+class GPTEmbedding(nn.Module):
+    """Token + position embeddings of a :class:`GPT`: ids ``(B, T)`` -> ``(B, T, C)``."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.block_size = model.config.block_size
+        self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class GPTHead(nn.Module):
+    """Final LayerNorm and LM head of a :class:`GPT`: ``(B, T, C)`` -> logits ``(B, T, V)``."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def gpt_stages(model: GPT) -> nn.Sequential:
+    """The GPT as ``nn.Sequential(embedding, *blocks, head)``, sharing its parameters.
+
+    ``stages(idx)`` equals ``model(idx)[0]`` (the logits). The LM head stays tied to the
+    token embedding: the weight is used by the first and the last stage, so
+    ``shardkit.nn.OffloadModel`` keeps it resident in its ``shared`` group (stepped once) instead of
+    splitting it across slices. The GPT has ``n_layer + 2`` stages.
+    """
+    return nn.Sequential(GPTEmbedding(model), *model.blocks, GPTHead(model))
+
+
+def gpt_init_fn(module: nn.Module) -> None:
+    """``param_init_fn`` for GPT stages built on ``meta``: the GPT's own initialisation."""
+    for m in module.modules():
+        if isinstance(m, nn.LayerNorm):
+            m.reset_parameters()
+    module.apply(GPT._init_weights)

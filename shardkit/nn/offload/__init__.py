@@ -5,10 +5,9 @@ parameters in one freeable byte buffer), ``slices`` (a slice and its residency s
 ``device`` (the CUDA-specific bits), ``tiers`` (resident / CPU-memory tiers), ``disk``
 (the file tier, crash-safe generations), ``function`` (the autograd node that loads a
 slice for forward and backward), ``optim`` (slice-by-slice stepping), ``api``
-(``OffloadModel``), ``adapters`` (a GPT as a sequence of stages).
+(``OffloadModel``). A GPT as a sequence of stages: ``shardkit.testing.models.gpt_stages``.
 """
 
-from shardkit.nn.offload.adapters import gpt_init_fn, gpt_stages
 from shardkit.nn.offload.api import OffloadModel
 from shardkit.nn.offload.disk import DiskTier
 from shardkit.nn.offload.optim import SlicedOptimizer
@@ -25,6 +24,4 @@ __all__ = [
     "SlicedOptimizer",
     "Tier",
     "balance_by_size",
-    "gpt_init_fn",
-    "gpt_stages",
 ]
