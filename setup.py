@@ -24,6 +24,9 @@ setup(
     extras_require={
         "test": ["pytest", "hypothesis", "pytest-timeout", "numpy"],
         "dev": ["ruff", "mypy"],
+        "docs": ["mkdocs", "mkdocstrings", "mkdocstrings-python"],
+        "bench": ["matplotlib"],
+        "hf": ["transformers"],
     },
     license="BSD-3-Clause",
 )
