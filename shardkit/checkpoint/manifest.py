@@ -282,8 +282,9 @@ def load_checkpoint_file(
     """``torch.load`` file ``name`` of ``ckpt`` after :func:`verify_checkpoint` of it.
 
     Args:
-        world_size, map_location, weights_only: as in :func:`verify_checkpoint` and
-            ``torch.load`` (default True: tensors and plain containers only).
+        world_size: as in :func:`verify_checkpoint`.
+        map_location: as in ``torch.load``.
+        weights_only: as in ``torch.load`` (default True: tensors and plain containers only).
 
     Raises:
         CheckpointCorruptError, CheckpointMismatchError: see :func:`verify_checkpoint`.

@@ -132,7 +132,7 @@ class OffloadModel(nn.Module):
         ValueError: for ``num_slices`` out of range, ``num_microbatches < 1``, an
             unwritable or mismatching ``offload_dir``, or a ``meta`` model off the disk tier.
 
-    Warnings:
+    Warning:
         Buffers (BatchNorm statistics) and shared parameters are not offloaded. With
         the disk tier, ``model.parameters()`` hold empty placeholders between uses:
         step with :meth:`sliced_optimizer` (a torch optimizer given them raises) and read
