@@ -47,6 +47,7 @@ from shardkit.distributed import (
     global_rank,
     plan_owner_broadcast,
 )
+from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.optim.grad_norm import clip_grad_norm_sharded
 from shardkit.optim.partition import partition_sizes
 
@@ -163,6 +164,16 @@ class OSS(Optimizer):
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.global_rank = global_rank(group, self.rank)
+        verify_consistent(
+            describe_parameters(
+                (f"param_groups[{g}][{i}]", p)
+                for g, group_ in enumerate(self.param_groups)
+                for i, p in enumerate(group_["params"])
+            ),
+            what="OSS",
+            group=group,
+            options={"optim": self._optim_class.__name__, "broadcast_fp16": broadcast_fp16},
+        )
         self.broadcast_buffer_size = (
             DEFAULT_BUCKET_BYTES if broadcast_buffer_size < 0 else broadcast_buffer_size
         )

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.distributed import broadcast_from_owners, plan_owner_broadcast
+from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.nn.data_parallel.grad_reducer import GradReducer
 from shardkit.optim import OSS
 
@@ -127,6 +128,12 @@ class ShardedDataParallel(nn.Module):
         # As DDP: buffers are broadcast before a forward that follows a forward with
         # gradients and synchronisation on (not after no_sync or no_grad forwards).
         self._require_forward_param_sync = True
+        verify_consistent(
+            describe_parameters(module.named_parameters()),
+            what="ShardedDataParallel",
+            group=process_group,
+            options={"reduce_buffer_size": reduce_buffer_size, "reduce_dtype": self.reduce_dtype},
+        )
         if sync_models_at_startup:
             self._broadcast_from_first_rank([p.detach() for p in module.parameters()])
             self._broadcast_from_first_rank(list(module.buffers()))
