@@ -11,11 +11,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from shardkit.distributed.linear_partition import balance_bounds
 from shardkit.nn.offload.disk import DiskTier
 from shardkit.nn.offload.flat import SliceLayout
 from shardkit.nn.offload.function import SliceFunction, SliceRunner, average_gradients
 from shardkit.nn.offload.optim import SlicedOptimizer
-from shardkit.nn.offload.partition import balance_by_size, slice_bounds
+from shardkit.nn.offload.partition import balance_by_size
 from shardkit.nn.offload.slices import Slice, SliceState, shared_parameter_ids
 from shardkit.nn.offload.tiers import MemoryTier, ResidentTier, Tier
 
@@ -48,7 +49,7 @@ def _split(
         return [m if isinstance(m, nn.Sequential) else nn.Sequential(m) for m in layers]
     shared = shared_parameter_ids(layers) if shared is None else shared
     sizes = [sum(p.numel() for p in m.parameters() if id(p) not in shared) for m in layers]
-    bounds = slice_bounds(balance_by_size(sizes, num_slices))
+    bounds = balance_bounds(balance_by_size(sizes, num_slices))
     return [nn.Sequential(*layers[a:b]) for a, b in bounds]
 
 

@@ -1,11 +1,10 @@
 """Balancing: choose how many layers each partition gets, by parameter size or by time.
 
 Both helpers reduce a model to one cost per layer and then solve the contiguous
-partition problem: cut the list of costs into ``partitions`` non-empty runs so that
-the largest run sum is as small as possible (the slowest stage sets the pipeline's
-pace; GPipe, Huang et al. 2019, section 2.2). The solver is exact (dynamic
-programming, ``O(partitions * layers^2)``), fine for the hundreds of layers a
-pipeline has.
+partition problem with the exact solver shared with OffloadModel
+(:mod:`shardkit.distributed.linear_partition`): cut the list of costs into
+``partitions`` non-empty runs so that the largest run sum is as small as possible
+(the slowest stage sets the pipeline's pace; GPipe, Huang et al. 2019, section 2.2).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from shardkit.distributed.linear_partition import linear_partition
 from shardkit.nn.pipe.microbatch import Batch, TensorOrTensors, check_value
 from shardkit.nn.pipe.partition import BalanceError, verify_module
 
@@ -41,25 +41,7 @@ def solve_balance(costs: Sequence[float], partitions: int) -> list[int]:
         raise BalanceError(f"cannot split {n} layers into {partitions} partitions (need 1..{n})")
     if any(c < 0 for c in costs):
         raise BalanceError(f"layer costs must be >= 0; got {list(costs)}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    # best[k][i]: smallest max-cost splitting layers i.. into k partitions.
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(partitions + 1)]
-    cut = [[0] * (n + 1) for _ in range(partitions + 1)]
-    best[0][n] = 0.0
-    for k in range(1, partitions + 1):
-        for i in range(n - k, -1, -1):
-            for j in range(n - k + 1, i, -1):  # first partition is layers i..j-1
-                cost = max(prefix[j] - prefix[i], best[k - 1][j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    balance, i = [], 0
-    for k in range(partitions, 0, -1):
-        balance.append(cut[k][i] - i)
-        i = cut[k][i]
-    return balance
+    return linear_partition(costs, partitions)
 
 
 def layer_sizes(module: nn.Sequential) -> list[int]:

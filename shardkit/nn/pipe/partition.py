@@ -14,7 +14,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
-__all__ = ["BalanceError", "partition_bounds", "split_module", "stage_module", "verify_module"]
+from shardkit.distributed.linear_partition import balance_bounds
+
+__all__ = ["BalanceError", "split_module", "stage_module", "verify_module"]
 
 
 class BalanceError(ValueError):
@@ -59,15 +61,6 @@ def verify_balance(balance: Sequence[int], num_layers: int) -> list[int]:
     return [int(b) for b in balance]
 
 
-def partition_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
-    """``[start, stop)`` layer indices of each partition: ``[2, 3] -> [(0, 2), (2, 5)]``."""
-    bounds, start = [], 0
-    for size in balance:
-        bounds.append((start, start + size))
-        start += size
-    return bounds
-
-
 def stage_module(module: nn.Sequential, balance: Sequence[int], index: int) -> nn.Sequential:
     """Partition ``index`` of ``module`` as an ``nn.Sequential`` keeping the layer names.
 
@@ -81,7 +74,7 @@ def stage_module(module: nn.Sequential, balance: Sequence[int], index: int) -> n
     balance = verify_balance(balance, len(module))
     if not 0 <= index < len(balance):
         raise BalanceError(f"stage index {index} out of range for {len(balance)} partitions")
-    start, stop = partition_bounds(balance)[index]
+    start, stop = balance_bounds(balance)[index]
     named = list(module.named_children())[start:stop]
     return nn.Sequential(OrderedDict(named))
 
