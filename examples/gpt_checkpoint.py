@@ -1,25 +1,27 @@
 """Per-rank checkpoints of the main job: ``ckpt-<step>/rank<r>.pt``, a manifest, a pointer.
 
-Layout in ``--out-dir``::
+Layout in ``--out-dir`` (the format of :mod:`shardkit.checkpoint.manifest`)::
 
     ckpt-000100/rank0.pt       this rank's payload (strategy state, LR scheduler,
     ckpt-000100/rank1.pt       data-sampler position, RNG states, loss history)
-    ckpt-000100/manifest.json  step, world size, strategy, file names (rank 0)
+    ckpt-000100/manifest.json  step, world size, strategy, bytes + sha256 per file
     latest                     the name of the newest complete checkpoint (rank 0)
 
 [Note: crash safety]
-Every file is written with :func:`shardkit.checkpoint.atomic.atomic_save` (temporary
-file, fsync, rename). The order is: every rank writes its own file; barrier; rank 0
-writes the manifest, then the ``latest`` pointer; barrier. A crash at any point leaves
-``latest`` naming the previous complete checkpoint, so ``--resume`` never sees a
-half-written one. With several nodes, ``--out-dir`` must be on a shared filesystem.
+Every file is written atomically (temporary file, fsync, rename). The order is: every
+rank writes its own file; the ranks exchange the files' sizes and checksums; rank 0
+writes the manifest, then the ``latest`` pointer. A crash at any point leaves
+``latest`` naming the previous complete checkpoint. ``--resume`` verifies the
+checksums and, if the newest checkpoint is damaged (a truncated or corrupted file),
+falls back to the previous one with a one-line warning. With several nodes,
+``--out-dir`` must be on a shared filesystem.
 """
 
 from __future__ import annotations
 
-import json
 import random
-import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +29,20 @@ import torch
 import torch.distributed as dist
 from gpt_data import InputError
 
-from shardkit.checkpoint.atomic import atomic_save, atomic_write
+from shardkit.checkpoint import manifest
+from shardkit.checkpoint.manifest import CheckpointError, CheckpointFallbackWarning
 
 __all__ = [
-    "find_latest",
+    "find_resume_checkpoint",
     "load_checkpoint",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
 ]
 
-FORMAT_VERSION = 1
-LATEST = "latest"
 
-
-def _ckpt_name(step: int) -> str:
-    return f"ckpt-{step:06d}"
+def _rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
 
 
 def save_checkpoint(
@@ -57,42 +57,30 @@ def save_checkpoint(
     Returns:
         The checkpoint directory.
     """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    ckpt = out_dir / _ckpt_name(step)
-    ckpt.mkdir(parents=True, exist_ok=True)
-    atomic_save(payload, ckpt / f"rank{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        manifest = {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "world_size": world_size,
-            "strategy": strategy,
-            "files": [f"rank{r}.pt" for r in range(world_size)],
-        }
-        with atomic_write(ckpt / "manifest.json", "w") as handle:
-            json.dump(manifest, handle, indent=1)
-        with atomic_write(out_dir / LATEST, "w") as handle:
-            handle.write(ckpt.name + "\n")
-        _prune(out_dir, keep)
-    dist.barrier()
+    files = {_rank_file(dist.get_rank()): payload}
+    return manifest.save_checkpoint(out_dir, step, files, layout={"strategy": strategy}, keep=keep)
+
+
+def find_resume_checkpoint(
+    out_dir: Path, world_size: int, warn: Callable[[str], None]
+) -> Path | None:
+    """The newest intact checkpoint in ``out_dir`` (collective), or None if none was saved.
+
+    A damaged newer checkpoint is skipped; ``warn`` gets one line saying so.
+
+    Raises:
+        InputError: the checkpoints were written by another world size, or every one
+            is damaged (the message names the files).
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CheckpointFallbackWarning)
+        try:
+            ckpt = manifest.find_valid_checkpoint(out_dir, world_size=world_size)
+        except CheckpointError as err:
+            raise InputError(f"--resume: {err}; use another --out-dir") from err
+    for item in caught:
+        warn(str(item.message))
     return ckpt
-
-
-def _prune(out_dir: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoint directories (0: keep all)."""
-    if keep <= 0:
-        return
-    for old in sorted(out_dir.glob("ckpt-*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def find_latest(out_dir: Path) -> Path | None:
-    """The checkpoint directory ``latest`` points to, or None if there is none."""
-    pointer = out_dir / LATEST
-    if not pointer.is_file():
-        return None
-    return out_dir / pointer.read_text().strip()
 
 
 def load_checkpoint(
@@ -101,23 +89,23 @@ def load_checkpoint(
     """This rank's payload from ``ckpt``, after checking the manifest matches the run.
 
     Raises:
-        InputError: the manifest is missing, or was written by another world size or
-            strategy (the message names both and the fix).
+        InputError: the manifest or the file is missing or damaged, or was written by
+            another world size or strategy (the message names both and the fix).
     """
-    manifest_path = ckpt / "manifest.json"
-    if not manifest_path.is_file():
-        raise InputError(f"--resume: {manifest_path} is missing (an incomplete checkpoint)")
-    manifest = json.loads(manifest_path.read_text())
-    saved = (manifest["world_size"], manifest["strategy"])
-    if saved != (world_size, strategy):
-        raise InputError(
-            f"--resume: {ckpt} was written by {saved[0]} ranks with --strategy {saved[1]}, "
-            f"this run has {world_size} ranks with --strategy {strategy}; "
-            "resume with the same launch, or use another --out-dir"
+    try:
+        saved = manifest.read_manifest(ckpt)
+        run = (saved.world_size, saved.layout.get("strategy"))
+        if run != (world_size, strategy):
+            raise InputError(
+                f"--resume: {ckpt} was written by {run[0]} ranks with --strategy {run[1]}, "
+                f"this run has {world_size} ranks with --strategy {strategy}; "
+                "resume with the same launch, or use another --out-dir"
+            )
+        payload: dict[str, Any] = manifest.load_checkpoint_file(
+            ckpt, _rank_file(rank), map_location=device, weights_only=False
         )
-    payload: dict[str, Any] = torch.load(
-        ckpt / manifest["files"][rank], map_location=device, weights_only=False
-    )
+    except CheckpointError as err:
+        raise InputError(f"--resume: {err}") from err
     return payload
 
 

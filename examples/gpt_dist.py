@@ -42,6 +42,24 @@ def _cores() -> int:
     return os.cpu_count() or 1
 
 
+def _init_from_env(backend: str) -> None:
+    """Join the ``env://`` group, under a store prefix of its own for each torchrun attempt.
+
+    [Note: restarts]
+    Under ``torchrun --max-restarts N`` every attempt's workers talk to the same agent
+    TCPStore (torchrun shares it unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), and
+    the default process group writes its keys under the same names each time: the
+    restarted gloo group read the dead attempt's peer addresses and failed with
+    "Gloo connectFullMesh failed ... Connection refused" (torch 2.13, seen in
+    ``tests/examples/test_restart.py``). ``TORCHELASTIC_RESTART_COUNT`` numbers the
+    attempts, so each one gets its own key prefix.
+    """
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"attempt{attempt}/", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+
+
 def setup_distributed() -> Env:
     """Join or create the default process group; pick the device; set torch threads.
 
@@ -54,7 +72,7 @@ def setup_distributed() -> Env:
     if owns_group:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)  # torchrun: env:// rendezvous
+            _init_from_env(backend)  # torchrun: env:// rendezvous
         else:
             store = dist.HashStore()  # type: ignore[attr-defined]
             dist.init_process_group(backend, store=store, rank=0, world_size=1)

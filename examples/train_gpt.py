@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,7 +29,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gpt_checkpoint import find_latest, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from gpt_checkpoint import (
+    find_resume_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from gpt_data import VOCAB_SIZE, BatchSampler, InputError, eval_windows, load_bytes, split_tokens
 from gpt_dist import Env, all_gather_ints, mean_over_ranks, setup_distributed
 from strategies import STRATEGIES, Strategy
@@ -83,6 +90,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--data", default=None, help="a text file or a directory of .txt files")
     add("--chunks", type=_positive, default=4, help="pipe: micro-batches per step (default 4)")
     add("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="pipe (default 1f1b)")
+    # Test-only fault injection (tests/examples/test_restart.py): see fault_point().
+    add("--fault-kill-at-step", type=_non_negative, default=None, help=argparse.SUPPRESS)
+    add("--fault-rank", type=_non_negative, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.strategy not in STRATEGIES:
         raise InputError(
@@ -166,7 +176,8 @@ def restore(run: Run, payload: dict[str, Any]) -> None:
 
 
 def maybe_resume(run: Run, out_dir: Path) -> None:
-    ckpt = find_latest(out_dir)
+    """Restore the newest intact checkpoint (a damaged newer one: warn and skip it)."""
+    ckpt = find_resume_checkpoint(out_dir, run.env.world_size, lambda line: warn(run, line))
     if ckpt is None:
         say(run, f"--resume: no checkpoint in {out_dir}; starting from step 0")
         return
@@ -181,12 +192,35 @@ def say(run: Run, line: str) -> None:
         tqdm.write(line, file=sys.stdout)
 
 
+def warn(run: Run, line: str) -> None:
+    """One line on rank 0's stderr: ``train_gpt.py: warning: ...``."""
+    if run.env.rank == 0:
+        tqdm.write(f"{PROG}: warning: {line}", file=sys.stderr)
+
+
+def fault_point(run: Run) -> None:
+    """Test-only: SIGKILL this process in the middle of step ``--fault-kill-at-step + 1``.
+
+    Only rank ``--fault-rank``, and only on torchrun's first attempt
+    (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so the restarted job runs through.
+    Called between the backward pass and the optimizer step.
+    """
+    args = run.args
+    if args.fault_kill_at_step is None or run.step != args.fault_kill_at_step:
+        return
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if run.env.rank == args.fault_rank and first_attempt:
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def train_step(run: Run) -> float:
     """One optimizer step on this rank's next batch; the loss averaged over ranks."""
     x, y = (t.to(run.env.device, non_blocking=True) for t in run.sampler.next_batch())
     run.strategy.optimizer.zero_grad(set_to_none=True)
     _, loss = run.strategy.module(x, targets=y)
     loss.backward()
+    fault_point(run)
     run.strategy.before_step()  # the gradient-clipping hook (strategies.py)
     run.strategy.optimizer.step()
     run.scheduler.step()

@@ -13,6 +13,7 @@ import pytest
 import torch
 import train_gpt
 
+from shardkit.checkpoint.manifest import save_checkpoint
 from shardkit.testing.models import GPT, gpt_config
 from tests.examples import EXAMPLES_DIR
 
@@ -65,12 +66,8 @@ def _run_main(argvs: list[list[str]]) -> list[int]:
 
 
 def _write_foreign_checkpoint(out_dir: Path) -> None:
-    """A checkpoint as if written by 1 rank: resuming from it on 2 ranks must fail."""
-    ckpt = out_dir / "ckpt-000003"
-    ckpt.mkdir(parents=True)
-    manifest = {"format": 1, "step": 3, "world_size": 1, "strategy": "ddp", "files": []}
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    (out_dir / "latest").write_text("ckpt-000003\n")
+    """A checkpoint written by 1 rank (this process): resuming from it on 2 ranks must fail."""
+    save_checkpoint(out_dir, 3, {"rank0.pt": {}}, layout={"strategy": "ddp"})
 
 
 def test_resume_reproduces_losses_exactly(rank_pool: Any, tmp_path: Path) -> None:
