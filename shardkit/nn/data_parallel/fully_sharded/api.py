@@ -25,14 +25,21 @@ from shardkit.nn.data_parallel.fully_sharded.collectives import (
     all_gather_flat,
     broadcast_tensors,
 )
-from shardkit.nn.data_parallel.fully_sharded.config import FSDPConfig
+from shardkit.nn.data_parallel.fully_sharded.config import FSDPConfig, fairscale_config
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle, ParamInfo
 from shardkit.nn.data_parallel.fully_sharded.optim_state import gather_full, shard_full
+from shardkit.nn.data_parallel.fully_sharded.placement import Placement, default_compute_device
+from shardkit.nn.data_parallel.fully_sharded.precision import (
+    MixedPrecision,
+    cast_buffers,
+    cast_floating,
+)
 from shardkit.nn.data_parallel.fully_sharded.sharing import (
     check_optimizer_built_after_wrapping,
     check_same_device_and_dtype,
     collect_params,
     mark_taken,
+    walk_unit,
 )
 from shardkit.nn.data_parallel.fully_sharded.state import ShardedState, TrainingState
 from shardkit.optim.grad_norm import clip_grad_norm_sharded
@@ -104,10 +111,17 @@ class FullyShardedDataParallel(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         reshard_after_forward: bool = True,
         disable_reshard_on_root: bool = True,
+        mixed_precision: bool | MixedPrecision = False,
+        fp32_reduce_scatter: bool = False,
         flatten_parameters: bool = True,
+        move_params_to_cpu: bool = False,
+        compute_dtype: torch.dtype | None = None,
+        buffer_dtype: torch.dtype | None = None,
+        move_grads_to_cpu: bool | None = None,
         bucket_cap_mb: float = 25.0,
         compute_device: torch.device | str | None = None,
         state_dict_device: torch.device | str | None = None,
+        cpu_offload: bool = False,
         state_dict_on_rank_0_only: bool = False,
         gradient_predivide_factor: float | None = None,
     ) -> None:
@@ -116,23 +130,26 @@ class FullyShardedDataParallel(nn.Module):
                 "the module is already a FullyShardedDataParallel unit; wrap each module once"
             )
         super().__init__()
-        self._config = FSDPConfig(
+        self._config = fairscale_config(
+            mixed_precision,
+            fp32_reduce_scatter,
+            compute_dtype,
+            buffer_dtype,
+            move_params_to_cpu,
+            cpu_offload,
+            move_grads_to_cpu,
+            compute_device,
+            state_dict_device,
             reshard_after_forward=reshard_after_forward,
             disable_reshard_on_root=disable_reshard_on_root,
             flatten_parameters=flatten_parameters,
             bucket_cap_mb=bucket_cap_mb,
-            compute_device=None if compute_device is None else torch.device(compute_device),
-            state_dict_device=None
-            if state_dict_device is None
-            else torch.device(state_dict_device),
             state_dict_on_rank_0_only=state_dict_on_rank_0_only,
             gradient_predivide_factor=gradient_predivide_factor,
         )
         self._process_group = process_group
         self._rank = dist.get_rank(process_group)
         self._world_size = dist.get_world_size(process_group)
-        if self._config.compute_device is not None:
-            module.to(self._config.compute_device)
         self._fsdp_wrapped_module = module
         self._handle = self._shard(module)
         self._training_state = TrainingState.IDLE
@@ -153,9 +170,16 @@ class FullyShardedDataParallel(nn.Module):
         infos = collect_params(module, _is_unit, label)
         check_same_device_and_dtype(infos, module)
         originals = [_original(info) for info in infos]
-        flat = _flatten(originals, module)
+        self._placement = _placement(self._config, originals, module)
+        _move_buffers(module, self._placement.compute_device)
+        mp = self._config.mixed_precision
+        buffers = [(m, a) for _, m in walk_unit(module, _is_unit) for a in m._buffers]
+        self._buffer_casts = (
+            cast_buffers(buffers, mp.buffer_dtype) if mp and mp.buffer_dtype else []
+        )
+        flat = _flatten(originals, module).to(self._placement.compute_device)
         broadcast_tensors([flat], self._process_group)  # rank 0's initialisation wins
-        handle = FlatParamHandle(infos, flat, self._rank, self._world_size)
+        handle = FlatParamHandle(infos, flat, self._rank, self._world_size, self._placement)
         mark_taken(originals, infos, label, handle.sharded_params)
         for param in originals:  # release the replaced parameters' memory
             param.data = param.data.new_empty(0)
@@ -210,7 +234,10 @@ class FullyShardedDataParallel(nn.Module):
             handle.alloc_full()
             self._pending_unshard = (
                 all_gather_flat(
-                    handle.full_flat, handle.local_shard, self._process_group, async_op=async_op
+                    handle.full_flat,
+                    handle.gather_source(),
+                    self._process_group,
+                    async_op=async_op,
                 )
                 if handle.owns_full_flat
                 else Pending(done=True)
@@ -238,6 +265,9 @@ class FullyShardedDataParallel(nn.Module):
         """Run the wrapped module with its full parameters (see the class docstring)."""
         self._lazy_init()
         hooks.pre_forward(self)
+        mp = self._config.mixed_precision
+        if mp is not None and mp.cast_forward_inputs:
+            args, kwargs = cast_floating((args, kwargs), self._placement.compute_dtype)
         output = self.module(*args, **kwargs)
         hooks.post_forward(self, output)
         return output
@@ -285,7 +315,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         saved = [u._handle.local_shard.clone() if not writeback else None for u in units]
         for unit in units:
-            unit._unshard()
+            unit._unshard_full_precision()
             unit._training_state = TrainingState.SUMMON_FULL_PARAMS
         try:
             yield
@@ -302,6 +332,15 @@ class FullyShardedDataParallel(nn.Module):
             handle.local_shard.copy_(handle.full_shard_slice())
         self._training_state = TrainingState.IDLE
         self._reshard()
+        handle.use_full_precision(False)
+
+    def _unshard_full_precision(self) -> None:
+        """Unshard in the master dtype: a root kept unsharded in the compute dtype after
+        a forward is resharded first (its values are the same)."""
+        if self._placement.compute_dtype != self._placement.master_dtype:
+            self._reshard()
+            self._handle.use_full_precision(True)
+        self._unshard()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -396,6 +435,31 @@ def _original(info: ParamInfo) -> nn.Parameter:
     param = loc.module._parameters[loc.attr]
     assert isinstance(param, nn.Parameter)
     return param
+
+
+def _placement(config: FSDPConfig, originals: list[nn.Parameter], module: nn.Module) -> Placement:
+    """Devices and dtypes of a unit from its options and its (checked) parameters."""
+    first = originals[0] if originals else next(iter(module.buffers()), torch.empty(0))
+    master = first.dtype if first.is_floating_point() else torch.get_default_dtype()
+    offload = config.move_params_to_cpu
+    compute = config.compute_device or default_compute_device(first.device, offload)
+    mp = config.mixed_precision or MixedPrecision()
+    return Placement(
+        compute_device=compute,
+        shard_device=torch.device("cpu") if offload else compute,
+        master_dtype=master,
+        compute_dtype=mp.compute_dtype(master),
+        reduce_dtype=mp.gradient_dtype(master),
+    )
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    """The unit's own buffers (not nested units') to ``device``; the parameters move
+    as one flat buffer (nested units' shards stay where their unit put them)."""
+    for _, mod in walk_unit(module, _is_unit):
+        for attr, buf in mod._buffers.items():
+            if buf is not None:
+                mod._buffers[attr] = buf.to(device)
 
 
 def _flatten(params: list[nn.Parameter], module: nn.Module) -> torch.Tensor:

@@ -38,6 +38,7 @@ class Pending:
     nbytes: int = 0
     done: bool = field(default=False)
     keep_version: Any = None  # a version-preserving context made before the issue
+    keep_alive: Any = None  # an input that must live until the collective completes
 
     def wait(self) -> None:
         """Block until the collective finished, then run the continuation."""
@@ -63,14 +64,21 @@ def all_gather_flat(
 ) -> Pending:
     """All-gather every rank's ``shard`` ``(S,)`` into ``full`` ``(N * S,)`` (rank order).
 
-    ``full``'s version counter is left unchanged (see the module note).
+    With one rank it is a copy (a cast when the dtypes differ). ``full``'s version
+    counter is left unchanged (see the module note). ``shard`` is kept alive until the
+    returned :class:`Pending` completes.
     """
     if full.numel() == 0:
         return Pending(done=True)
     keep = _unsafe_preserve_version_counter(full)  # records the version now
     with keep:
+        if dist.get_world_size(group) == 1:
+            with torch.no_grad():
+                full.copy_(shard)
+            return Pending(done=True)
         work = dist.all_gather_single(full, shard, group=group, async_op=async_op)
-    return Pending(work=work, nbytes=full.numel() * full.element_size(), keep_version=keep)
+    nbytes = full.numel() * full.element_size()
+    return Pending(work=work, nbytes=nbytes, keep_version=keep, keep_alive=shard)
 
 
 def reduce_scatter_flat(

@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FSDPConfig"]
+from shardkit.nn.data_parallel.fully_sharded.precision import (
+    MixedPrecision,
+    resolve_mixed_precision,
+)
+
+__all__ = ["FSDPConfig", "resolve_offload"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,11 @@ class FSDPConfig:
         gradient_predivide_factor: gradients are divided by this factor before the
             reduce-scatter and by ``world_size / factor`` after (averaged, as DDP).
             Default None: 1 (all of the division after the sum).
+        mixed_precision: the dtypes of compute, reduction and buffers; None: the
+            parameters' own dtype throughout (see :mod:`.precision`). Default None.
+        move_params_to_cpu: keep the master shard, its gradient and the optimizer state
+            in CPU memory; the shard is copied to ``compute_device`` per unit before its
+            all-gather (see :mod:`.placement`). Default False.
     """
 
     reshard_after_forward: bool = True
@@ -42,6 +52,8 @@ class FSDPConfig:
     state_dict_device: torch.device | None = None
     state_dict_on_rank_0_only: bool = False
     gradient_predivide_factor: float | None = None
+    mixed_precision: MixedPrecision | None = None
+    move_params_to_cpu: bool = False
 
     def __post_init__(self) -> None:
         if not self.flatten_parameters:
@@ -60,3 +72,53 @@ class FSDPConfig:
         """(pre, post) divisors of the gradient sum; their product is ``world_size``."""
         pre = 1.0 if self.gradient_predivide_factor is None else self.gradient_predivide_factor
         return pre, world_size / pre
+
+
+def resolve_offload(
+    move_params_to_cpu: bool, cpu_offload: bool, move_grads_to_cpu: bool | None
+) -> bool:
+    """FairScale's three offload arguments as one flag (parameters and gradients on CPU).
+
+    ``cpu_offload`` is FairScale's older name of ``move_params_to_cpu``;
+    ``move_grads_to_cpu`` defaults to it and may not differ from it.
+
+    Raises:
+        ValueError: ``move_grads_to_cpu`` differs from the parameters' placement.
+    """
+    offload = move_params_to_cpu or cpu_offload
+    if move_grads_to_cpu is not None and move_grads_to_cpu != offload:
+        raise ValueError(
+            f"move_grads_to_cpu={move_grads_to_cpu} with move_params_to_cpu={offload}: the "
+            "optimizer steps the master shard where it lives, so its gradient must live there "
+            "too; leave move_grads_to_cpu unset (it follows move_params_to_cpu)"
+        )
+    return offload
+
+
+def fairscale_config(
+    mixed_precision: bool | MixedPrecision,
+    fp32_reduce_scatter: bool,
+    compute_dtype: torch.dtype | None,
+    buffer_dtype: torch.dtype | None,
+    move_params_to_cpu: bool,
+    cpu_offload: bool,
+    move_grads_to_cpu: bool | None,
+    compute_device: torch.device | str | None,
+    state_dict_device: torch.device | str | None,
+    **options: object,
+) -> FSDPConfig:
+    """An :class:`FSDPConfig` from FullyShardedDataParallel's (FairScale's) arguments.
+
+    Raises:
+        ValueError: inconsistent arguments (see :func:`resolve_mixed_precision`,
+            :func:`resolve_offload`) or an invalid option.
+    """
+    return FSDPConfig(
+        mixed_precision=resolve_mixed_precision(
+            mixed_precision, compute_dtype, buffer_dtype, fp32_reduce_scatter
+        ),
+        move_params_to_cpu=resolve_offload(move_params_to_cpu, cpu_offload, move_grads_to_cpu),
+        compute_device=None if compute_device is None else torch.device(compute_device),
+        state_dict_device=None if state_dict_device is None else torch.device(state_dict_device),
+        **options,  # type: ignore[arg-type]
+    )

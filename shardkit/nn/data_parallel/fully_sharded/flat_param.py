@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["FlatLayout", "FlatParamHandle", "ParamInfo", "ParamLocation"]
+from shardkit.nn.data_parallel.fully_sharded.placement import Placement
+
+__all__ = ["FlatLayout", "FlatParamHandle", "FullFlat", "ParamInfo", "ParamLocation"]
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,49 @@ def _alloc(tensor: torch.Tensor) -> None:
         storage.resize_(wanted)
 
 
+class FullFlat:
+    """A full flat buffer ``(N * S,)`` and the full-shape parameter views into it.
+
+    Args:
+        infos: the unit's parameters, in flat order.
+        layout: the unit's flat layout.
+        alias: the buffer to use (the local shard, when it is the full buffer); default
+            None: a new buffer of ``dtype`` on ``device``, freed after the views are made.
+    """
+
+    def __init__(
+        self,
+        infos: list[ParamInfo],
+        layout: FlatLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+        alias: torch.Tensor | None = None,
+    ) -> None:
+        self.owned = alias is None
+        # Allocated for now: the views are made from it, then it is freed.
+        self.flat = (
+            torch.empty(layout.padded, dtype=dtype, device=device) if alias is None else alias
+        )
+        self.views = [
+            nn.Parameter(
+                self.flat[start : start + info.numel].view(info.shape),
+                requires_grad=info.requires_grad,
+            )
+            for start, info in zip(layout.offsets, infos)
+        ]
+        self.free()
+
+    def alloc(self) -> None:
+        """Give the buffer its memory (contents undefined until gathered)."""
+        if self.owned:
+            _alloc(self.flat)
+
+    def free(self) -> None:
+        """Release the buffer's memory; the views stay as metadata."""
+        if self.owned:
+            _free(self.flat)
+
+
 class FlatParamHandle:
     """The tensors of one unit: local shard, full flat buffer, sharded and unsharded views.
 
@@ -154,43 +199,57 @@ class FlatParamHandle:
         flat: the full, unpadded concatenation of the original parameters, ``(total,)``.
         rank: this rank's index in the unit's process group.
         world_size: N.
+        placement: devices and dtypes (see :mod:`.placement`); default None: everything
+            on ``flat``'s device in ``flat``'s dtype.
     """
 
     def __init__(
-        self, infos: list[ParamInfo], flat: torch.Tensor, rank: int, world_size: int
+        self,
+        infos: list[ParamInfo],
+        flat: torch.Tensor,
+        rank: int,
+        world_size: int,
+        placement: Placement | None = None,
     ) -> None:
         self.infos = infos
         self.rank = rank
         self.layout = FlatLayout(tuple(i.numel for i in infos), world_size)
-        lo, hi = self.layout.shard_range(rank)
-        padded = torch.zeros(self.layout.padded, dtype=flat.dtype, device=flat.device)
-        padded[: flat.numel()].copy_(flat)
-        self.local_shard = padded[lo:hi].clone()
-        del padded
-        self.full_flat = self._new_full_flat()
+        self.placement = placement or Placement(
+            flat.device, flat.device, flat.dtype, flat.dtype, flat.dtype
+        )
+        self.local_shard = self._new_local_shard(flat)
+        self.compute_full = self._new_full(self.placement.compute_dtype)
+        self._precise_full: FullFlat | None = None
+        self.full = self.compute_full  # the active one: compute_full, or full precision
         self.sharded_params = [self._sharded_view(i) for i in range(len(infos))]
-        self.unsharded_params = [self._unsharded_view(i) for i in range(len(infos))]
-        self.free_full()
         self.use_sharded()
 
     # construction --------------------------------------------------------------
-    def _new_full_flat(self) -> torch.Tensor:
-        if self.layout.world_size == 1:
-            return self.local_shard  # the shard is the full buffer: nothing to gather
-        # Allocated for now: the unsharded views are made from it, then it is freed.
-        return torch.empty(
-            self.layout.padded, dtype=self.local_shard.dtype, device=self.local_shard.device
-        )
+    def _new_local_shard(self, flat: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.layout.shard_range(self.rank)
+        padded = torch.zeros(self.layout.padded, dtype=flat.dtype, device=flat.device)
+        padded[: flat.numel()].copy_(flat)
+        shard = padded[lo:hi]
+        home = self.placement.to_shard_home(shard)
+        return home.clone() if home is shard else home  # not a view into ``padded``
+
+    def _new_full(self, dtype: torch.dtype) -> FullFlat:
+        p = self.placement
+        is_shard = (
+            self.layout.world_size == 1 and dtype == p.master_dtype and not p.offloaded
+        )  # the shard is the full buffer: nothing to gather
+        alias = self.local_shard if is_shard else None
+        return FullFlat(self.infos, self.layout, dtype, p.compute_device, alias)
 
     def _sharded_view(self, index: int) -> nn.Parameter:
         a, b = self.layout.piece(index, self.rank)
         info = self.infos[index]
         return nn.Parameter(self.local_shard[a:b], requires_grad=info.requires_grad)
 
-    def _unsharded_view(self, index: int) -> nn.Parameter:
-        start, info = self.layout.offsets[index], self.infos[index]
-        view = self.full_flat[start : start + info.numel].view(info.shape)
-        return nn.Parameter(view, requires_grad=info.requires_grad)
+    @property
+    def unsharded_params(self) -> list[nn.Parameter]:
+        """The full-shape parameters of forward and backward (compute dtype)."""
+        return self.compute_full.views
 
     # the module's attributes ---------------------------------------------------
     def _install(self, params: list[nn.Parameter]) -> None:
@@ -203,29 +262,47 @@ class FlatParamHandle:
         self._install(self.sharded_params)
 
     def use_unsharded(self) -> None:
-        """Point every location at its unsharded (full-shape) parameter."""
-        self._install(self.unsharded_params)
+        """Point every location at its unsharded (full-shape) parameter of the active
+        full buffer."""
+        self._install(self.full.views)
 
     # the full flat buffer ------------------------------------------------------
     @property
+    def full_flat(self) -> torch.Tensor:
+        """The active full flat buffer ``(N * S,)``."""
+        return self.full.flat
+
+    @property
     def owns_full_flat(self) -> bool:
-        """False when the full buffer is the local shard (N == 1)."""
-        return self.full_flat is not self.local_shard
+        """False when the full buffer is the local shard (N == 1, no cast, no offload)."""
+        return self.full.flat is not self.local_shard
+
+    def use_full_precision(self, enabled: bool) -> None:
+        """Gather into a master-dtype full buffer (``summon_full_params``) or, with
+        ``enabled=False``, into the compute-dtype one. Call while sharded."""
+        if not enabled or self.placement.compute_dtype == self.placement.master_dtype:
+            self.full = self.compute_full
+            return
+        if self._precise_full is None:
+            self._precise_full = self._new_full(self.placement.master_dtype)
+        self.full = self._precise_full
+
+    def gather_source(self) -> torch.Tensor:
+        """The local shard on the compute device in the active buffer's dtype, ``(S,)``."""
+        return self.placement.to_compute(self.local_shard, self.full.flat.dtype)
 
     def alloc_full(self) -> None:
         """Give the full flat buffer its memory (contents undefined until gathered)."""
-        if self.owns_full_flat:
-            _alloc(self.full_flat)
+        self.full.alloc()
 
     def free_full(self) -> None:
         """Release the full flat buffer's memory; the unsharded views stay as metadata."""
-        if self.owns_full_flat:
-            _free(self.full_flat)
+        self.full.free()
 
     def full_shard_slice(self) -> torch.Tensor:
         """This rank's slice of the full flat buffer, ``(S,)``."""
         lo, hi = self.layout.shard_range(self.rank)
-        return self.full_flat[lo:hi]
+        return self.full.flat[lo:hi]
 
     # gradients -----------------------------------------------------------------
     @property
@@ -239,23 +316,30 @@ class FlatParamHandle:
         return any(not info.requires_grad for info in self.infos)
 
     def take_flat_grad(self) -> torch.Tensor:
-        """The padded flat gradient ``(N * S,)`` of the unsharded parameters.
+        """The padded flat gradient ``(N * S,)`` of the unsharded parameters, in the
+        reduce dtype on the compute device.
 
         Missing gradients (frozen, unused or empty parameters) and padding are zeros.
         The unsharded parameters' ``.grad`` are cleared.
         """
-        out = self.local_shard.new_zeros(self.layout.padded)
+        p = self.placement
+        out = torch.zeros(self.layout.padded, dtype=p.reduce_dtype, device=p.compute_device)
         for index, (start, param) in enumerate(zip(self.layout.offsets, self.unsharded_params)):
             if param.grad is not None:
                 out[start : start + self.infos[index].numel].copy_(param.grad.reshape(-1))
                 param.grad = None
         return out
 
-    def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
-        """Add a reduced gradient shard ``(S,)`` into the sharded parameters' ``.grad``.
+    def accumulate_grad_shard(self, grad_shard: torch.Tensor, divide_by: float = 1.0) -> None:
+        """Add a reduced gradient shard ``(S,)``, divided by ``divide_by``, into the
+        sharded parameters' ``.grad`` (master dtype, on the shard device).
 
-        A ``.grad`` that is None becomes a view of ``grad_shard`` (no copy).
+        A ``.grad`` that is None becomes a view of the (moved, cast) shard: no copy when
+        it is already on the shard device in the master dtype.
         """
+        grad_shard = self.placement.to_shard_home(grad_shard)
+        if divide_by != 1.0:
+            grad_shard.div_(divide_by)
         for index in self.trainable:
             a, b = self.layout.piece(index, self.rank)
             param, piece = self.sharded_params[index], grad_shard[a:b]

@@ -172,18 +172,20 @@ def post_backward(unit: FullyShardedDataParallel) -> None:
 
 
 def _reduce_grads(unit: FullyShardedDataParallel) -> None:
+    """Reduce-scatter the flat gradient in the reduce dtype; the reduced shard is cast to
+    the master dtype, moved to the shard device and accumulated into the sharded grads."""
     handle, root = unit._handle, unit._root()
     pre, post = unit._config.divide_factors(unit._world_size)
     flat = handle.take_flat_grad()
     if pre != 1.0:
         flat.div_(pre)
-    shard = flat if not handle.owns_full_flat else flat.new_empty(handle.layout.shard_numel)
+    distributed = handle.layout.world_size > 1
+    shard = flat.new_empty(handle.layout.shard_numel) if distributed else flat
 
     def then() -> None:
-        shard.div_(post)
-        handle.accumulate_grad_shard(shard)
+        handle.accumulate_grad_shard(shard, divide_by=post)
 
-    if handle.owns_full_flat:
+    if distributed:
         pending = reduce_scatter_flat(shard, flat, unit._process_group, async_op=True)
     else:
         pending = Pending(nbytes=0)

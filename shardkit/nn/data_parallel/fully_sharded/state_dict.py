@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from shardkit.nn.data_parallel.fully_sharded.precision import original_buffer_dtypes
+
 if TYPE_CHECKING:
     from shardkit.nn.data_parallel.fully_sharded.api import FullyShardedDataParallel
 
@@ -40,7 +42,8 @@ def full_state_dict(
     if unit._gathering_state_dict:  # nested: the root gathered already
         return unit.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
     units = unit.units()
-    with unit.summon_full_params(recurse=True, writeback=True):
+    casts = [cast for other in units for cast in other._buffer_casts]
+    with unit.summon_full_params(recurse=True, writeback=True), original_buffer_dtypes(casts):
         for other in units:
             other._gathering_state_dict = True
         try:
@@ -94,9 +97,11 @@ def unit_names(root: FullyShardedDataParallel) -> dict[str, FullyShardedDataPara
 
 
 def local_state_dict(root: FullyShardedDataParallel) -> dict[str, torch.Tensor]:
-    """Copies of this rank's local shards (``"<unit name>.flat_param"``) and buffers."""
+    """Copies of this rank's local shards (``"<unit name>.flat_param"``, master dtype) and
+    buffers (their original dtypes)."""
     out = {key: unit._handle.local_shard.detach().clone() for key, unit in unit_names(root).items()}
-    out.update({name: buf.detach().clone() for name, buf in root.named_buffers()})
+    with original_buffer_dtypes([cast for unit in root.units() for cast in unit._buffer_casts]):
+        out.update({name: buf.detach().clone() for name, buf in root.named_buffers()})
     return out
 
 
