@@ -62,7 +62,8 @@ def test_sigkill_mid_step_restarts_and_matches(tmp_path: Path, full_run: Path) -
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += ["--max-restarts", "1", str(EXAMPLES_DIR / "train_gpt.py"), *COMMON, "--resume"]
     cmd += ["--out-dir", str(tmp_path), "--fault-kill-at-step", "4", "--fault-rank", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # CPU and gloo like the pool's reference run, also where CUDA exists
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--resume: no checkpoint" in proc.stdout  # the first attempt started afresh
