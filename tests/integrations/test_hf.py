@@ -20,7 +20,9 @@ process never imports it.
 from __future__ import annotations
 
 import importlib.util
+import runpy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +36,7 @@ pytestmark = pytest.mark.skipif(
     reason="transformers is not installed (pip install -e '.[hf]')",
 )
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_gpt2_fsdp.py"
 MODELS = ("gpt2", "bert", "t5")
 STEPS = 3
 BATCH, SEQ, VOCAB = 4, 8, 64
@@ -231,3 +234,29 @@ def test_gpt2_generate_in_summon_full_params_default(hf_results: list[Any]) -> N
 
 def test_full_state_dict_goes_through_save_and_from_pretrained(hf_results: list[Any]) -> None:
     _assert_close(hf_results[0]["pretrained"], atol=0.0)
+
+
+def hf_example_worker(out_dir: str) -> dict[str, Any]:
+    """examples/hf_gpt2_fsdp.py's main() on a tiny config; rank 0 reloads what it saved."""
+    from transformers import GPT2LMHeadModel
+
+    main = runpy.run_path(str(EXAMPLE), run_name="hf_example")["main"]
+    argv = ["--steps", "4", "--n-layer", "2", "--n-embd", "32", "--seq-len", "16"]
+    result = main([*argv, "--batch-size", "2", "--out-dir", out_dir])
+    reloaded = None
+    if dist.get_rank() == 0:
+        loaded = GPT2LMHeadModel.from_pretrained(out_dir)
+        reloaded = _max_diff(loaded.state_dict(), result["state"])
+    return {"losses": result["losses"], "sample": result["sample"], "reloaded": reloaded}
+
+
+def test_hf_gpt2_fsdp_example(
+    hf_results: list[Any], rank_pool: Callable[[int], RankPool], tmp_path: Path
+) -> None:
+    """Runs after ``hf_results`` (the ranks have imported transformers already)."""
+    results = rank_pool(2).run(hf_example_worker, str(tmp_path / "out"))
+    assert all(len(r["losses"]) == 4 for r in results)
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results)
+    assert results[0]["sample"] == results[1]["sample"]  # the same full model on both
+    assert results[0]["sample"].startswith(b"The ")
+    _assert_close(results[0]["reloaded"], atol=0.0)
