@@ -200,3 +200,62 @@ def zero_memory_estimate(
         gradients=g_bytes * num_params / (n if stage >= 2 else 1.0),
         optimizer_state=k * num_params / (n if stage >= 1 else 1.0),
     )
+
+
+_CLI_EPILOG = """\
+Measured overheads on top of the formula (GPT, fp32 AdamW, gloo, 2 ranks; see
+docs/benchmarks.md): optimizer state adds one 4-byte 'step' tensor per parameter tensor
+(per flat parameter for FSDP); OSS / ShardedDDP shard whole parameters, so a rank's
+optimizer state can exceed 8 psi / N by up to the largest parameter's 8 bytes per
+element; FSDP pads each flat parameter to a multiple of N (at most N - 1 elements,
+16 bytes each with AdamW); torch DDP keeps its gradient buckets as a second copy of the
+gradients (+4 psi bytes, not model state, so not in this table); activations and the
+process (about 220-350 MB per rank with torch and gloo) come on top."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m shardkit.memory --params 7.5e9 --world-size 64``: print the per-rank
+    model-state bytes of ZeRO stages 0-3 in mixed precision (2 + 2 + 12 bytes per
+    parameter) and fp32 (4 + 4 + 8), in GB (10^9 bytes, as the ZeRO paper's figure 1).
+
+    Raises:
+        SystemExit: on bad arguments (argparse), e.g. ``--world-size 0``.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m shardkit.memory",
+        description="Per-rank model-state bytes of ZeRO stages 0-3 (Rajbhandari et al. 2020).",
+        epilog=_CLI_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--params", type=float, required=True, help="psi: parameters")
+    parser.add_argument("--world-size", type=int, required=True, help="N: data-parallel ranks")
+    parser.add_argument(
+        "--optimizer-bytes", type=float, default=None, help="K per parameter (default Adam)"
+    )
+    args = parser.parse_args(argv)
+    if args.world_size < 1 or args.params < 0:
+        parser.error(
+            f"need --params >= 0 and --world-size >= 1; got {args.params}, {args.world_size}"
+        )
+    gb = 1e9
+    print(f"psi = {args.params:.4g} parameters, N = {args.world_size}; GB (1e9 bytes) per rank")
+    print(
+        f"{'stage':<6} {'precision':<16} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10}"
+    )
+    for stage in range(4):
+        for mixed, label in ((True, "mixed (2+2+12)"), (False, "fp32 (4+4+8)")):
+            est = zero_memory_estimate(
+                args.params,
+                args.world_size,
+                stage,
+                mixed_precision=mixed,
+                optimizer_bytes_per_param=args.optimizer_bytes,
+            )
+            values = (est.parameters, est.gradients, est.optimizer_state, est.total)
+            print(f"{stage:<6} {label:<16} " + " ".join(f"{v / gb:>10.3f}" for v in values))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""Every strategy side by side on the main job's GPT: step time, memory, communication.
+
+Run::
+
+    python -m benchmarks.compare                   # defaults: world size 2, GPT small, ~10 min
+    python -m benchmarks.compare --world-sizes 1 2 4 --model-sizes small medium
+    python -m benchmarks.compare --steps 2 --rounds 1 --strategies "torch DDP" "shardkit fsdp"
+    make bench                                     # the defaults
+
+Strategies (:mod:`benchmarks.runners`): torch DDP, DDP + torch
+``ZeroRedundancyOptimizer``, torch FSDP2 ``fully_shard``, DeepSpeed ZeRO-1/2/3 and
+FairScale OSS / ShardedDDP (only where installed; otherwise a "not installed" row),
+and shardkit's oss, sdp, fsdp, pipe, offload (the main job's ``--strategy`` registry)
+and offload on the disk tier.
+
+[Note: method]
+For every (world size, model size), ``--rounds`` rounds run every strategy once, the
+order rotating by one from round to round, so that the load from other processes on a
+shared machine falls on all strategies alike and none always runs first. Each run is
+a fresh set of spawned gloo ranks (one thread each), so the peak RSS per rank
+(``VmHWM``) is that run's alone: build the GPT (same seed on every rank), wrap it,
+``--warmup`` untimed steps (the first one measures the model-state bytes per rank by
+category, :func:`shardkit.memory.model_state_bytes`: parameters, gradients and buffers
+after backward, optimizer state after the step), then ``--steps`` timed steps. A step
+is forward, backward, optimizer step, ``zero_grad``; its time is the slowest rank's.
+Reported over all timed steps of all rounds (``--steps x --rounds``, 10 by default):
+median, quartiles and min/max of the step time; tokens/s (world size x batch x
+sequence length / median); the ratio to torch DDP's median, and the paired ratio (the
+median over rounds of the round's median over DDP's in the same round). Communication
+is counted, not estimated (:mod:`benchmarks.comm`): the bytes of every
+torch.distributed collective issued in the timed steps, per step and rank, and the
+ring-algorithm volume against the ZeRO paper's 2 psi / 3 psi. A failing strategy is a
+row with its error.
+
+Output: ``benchmarks/results/compare-<time>.json`` (everything, with the machine, the
+load average at start and end and the command), ``.md`` (the table) and PNG plots
+(``-memory.png``: model-state bytes per rank vs world size with the ZeRO formula
+lines; ``-ratio.png``: step time over torch DDP's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from benchmarks import comm
+from benchmarks.common import (
+    RESULTS,
+    command,
+    local_state_bytes,
+    machine,
+    peak_rss_bytes,
+    slowest,
+    start_rss_watchdog,
+    timestamp,
+)
+from benchmarks.report import render_markdown, summarize, write_plots
+from benchmarks.runners import BY_NAME, STRATEGIES, Runner, available
+from shardkit.testing import RankError, RankTimeoutError, run_distributed
+from shardkit.testing.models import GPT, MODEL_SIZES, GPTConfig
+
+SIZES: dict[str, dict[str, int]] = {
+    **{name: {**shape, "vocab_size": 256} for name, shape in MODEL_SIZES.items()},
+    # The GPT of /work/shared/ANCHORS.md (27.4M parameters at T = 128).
+    "anchor": {"n_layer": 6, "n_head": 8, "n_embd": 512, "vocab_size": 8192},
+}
+"""Model sizes: the main job's byte-level ``tiny``/``small``/``medium`` and ``anchor``."""
+
+
+def model_config(size: str, seq_len: int) -> GPTConfig:
+    """The GPT of a named size with ``block_size = seq_len``.
+
+    Raises:
+        ValueError: for an unknown size, naming the known ones.
+    """
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZES)}")
+    return GPTConfig(block_size=seq_len, **SIZES[size])
+
+
+def num_params(config: GPTConfig) -> int:
+    """psi: the GPT's unique parameter elements (the tied weight once)."""
+    with torch.device("meta"):
+        return GPT(config).num_parameters()
+
+
+# ---------------------------------------------------------------------------- ranks
+def _batch(config: GPTConfig, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    shape = (batch, config.block_size)
+    x = torch.randint(0, config.vocab_size, shape, generator=gen)
+    return x, torch.randint(0, config.vocab_size, shape, generator=gen)
+
+
+def _measured_step(runner: Runner, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
+    """One training step that measures the model state: parameters, gradients and
+    buffers after backward, optimizer state after the step (bytes per category)."""
+    runner.forward_backward(x, y)
+    state = local_state_bytes(runner.module)
+    runner.step_fn()
+    state["optimizer_state"] = local_state_bytes(torch.nn.Module(), runner.optimizer_state())[
+        "optimizer_state"
+    ]
+    state["total"] = sum(state[k] for k in ("parameters", "gradients", "optimizer_state"))
+    state["total"] += state["buffers"]
+    return state
+
+
+def run_config(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Body of every rank of one run (a fresh process): build, warm up, time, count.
+
+    Args:
+        spec: ``strategy`` (a name in :data:`benchmarks.runners.BY_NAME`), ``model``
+            (:class:`GPTConfig` fields), ``batch`` (sequences per rank), ``steps``
+            (timed), ``warmup`` (untimed, >= 1: the first measures the state), optional
+            ``memory_limit_bytes`` (RSS watchdog), ``chunks``, ``offload_dir``.
+
+    Returns:
+        ``times`` (s per timed step, slowest rank), ``state`` (bytes by category),
+        ``comm`` (:meth:`benchmarks.comm.CommCounter.snapshot` over the timed steps),
+        ``rss_start`` / ``rss_peak`` (``VmHWM`` bytes before building / at the end).
+    """
+    rss_start = peak_rss_bytes()
+    if spec.get("memory_limit_bytes"):
+        start_rss_watchdog(int(spec["memory_limit_bytes"]))
+    counter = comm.install()
+    counter.reset()
+    try:
+        torch.manual_seed(0)
+        config = GPTConfig(**spec["model"])
+        runner = BY_NAME[spec["strategy"]].build(config, spec)
+        x, y = _batch(config, spec["batch"])
+        state = _measured_step(runner, x, y)
+        for _ in range(spec["warmup"] - 1):
+            runner.train_step(x, y)
+        times = []
+        for _ in range(spec["steps"]):
+            dist.barrier()
+            with counter.counting():
+                start = time.perf_counter()
+                runner.train_step(x, y)
+                elapsed = time.perf_counter() - start
+            times.append(slowest(elapsed))
+    finally:
+        comm.uninstall()  # a reused process (a test's rank pool) gets torch's own back
+    return {
+        "times": times,
+        "state": state,
+        "comm": counter.snapshot(),
+        "rss_start": rss_start,
+        "rss_peak": peak_rss_bytes(),
+    }
+
+
+# ---------------------------------------------------------------------------- runs
+def error_line(err: BaseException) -> str:
+    """The last line of a rank's traceback (or the error itself): what went wrong."""
+    text = err.remote_traceback if isinstance(err, RankError) else str(err)
+    lines = [
+        line.strip()
+        for line in text.strip().splitlines()
+        if line.strip() and not line.startswith("(ranks ")  # RankPool's note on other ranks
+    ]
+    head = f"rank {err.rank}: " if isinstance(err, RankError) else ""
+    return head + (lines[-1] if lines else type(err).__name__)
+
+
+def run_once(spec: dict[str, Any], world_size: int, timeout_s: float) -> dict[str, Any]:
+    """One run in fresh ranks; a failure becomes ``{"error": ...}``, never an exception."""
+    record: dict[str, Any] = {"spec": spec, "world_size": world_size}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="shardkit-bench-") as tmp:
+        if spec["strategy"] == "shardkit offload (disk)":
+            spec = {**spec, "offload_dir": tmp}
+        try:
+            record["ranks"] = run_distributed(run_config, world_size, spec, timeout_s=timeout_s)
+        except (RankError, RankTimeoutError) as err:
+            record["error"] = error_line(err)
+    record["wall_s"] = time.perf_counter() - started
+    return record
+
+
+def rotated(names: list[str], round_index: int) -> list[str]:
+    """``names`` rotated left by ``round_index`` (the order of one round)."""
+    if not names:
+        return []
+    shift = round_index % len(names)
+    return names[shift:] + names[:shift]
+
+
+def run_grid(
+    args: argparse.Namespace,
+    names: list[str],
+    on_run: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Every (world size, model size, round, strategy) run, interleaved; the records.
+
+    A strategy that failed in a round is not run again for that (world size, model).
+    """
+    records: list[dict[str, Any]] = []
+    total = len(args.world_sizes) * len(args.model_sizes) * args.rounds * len(names)
+    bar = tqdm(total=total, desc="compare", unit="run", dynamic_ncols=True)
+    for world_size in args.world_sizes:
+        for size in args.model_sizes:
+            config = model_config(size, args.seq_len)
+            failed: set[str] = set()
+            for round_index in range(args.rounds):
+                for name in rotated(names, round_index):
+                    bar.set_postfix_str(f"N={world_size} {size} {name}")
+                    if name in failed:
+                        bar.update()
+                        continue
+                    spec = {
+                        "strategy": name,
+                        "model": asdict(config),
+                        "batch": args.batch,
+                        "steps": args.steps,
+                        "warmup": args.warmup,
+                        "chunks": args.chunks,
+                    }
+                    record = run_once(spec, world_size, args.timeout)
+                    record.update(
+                        model_size=size,
+                        round=round_index,
+                        psi=num_params(config),
+                        stage=BY_NAME[name].stage,
+                    )
+                    if "error" in record:
+                        failed.add(name)
+                        tqdm.write(f"{name} (N={world_size}, {size}): {record['error']}")
+                    records.append(record)
+                    if on_run is not None:
+                        on_run(record)
+                    bar.update()
+    bar.close()
+    return records
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.compare", description=__doc__.splitlines()[0]
+    )
+    names = [s.name for s in STRATEGIES]
+    add = p.add_argument
+    add("--world-sizes", type=int, nargs="+", default=[2], help="default: 2")
+    add("--model-sizes", nargs="+", default=["small"], choices=sorted(SIZES), help="default small")
+    add("--strategies", nargs="+", default=names, choices=names, metavar="NAME", help="default all")
+    add("--batch", type=int, default=8, help="sequences per rank (default 8)")
+    add("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    add("--steps", type=int, default=5, help="timed steps per run (default 5)")
+    add("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    add("--warmup", type=int, default=1, help="untimed steps per run, >= 1 (default 1)")
+    add("--chunks", type=int, default=4, help="pipe: micro-batches per step (default 4)")
+    add("--timeout", type=float, default=900.0, help="seconds per run (default 900)")
+    add("--out", type=Path, default=RESULTS, help="results folder (default benchmarks/results)")
+    args = p.parse_args(argv)
+    if args.warmup < 1:
+        p.error(f"--warmup must be >= 1 (the first step measures the state); got {args.warmup}")
+    if args.steps * args.rounds < 10:
+        print(
+            f"note: {args.steps} x {args.rounds} = {args.steps * args.rounds} timed steps per "
+            "strategy (fewer than the 10 a reported median needs: a quick run)"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the grid, write JSON, Markdown and plots; return the JSON document."""
+    args = parse_args(argv)
+    selected = [BY_NAME[n] for n in args.strategies]
+    missing = [s.name for s in selected if not available(s)]
+    runnable = [s.name for s in selected if available(s)]
+    doc: dict[str, Any] = {
+        "command": command("benchmarks.compare", argv),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": machine(),
+        "not_installed": {s.name: s.requires for s in selected if not available(s)},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    doc["records"] = run_grid(args, runnable)
+    doc["loadavg_end"] = machine()["loadavg"]
+    doc["summary"] = summarize(doc["records"], args.batch, args.seq_len)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"compare-{timestamp()}"
+    doc["plots"] = [p.name for p in write_plots(doc["summary"], stem)]
+    table = render_markdown(doc, missing)
+    Path(f"{stem}.md").write_text(table + "\n")
+    Path(f"{stem}.json").write_text(json.dumps(doc, indent=1, default=float) + "\n")
+    print(table)
+    print(f"\nwrote {stem}.json, {stem}.md and {', '.join(doc['plots'])}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""From the runs of :mod:`benchmarks.compare` to summary rows, a Markdown table and plots.
+
+:func:`summarize` turns run records (one per strategy, world size, model size and
+round; each with every rank's result or an error) into one row per (world size, model
+size, strategy); :func:`render_markdown` prints them; :func:`write_plots` draws the
+per-rank model-state bytes against the world size with the ZeRO formula lines, and
+the step-time ratio to torch DDP.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.comm import theory_volume_bytes
+from shardkit.memory import zero_memory_estimate
+
+BASELINE = "torch DDP"
+MIB = 2**20
+Row = dict[str, Any]
+
+
+def _quartiles(times: list[float]) -> tuple[float, float]:
+    if len(times) < 2:
+        return times[0], times[0]
+    q = statistics.quantiles(times, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def _model_bytes(state: dict[str, int]) -> int:
+    """Parameters + gradients + optimizer state (what the ZeRO formula covers)."""
+    return state["parameters"] + state["gradients"] + state["optimizer_state"]
+
+
+def _timing(ok: list[dict[str, Any]], tokens_per_step: int) -> Row:
+    times = [t for r in ok for t in r["ranks"][0]["times"]]
+    median = statistics.median(times)
+    q1, q3 = _quartiles(times)
+    return {
+        "median_s": median,
+        "q1_s": q1,
+        "q3_s": q3,
+        "min_s": min(times),
+        "max_s": max(times),
+        "n_steps": len(times),
+        "tokens_per_s": tokens_per_step / median,
+        "round_medians": {r["round"]: statistics.median(r["ranks"][0]["times"]) for r in ok},
+    }
+
+
+def _memory(ok: list[dict[str, Any]], world: int, psi: int, stage: int | None) -> Row:
+    states = [ok[-1]["ranks"][k]["state"] for k in range(world)]
+    row: Row = {
+        "peak_rss_bytes": [max(r["ranks"][k]["rss_peak"] for r in ok) for k in range(world)],
+        "rss_start_bytes": [max(r["ranks"][k]["rss_start"] for r in ok) for k in range(world)],
+        "state_bytes": states,
+    }
+    if stage is not None:
+        formula = zero_memory_estimate(psi, world, stage, mixed_precision=False).total
+        row["formula_bytes"] = formula
+        row["state_over_formula"] = max(_model_bytes(s) for s in states) / formula
+    return row
+
+
+def _comm(ok: list[dict[str, Any]], world: int, psi: int, stage: int | None) -> Row:
+    volumes: list[float] = []
+    payload: dict[str, list[float]] = {}
+    for r in ok:
+        steps = len(r["ranks"][0]["times"])
+        for rank in r["ranks"]:
+            volumes.append(rank["comm"]["total_volume_bytes"] / steps)
+            for kind, b in rank["comm"]["payload_bytes"].items():
+                payload.setdefault(kind, []).append(b / steps)
+    count = len(volumes)
+    row: Row = {
+        "comm_volume_bytes": statistics.fmean(volumes),
+        "comm_payload_bytes": {k: sum(v) / count for k, v in payload.items()},
+    }
+    if stage is not None and world > 1:
+        theory = theory_volume_bytes(psi, world, stage)
+        row["comm_theory_bytes"] = theory
+        row["comm_over_theory"] = row["comm_volume_bytes"] / theory
+    return row
+
+
+def _add_ratios(rows: list[Row]) -> None:
+    """``x_ddp`` (ratio of medians) and ``paired`` (per-round ratios) against DDP."""
+    base = {(r["world_size"], r["model_size"]): r for r in rows if r["strategy"] == BASELINE}
+    for row in rows:
+        ddp = base.get((row["world_size"], row["model_size"]))
+        if ddp is None or "median_s" not in ddp or "median_s" not in row:
+            continue
+        row["x_ddp"] = row["median_s"] / ddp["median_s"]
+        paired = [
+            m / ddp["round_medians"][k]
+            for k, m in row["round_medians"].items()
+            if k in ddp["round_medians"]
+        ]
+        if paired:
+            row["paired_rounds"] = paired
+            row["x_ddp_paired"] = statistics.median(paired)
+
+
+def summarize(records: Iterable[dict[str, Any]], batch: int, seq_len: int) -> list[Row]:
+    """One row per (world size, model size, strategy), in first-run order.
+
+    Args:
+        records: run records (``strategy`` in ``spec``, ``world_size``, ``model_size``,
+            ``round``, ``psi``, ``stage`` and ``ranks`` or ``error``).
+        batch: sequences per rank; seq_len: tokens per sequence (for tokens/s).
+
+    Returns:
+        Rows with the timing (``median_s``, ``q1_s``, ``q3_s``, ``min_s``, ``max_s``,
+        ``tokens_per_s``), ratios (``x_ddp``, ``x_ddp_paired``), memory
+        (``peak_rss_bytes`` and ``state_bytes`` per rank, ``state_over_formula``) and
+        communication (``comm_volume_bytes``, ``comm_over_theory``) fields; a strategy
+        that failed in every round has ``error`` instead.
+    """
+    groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["world_size"], r["model_size"], r["spec"]["strategy"]), []).append(r)
+    rows: list[Row] = []
+    for (world, size, name), recs in groups.items():
+        psi, stage = recs[0]["psi"], recs[0]["stage"]
+        row: Row = {"strategy": name, "world_size": world, "model_size": size, "psi": psi}
+        row["stage"] = stage
+        ok = [r for r in recs if "ranks" in r]
+        errors = [r["error"] for r in recs if "error" in r]
+        if errors:
+            row["errors"] = errors
+        if not ok:
+            row["error"] = errors[0]
+            rows.append(row)
+            continue
+        row.update(_timing(ok, world * batch * seq_len))
+        row.update(_memory(ok, world, psi, stage))
+        row.update(_comm(ok, world, psi, stage))
+        rows.append(row)
+    _add_ratios(rows)
+    return rows
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _row_cells(row: Row) -> list[str]:
+    ratio = _fmt(row.get("x_ddp_paired"))
+    if "paired_rounds" in row and len(row["paired_rounds"]) > 1:
+        ratio += f" [{min(row['paired_rounds']):.2f}-{max(row['paired_rounds']):.2f}]"
+    top = max(row["state_bytes"], key=_model_bytes)
+    state = "/".join(f"{top[k] / MIB:.0f}" for k in ("parameters", "gradients", "optimizer_state"))
+    comm = row["comm_volume_bytes"] / MIB
+    return [
+        f"{row['median_s']:.3f} [{row['q1_s']:.3f}-{row['q3_s']:.3f}]",
+        f"{_fmt(row.get('x_ddp'))} / {ratio}",
+        f"{row['tokens_per_s']:.0f}",
+        " / ".join(f"{b / MIB:.0f}" for b in row["peak_rss_bytes"]),
+        state,
+        _fmt(row.get("state_over_formula")),
+        f"{comm:.1f}",
+        _fmt(row.get("comm_over_theory")),
+    ]
+
+
+HEADER = (
+    "| strategy | N | model (psi) | step s: median [IQR] | x DDP: medians / paired [rounds] "
+    "| tokens/s | peak RSS MiB per rank | params/grads/optim MiB (max rank) | x ZeRO formula "
+    "| comm MiB/step/rank | x theory |"
+)
+
+
+def table(rows: list[Row], not_installed: Iterable[str] = ()) -> str:
+    """The Markdown table of :func:`summarize` rows (+ a row per missing package)."""
+    lines = [HEADER, "|" + "---|" * 11]
+    for row in rows:
+        model = f"{row['model_size']} ({row['psi'] / 1e6:.1f}M)"
+        head = [row["strategy"], str(row["world_size"]), model]
+        failed = [f"failed: {row['error']}"] + ["-"] * 7 if "error" in row else None
+        cells = failed or _row_cells(row)
+        lines.append("| " + " | ".join(head + cells) + " |")
+    for name in not_installed:
+        lines.append(f"| {name} | - | - | not installed | " + " | ".join(["-"] * 7) + " |")
+    return "\n".join(lines)
+
+
+NOTES = """\
+- step s: median and interquartile range of the timed steps of all rounds (a step:
+  forward, backward, optimizer step, zero_grad; the slowest rank's time).
+- x DDP: this median over torch DDP's median in the same run; paired: the median over
+  rounds of (this round's median / DDP's median in the same round), [min-max over rounds].
+- tokens/s: world size x batch x sequence length / median step time.
+- peak RSS: VmHWM of each rank's process (fresh processes per run; the maximum over rounds).
+- params/grads/optim: model-state bytes per rank (shardkit.memory.model_state_bytes of the
+  rank's local tensors), the rank with the most; x ZeRO formula: that sum over the fp32
+  AdamW formula of the strategy's stage (4 + 4 + 8 bytes per parameter; Rajbhandari et
+  al. 2020, sec. 5.1).
+- comm: bytes each rank sends per step, counted from the torch.distributed collectives
+  issued in the timed steps, as ring-algorithm volume (2 (N-1)/N x payload for an
+  all-reduce, (N-1)/N for all-gather, reduce-scatter, broadcast, reduce; benchmarks/comm.py);
+  x theory: over the ZeRO paper's volume, 2 psi (N-1)/N x 4 bytes for DDP and stages 1-2,
+  3 psi (N-1)/N x 4 bytes for stage 3 (sec. 7). Pipe: activations, no theory."""
+
+
+def render_markdown(doc: dict[str, Any], not_installed: Iterable[str] = ()) -> str:
+    """The results page: command, machine, load averages, the table and its notes."""
+    m = doc["machine"]
+    load_end = doc.get("loadavg_end", [])
+    lines = [
+        f"# benchmarks.compare, {doc.get('started', '')}",
+        "",
+        f"Command: `{doc['command']}`",
+        "",
+        f"Machine: {m['cpu_count']} CPUs ({m['cpu_model']}), torch {m['torch']}, "
+        f"Python {m['python']}; load average (1/5/15 min) at start "
+        f"{'/'.join(str(v) for v in m['loadavg'])}, at end {'/'.join(str(v) for v in load_end)}.",
+        "",
+        table(doc["summary"], not_installed),
+        "",
+        NOTES,
+    ]
+    return "\n".join(lines)
+
+
+def _memory_plot(ax: Any, rows: list[Row], size: str) -> None:
+    mine = [r for r in rows if r["model_size"] == size and "state_bytes" in r]
+    if not mine:
+        return
+    psi = mine[0]["psi"]
+    worlds = sorted({r["world_size"] for r in mine} | {1})
+    span = list(range(1, max(max(worlds), 4) + 1))
+    for stage, style in zip(range(4), ("-", "--", "-.", ":")):
+        y = [zero_memory_estimate(psi, n, stage, mixed_precision=False).total / MIB for n in span]
+        ax.plot(span, y, style, color="gray", label=f"ZeRO-{stage} formula (fp32)")
+    for name in dict.fromkeys(r["strategy"] for r in mine):
+        pts = sorted(
+            (r["world_size"], max(_model_bytes(s) for s in r["state_bytes"]) / MIB)
+            for r in mine
+            if r["strategy"] == name
+        )
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name, alpha=0.8)
+    ax.set_title(f"GPT {size} (psi = {psi / 1e6:.1f}M)")
+    ax.set_xlabel("world size N")
+    ax.set_ylabel("model-state MiB per rank (max rank)")
+    ax.set_xticks(span)
+
+
+def _ratio_plot(ax: Any, rows: list[Row]) -> None:
+    timed = [r for r in rows if "x_ddp_paired" in r]
+    labels = [f"{r['strategy']} (N={r['world_size']}, {r['model_size']})" for r in timed]
+    values = [r["x_ddp_paired"] for r in timed]
+    low = [r["x_ddp_paired"] - min(r["paired_rounds"]) for r in timed]
+    high = [max(r["paired_rounds"]) - r["x_ddp_paired"] for r in timed]
+    ax.barh(range(len(timed)), values, xerr=[low, high], color="tab:blue", alpha=0.7)
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_yticks(range(len(timed)))
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("step time / torch DDP (paired median over rounds; bars: min-max)")
+
+
+def write_plots(rows: list[Row], stem: Path) -> list[Path]:
+    """``<stem>-memory.png`` and ``<stem>-ratio.png`` (matplotlib, Agg); the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(dict.fromkeys(r["model_size"] for r in rows))
+    fig, axes = plt.subplots(1, len(sizes), figsize=(7 * len(sizes), 5), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        _memory_plot(ax, rows, size)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    memory = Path(f"{stem}-memory.png")
+    fig.savefig(memory, dpi=100)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(9, 0.35 * max(4, len(rows)) + 1))
+    _ratio_plot(ax, rows)
+    fig.tight_layout()
+    ratio = Path(f"{stem}-ratio.png")
+    fig.savefig(ratio, dpi=100)
+    plt.close(fig)
+    return [memory, ratio]

@@ -1,0 +1,249 @@
+"""The strategies the benchmarks run side by side, each built as a :class:`Runner` on a rank.
+
+Each entry of :data:`STRATEGIES` builds, on every rank of an initialised process
+group, the main job's GPT wrapped one way, and says which ZeRO stage it is (for the
+memory formula and the communication theory). shardkit's entries come from the main
+job's registry (``examples/strategies.py``, the ``--strategy`` flag of
+``examples/train_gpt.py``), so the benchmark runs exactly what the main job trains;
+torch's, DeepSpeed's and FairScale's are built here. DeepSpeed and FairScale entries
+are only run where the package imports (:func:`available`); they are written against
+their documented APIs but were not run on the machine that made the committed results,
+where neither is installed.
+
+Every DDP-based runner gets the counted all-reduce comm hook
+(:func:`benchmarks.comm.count_ddp`), so its gradient traffic is counted like the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.comm import count_ddp
+from benchmarks.common import ADAMW, build_torch_fsdp2
+from shardkit.testing.models import GPT, GPTConfig, gpt_init_fn, gpt_stages
+
+EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
+if str(EXAMPLES_DIR) not in sys.path:  # the main job's registry is a script, not a package
+    sys.path.insert(0, str(EXAMPLES_DIR))
+
+__all__ = ["STRATEGIES", "BenchStrategy", "Runner", "available"]
+
+
+@dataclass
+class Runner:
+    """One strategy's training step on this rank.
+
+    Attributes:
+        module: called as ``module(x, targets=y) -> (logits, loss)``, ``x``, ``y`` of
+            shape ``(batch, seq_len)``.
+        step_fn: optimizer step and ``zero_grad`` (called after backward).
+        optimizer_state: returns the mapping holding this rank's optimizer state.
+        backward: how the loss is back-propagated (DeepSpeed: ``engine.backward``).
+    """
+
+    module: nn.Module
+    step_fn: Callable[[], None]
+    optimizer_state: Callable[[], Mapping[Any, Any]]
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Forward with the loss, then backward."""
+        _, loss = self.module(x, targets=y)
+        self.backward(loss)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One training step: forward, backward, optimizer step, ``zero_grad``."""
+        self.forward_backward(x, y)
+        self.step_fn()
+
+
+Builder = Callable[[GPTConfig, Mapping[str, Any]], Runner]
+
+
+@dataclass(frozen=True)
+class BenchStrategy:
+    """A benchmarked strategy.
+
+    Attributes:
+        name: the row label.
+        stage: ZeRO stage of its model state and communication (0 for DDP); None where
+            the formulas do not apply (pipeline).
+        build: ``build(config, spec) -> Runner`` on every rank.
+        requires: a module that must import for the strategy to run (None: torch and
+            shardkit only).
+    """
+
+    name: str
+    stage: int | None
+    build: Builder
+    requires: str | None = None
+
+
+def _registry_args(spec: Mapping[str, Any]) -> argparse.Namespace:
+    """The main job's flags that its strategy factories read."""
+    return argparse.Namespace(
+        lr=ADAMW["lr"],
+        chunks=spec.get("chunks", 4),
+        schedule=spec.get("schedule", "1f1b"),
+        offload_dir=None,  # the CPU tier; the disk tier is its own entry
+        resume=False,
+    )
+
+
+def _from_registry(key: str) -> Builder:
+    def build(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
+        from strategies import STRATEGIES as MAIN_JOB  # examples/strategies.py
+
+        strategy = MAIN_JOB[key](GPT(config), _registry_args(spec), torch.device("cpu"))
+        count_ddp(strategy.module)
+        opt = strategy.optimizer
+
+        def step() -> None:
+            strategy.before_step()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return Runner(strategy.module, step, lambda: opt.state)
+
+    build.__name__ = f"build_{key}"
+    return build
+
+
+def _plain_step(opt: torch.optim.Optimizer) -> Callable[[], None]:
+    def step() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def build_torch_zero(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
+    """torch DDP + ``ZeroRedundancyOptimizer(AdamW)`` (ZeRO-1)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = GPT(config)
+    module = nn.parallel.DistributedDataParallel(model)
+    count_ddp(module)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW)
+    return Runner(module, _plain_step(opt), lambda: opt.optim.state)
+
+
+def build_torch_fsdp2_runner(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
+    """torch FSDP2: ``fully_shard`` per Block and the root (ZeRO-3); AdamW."""
+    module = build_torch_fsdp2(GPT(config))
+    opt = torch.optim.AdamW(module.parameters(), **ADAMW)
+    return Runner(module, _plain_step(opt), lambda: opt.state)
+
+
+def build_offload_disk(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
+    """shardkit OffloadModel on the disk tier: the GPT built on ``meta`` and initialised
+    slice by slice, so no rank ever holds the whole model; gradients averaged across
+    ranks; ``sliced_optimizer`` steps each slice where it lives."""
+    from strategies import OffloadGPT  # examples/strategies.py
+
+    from shardkit.nn.offload import OffloadModel
+
+    with torch.device("meta"):
+        gpt = GPT(config)
+    root = spec["offload_dir"]  # the harness creates and removes it
+    offload = OffloadModel(
+        gpt_stages(gpt),
+        "cpu",
+        offload_dir=f"{root}/rank{dist.get_rank()}",
+        param_init_fn=gpt_init_fn,
+        num_slices=min(4, config.n_layer + 2),
+        checkpoint_activation=True,
+        process_group=dist.group.WORLD,
+    )
+    opt = offload.sliced_optimizer(torch.optim.AdamW, **ADAMW)
+    return Runner(OffloadGPT(offload), _plain_step(opt), lambda: opt.state)
+
+
+def build_fairscale_oss(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
+    """FairScale ``OSS(AdamW)`` under torch DDP (ZeRO-1). Not run where not installed."""
+    from fairscale.optim import OSS as FairScaleOSS
+
+    model = GPT(config)
+    module = nn.parallel.DistributedDataParallel(model)
+    count_ddp(module)
+    opt = FairScaleOSS(model.parameters(), optim=torch.optim.AdamW, **ADAMW)
+    return Runner(module, _plain_step(opt), lambda: opt.optim.state)
+
+
+def build_fairscale_sdp(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
+    """FairScale ``ShardedDataParallel`` + ``OSS(AdamW)`` (ZeRO-2). Not run where not
+    installed. ``zero_grad(set_to_none=False)``: FairScale's buckets lose gradients set
+    to None (ANCHORS.md)."""
+    from fairscale.nn.data_parallel import ShardedDataParallel as FairScaleSDP
+    from fairscale.optim import OSS as FairScaleOSS
+
+    model = GPT(config)
+    opt = FairScaleOSS(model.parameters(), optim=torch.optim.AdamW, **ADAMW)
+    module = FairScaleSDP(model, opt)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    return Runner(module, step, lambda: opt.optim.state)
+
+
+def _deepspeed(stage: int) -> Builder:
+    def build(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
+        """DeepSpeed ZeRO on CPU (gloo), fp32 AdamW, no clipping. Not run where not
+        installed."""
+        import deepspeed
+
+        ds_config = {
+            "train_micro_batch_size_per_gpu": spec["batch"],
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage},
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "weight_decay": 0.01},
+            },
+        }
+        model = GPT(config)
+        engine, opt, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config
+        )
+        return Runner(engine, engine.step, lambda: opt.state, backward=engine.backward)
+
+    build.__name__ = f"build_deepspeed_zero{stage}"
+    return build
+
+
+STRATEGIES: list[BenchStrategy] = [
+    BenchStrategy("torch DDP", 0, _from_registry("ddp")),
+    BenchStrategy("torch DDP + ZeroRedundancyOptimizer", 1, build_torch_zero),
+    BenchStrategy("torch FSDP2 fully_shard", 3, build_torch_fsdp2_runner),
+    BenchStrategy("DeepSpeed ZeRO-1", 1, _deepspeed(1), requires="deepspeed"),
+    BenchStrategy("DeepSpeed ZeRO-2", 2, _deepspeed(2), requires="deepspeed"),
+    BenchStrategy("DeepSpeed ZeRO-3", 3, _deepspeed(3), requires="deepspeed"),
+    BenchStrategy("FairScale OSS + DDP", 1, build_fairscale_oss, requires="fairscale"),
+    BenchStrategy("FairScale ShardedDDP + OSS", 2, build_fairscale_sdp, requires="fairscale"),
+    BenchStrategy("shardkit oss", 1, _from_registry("oss")),
+    BenchStrategy("shardkit sdp", 2, _from_registry("sdp")),
+    BenchStrategy("shardkit fsdp", 3, _from_registry("fsdp")),
+    BenchStrategy("shardkit pipe", None, _from_registry("pipe")),
+    BenchStrategy("shardkit offload", 0, _from_registry("offload")),
+    BenchStrategy("shardkit offload (disk)", 0, build_offload_disk),
+]
+"""Every strategy, in table order; the first is the baseline of the ratios."""
+
+BY_NAME = {s.name: s for s in STRATEGIES}
+
+
+def available(strategy: BenchStrategy) -> bool:
+    """Whether the package the strategy needs imports here (always, for torch/shardkit)."""
+    return strategy.requires is None or importlib.util.find_spec(strategy.requires) is not None
