@@ -52,8 +52,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.memory import ModelStateBytes, model_state_bytes
+from shardkit.nn.checkpoint import CheckpointWrapper, checkpoint_wrapper
 from shardkit.nn.data_parallel import ShardedDataParallel
-from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
+from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel, MixedPrecision
 from shardkit.nn.offload import DiskTier, OffloadModel
 from shardkit.nn.pipe import (
     PipelineStage,
@@ -65,9 +66,18 @@ from shardkit.nn.pipe import (
 )
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 from shardkit.optim import OSS
+from shardkit.optim.grad_scaler import ShardedGradScaler
 from shardkit.testing.models import GPT, Block, gpt_stages
 
-__all__ = ["STRATEGIES", "Strategy", "StrategyFactory", "adamw_kwargs"]
+__all__ = [
+    "STRATEGIES",
+    "Strategy",
+    "StrategyFactory",
+    "adamw_kwargs",
+    "build_strategy",
+    "fsdp_policy",
+    "option_error",
+]
 
 
 class Strategy:
@@ -112,6 +122,14 @@ class Strategy:
         Gradient clipping goes here; a sharded strategy must clip by the global norm
         (its wrapper's ``clip_grad_norm_``), not by the norm of its local shard.
         """
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The backward pass of the loop; default ``loss.backward()``."""
+        loss.backward()
+
+    def step(self) -> None:
+        """The optimizer step of the loop; default ``optimizer.step()``."""
+        self.optimizer.step()
 
 
 StrategyFactory = Callable[[GPT, argparse.Namespace, torch.device], Strategy]
@@ -341,10 +359,13 @@ def _no_decay(name: str) -> bool:
 
 def _fsdp(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
     """FullyShardedDataParallel, one unit per Block + the root (ZeRO-3); AdamW without
-    weight decay on biases and norms (FSDP keeps the original parameter names)."""
-    with enable_wrap(wrapper_cls=FullyShardedDataParallel):
-        wrapped = auto_wrap(model, transformer_auto_wrap_policy({Block}))
-    module = FullyShardedDataParallel(wrapped)
+    weight decay on biases and norms (FSDP keeps the original parameter names).
+    ``--precision bf16|fp16``: FSDP's own mixed precision (:func:`fsdp_policy`)."""
+    blocks = {CheckpointWrapper if _checkpointing(args) else Block}
+    policy = fsdp_policy(getattr(args, "precision", "fp32"))
+    with enable_wrap(wrapper_cls=FullyShardedDataParallel, mixed_precision=policy):
+        wrapped = auto_wrap(model, transformer_auto_wrap_policy(blocks))
+    module = FullyShardedDataParallel(wrapped, mixed_precision=policy)
     kwargs = adamw_kwargs(args)
     named = list(module.named_parameters())
     groups: list[dict[str, Any]] = [
@@ -362,3 +383,134 @@ STRATEGIES: dict[str, StrategyFactory] = {
     "offload": _offload,
     "fsdp": _fsdp,
 }
+
+
+# --precision and --activation-checkpointing --------------------------------------------
+# [Note: precision per strategy]
+# ddp, oss and sdp keep fp32 parameters and run the forward under torch.autocast (bf16 or
+# fp16); fsdp casts its own full parameters (a MixedPrecision policy: the all-gather
+# moves half the bytes). fp16 adds dynamic loss scaling: torch's GradScaler for ddp
+# (every rank holds every gradient), ShardedGradScaler elsewhere (each rank checks its
+# shard, the ranks agree). pipe and offload run their own backward inside forward, so
+# neither option applies to them (offload checkpoints every slice already).
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISION_MODE = {"ddp": "autocast", "oss": "autocast", "sdp": "autocast", "fsdp": "native"}
+CHECKPOINTING = ("ddp", "oss", "sdp", "fsdp", "pipe")
+FP16_INIT_SCALE = 2.0**14  # FSDP's fp16 loss: its gradient (the scale) must fit fp16 (65504)
+
+
+def _checkpointing(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "activation_checkpointing", False))
+
+
+def option_error(args: argparse.Namespace) -> str | None:
+    """Why ``--precision`` / ``--activation-checkpointing`` do not apply to
+    ``--strategy``, or None when they do."""
+    precision = getattr(args, "precision", "fp32")
+    if precision != "fp32" and args.strategy not in PRECISION_MODE:
+        return (
+            f"--precision {precision} applies to strategies {sorted(PRECISION_MODE)}, not "
+            f"{args.strategy!r}; use --precision fp32"
+        )
+    if _checkpointing(args) and args.strategy not in CHECKPOINTING:
+        return (
+            f"--activation-checkpointing applies to strategies {list(CHECKPOINTING)}, not "
+            f"{args.strategy!r} (offload checkpoints every slice already)"
+        )
+    return None
+
+
+def fsdp_policy(precision: str) -> MixedPrecision | None:
+    """FSDP's policy for ``--precision``: compute in bf16 / fp16, fp32 master shards;
+    reduce in bf16, or in fp32 for fp16 (a sum of scaled fp16 gradients may overflow)."""
+    if precision == "fp32":
+        return None
+    dtype = PRECISIONS[precision]
+    return MixedPrecision(
+        param_dtype=dtype, reduce_dtype=torch.float32 if dtype == torch.float16 else None
+    )
+
+
+class Autocast(nn.Module):
+    """``module``'s forward under ``torch.autocast(dtype)`` on the inputs' device type."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> Any:
+        with torch.autocast(x.device.type, dtype=self.dtype):
+            return self.module(x, targets=targets)
+
+
+class _Precision(Strategy):
+    """A strategy with autocast around its forward and/or a loss scaler (fp16); every
+    checkpoint and report method is the inner strategy's (plus the scaler's state)."""
+
+    def __init__(
+        self, inner: Strategy, autocast: torch.dtype | None, scaler: torch.amp.GradScaler | None
+    ) -> None:
+        module = inner.module if autocast is None else Autocast(inner.module, autocast)
+        super().__init__(module=module, optimizer=inner.optimizer, model=inner.model)
+        self.inner, self.scaler = inner, scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.inner.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+    def consolidated_model_state(self) -> dict[str, Any] | None:
+        return self.inner.consolidated_model_state()
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        return self.inner.model_state_bytes()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        scaled: torch.Tensor = loss if self.scaler is None else self.scaler.scale(loss)
+        scaled.backward()
+
+    def before_step(self) -> None:
+        if self.scaler is not None:  # clipping in the inner hook sees true gradients
+            self.scaler.unscale_(self.optimizer)
+        self.inner.before_step()
+
+    def step(self) -> None:
+        if self.scaler is None:
+            self.optimizer.step()
+            return
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+def build_strategy(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
+    """``STRATEGIES[args.strategy]`` with ``--activation-checkpointing`` (every Block
+    wrapped by ``checkpoint_wrapper`` before the strategy wraps the model) and
+    ``--precision`` (see [Note: precision per strategy]).
+
+    Raises:
+        ValueError: an option that does not apply to the strategy (:func:`option_error`).
+    """
+    problem = option_error(args)
+    if problem is not None:
+        raise ValueError(problem)
+    if _checkpointing(args):
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
+    strategy = STRATEGIES[args.strategy](model, args, device)
+    precision = getattr(args, "precision", "fp32")
+    if precision == "fp32":
+        return strategy
+    autocast = PRECISIONS[precision] if PRECISION_MODE[args.strategy] == "autocast" else None
+    scaler: torch.amp.GradScaler | None = None
+    if precision == "fp16":
+        if args.strategy == "ddp":
+            scaler = torch.amp.GradScaler(device.type, init_scale=FP16_INIT_SCALE)
+        else:
+            scaler = ShardedGradScaler(init_scale=FP16_INIT_SCALE, device=device.type)
+    return _Precision(strategy, autocast, scaler)

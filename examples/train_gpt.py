@@ -38,7 +38,7 @@ from gpt_checkpoint import (
 )
 from gpt_data import VOCAB_SIZE, BatchSampler, InputError, eval_windows, load_bytes, split_tokens
 from gpt_dist import Env, all_gather_ints, mean_over_ranks, setup_distributed
-from strategies import STRATEGIES, Strategy
+from strategies import PRECISIONS, STRATEGIES, Strategy, build_strategy, option_error
 from tqdm import tqdm
 
 from shardkit.checkpoint.atomic import atomic_save, atomic_write
@@ -90,6 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--data", default=None, help="a text file or a directory of .txt files")
     add("--chunks", type=_positive, default=4, help="pipe: micro-batches per step (default 4)")
     add("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="pipe (default 1f1b)")
+    add("--precision", default="fp32", choices=list(PRECISIONS), help="ddp/oss/sdp/fsdp")
+    add("--activation-checkpointing", action="store_true", help="recompute each Block")
     # Test-only fault injection (tests/examples/test_restart.py): see fault_point().
     add("--fault-kill-at-step", type=_non_negative, default=None, help=argparse.SUPPRESS)
     add("--fault-rank", type=_non_negative, default=0, help=argparse.SUPPRESS)
@@ -98,6 +100,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise InputError(
             f"unknown --strategy {args.strategy!r}; choose one of {sorted(STRATEGIES)}"
         )
+    problem = option_error(args)
+    if problem is not None:
+        raise InputError(problem)
     if args.warmup_steps is None:
         args.warmup_steps = max(1, args.steps // 10)
     return args
@@ -143,7 +148,7 @@ def build_run(args: argparse.Namespace, env: Env, train: torch.Tensor, val: torc
     random.seed(args.seed + env.rank)
     config = gpt_config(args.model_size, vocab_size=VOCAB_SIZE, block_size=args.seq_len)
     model = GPT(config).to(env.device)
-    strategy = STRATEGIES[args.strategy](model, args, env.device)
+    strategy = build_strategy(model, args, env.device)  # + precision, checkpointing
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         strategy.optimizer, lambda s: lr_factor(s, args.warmup_steps, args.steps)
     )
@@ -219,10 +224,10 @@ def train_step(run: Run) -> float:
     x, y = (t.to(run.env.device, non_blocking=True) for t in run.sampler.next_batch())
     run.strategy.optimizer.zero_grad(set_to_none=True)
     _, loss = run.strategy.module(x, targets=y)
-    loss.backward()
+    run.strategy.backward(loss)  # loss scaling with --precision fp16
     fault_point(run)
     run.strategy.before_step()  # the gradient-clipping hook (strategies.py)
-    run.strategy.optimizer.step()
+    run.strategy.step()
     run.scheduler.step()
     return mean_over_ranks(loss)
 

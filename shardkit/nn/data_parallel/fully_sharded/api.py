@@ -75,6 +75,8 @@ class FullyShardedDataParallel(nn.Module):
 
     Memory per rank (fp32 Adam, psi parameters): ``16 psi / N`` plus the largest unit's
     full parameters (two with prefetch) plus the root's, plus padding (< N per unit).
+    With mixed precision the full parameters take 2 bytes per element instead of 4;
+    with ``move_params_to_cpu`` the ``16 psi / N`` live in CPU memory.
 
     Source: Rajbhandari et al. 2020, "ZeRO", section 5.3 (P_os+g+p); FairScale's
     ``FullyShardedDataParallel`` (argument names and defaults) and torch's FSDP2.
@@ -85,11 +87,26 @@ class FullyShardedDataParallel(nn.Module):
         reshard_after_forward: free full parameters after forward, all-gather again in
             backward. Default True.
         disable_reshard_on_root: keep the root's full parameters after forward. Default True.
+        mixed_precision: True (FairScale: compute in ``compute_dtype``) or a
+            :class:`~.precision.MixedPrecision` policy; False/None: no casts. Master
+            shards, their gradients and the optimizer state stay in the parameters' dtype.
+            Default False.
+        fp32_reduce_scatter: with ``mixed_precision=True``, reduce-scatter gradients in
+            fp32 instead of the compute dtype. Default False.
         flatten_parameters: must be True (kept for FairScale compatibility).
+        move_params_to_cpu: keep master shards, gradients and optimizer state in CPU
+            memory (pinned when computing on CUDA); the optimizer steps on CPU. Default False.
+        compute_dtype: with ``mixed_precision=True``, the dtype of forward and backward
+            (``torch.float16`` or ``torch.bfloat16``). Default None: fp16 (FairScale's).
+        buffer_dtype: with ``mixed_precision=True``, the dtype floating buffers are cast
+            to. Default None: ``compute_dtype``.
+        move_grads_to_cpu: must equal ``move_params_to_cpu`` (its default).
         bucket_cap_mb: megabytes of gradient reduce-scatters in flight before waiting.
             Default 25.
-        compute_device: device for the full parameters; default None: the parameters'.
+        compute_device: device for the full parameters; default None: the parameters',
+            or the current CUDA device when offloading (the CPU when there is none).
         state_dict_device: device of ``state_dict()`` tensors; default None: compute device.
+        cpu_offload: FairScale's older name of ``move_params_to_cpu``. Default False.
         state_dict_on_rank_0_only: full ``state_dict()`` on the group's first rank only,
             ``{}`` elsewhere. Default False.
         gradient_predivide_factor: divide gradients by this before the reduce-scatter and
@@ -111,7 +128,7 @@ class FullyShardedDataParallel(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         reshard_after_forward: bool = True,
         disable_reshard_on_root: bool = True,
-        mixed_precision: bool | MixedPrecision = False,
+        mixed_precision: bool | MixedPrecision | None = False,
         fp32_reduce_scatter: bool = False,
         flatten_parameters: bool = True,
         move_params_to_cpu: bool = False,

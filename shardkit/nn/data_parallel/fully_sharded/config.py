@@ -96,7 +96,7 @@ def resolve_offload(
 
 
 def fairscale_config(
-    mixed_precision: bool | MixedPrecision,
+    mixed_precision: bool | MixedPrecision | None,
     fp32_reduce_scatter: bool,
     compute_dtype: torch.dtype | None,
     buffer_dtype: torch.dtype | None,

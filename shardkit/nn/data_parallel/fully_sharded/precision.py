@@ -98,12 +98,13 @@ class MixedPrecision:
 
 
 def resolve_mixed_precision(
-    mixed_precision: bool | MixedPrecision,
+    mixed_precision: bool | MixedPrecision | None,
     compute_dtype: torch.dtype | None,
     buffer_dtype: torch.dtype | None,
     fp32_reduce_scatter: bool,
 ) -> MixedPrecision | None:
-    """FairScale's arguments (or a policy) as one :class:`MixedPrecision`, or None (fp32).
+    """FairScale's arguments (or a policy) as one :class:`MixedPrecision`, or None (no
+    casts). ``mixed_precision=None`` is ``False``.
 
     FairScale's ``mixed_precision=True, compute_dtype=c (default fp16), buffer_dtype=b
     (default c), fp32_reduce_scatter=f`` is
