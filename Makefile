@@ -8,8 +8,9 @@ STAMP := $(VENV)/.installed-stamp
 NPROC ?= 2
 STRATEGY ?= ddp
 TRAIN_ARGS ?=
+SITE_DIR ?= /tmp/shardkit-site
 
-.PHONY: train test lint venv clean
+.PHONY: train test lint docs venv clean
 
 venv: $(STAMP)
 
@@ -23,7 +24,11 @@ train: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) examples/train_gpt.py \
 		--strategy $(STRATEGY) --out-dir runs/gpt-$(STRATEGY) $(TRAIN_ARGS)
 
-lint: $(STAMP)
+# The docs site (mkdocs.yml), strict: a warning (broken link, bad docstring) fails.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir $(SITE_DIR)
+
+lint: $(STAMP) docs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy shardkit
