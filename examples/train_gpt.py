@@ -92,6 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="pipe (default 1f1b)")
     add("--precision", default="fp32", choices=list(PRECISIONS), help="ddp/oss/sdp/fsdp")
     add("--activation-checkpointing", action="store_true", help="recompute each Block")
+    add("--offload-dir", default=None, help="offload: disk-tier directory (default: CPU memory)")
     # Test-only fault injection (tests/examples/test_restart.py): see fault_point().
     add("--fault-kill-at-step", type=_non_negative, default=None, help=argparse.SUPPRESS)
     add("--fault-rank", type=_non_negative, default=0, help=argparse.SUPPRESS)
@@ -128,6 +129,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     sampler: BatchSampler
     val: tuple[torch.Tensor, torch.Tensor]
+    num_params: int  # of the whole model, counted before a strategy shards it
     history: History = field(default_factory=History)
     step: int = 0
     steps_this_run: int = 0
@@ -148,6 +150,7 @@ def build_run(args: argparse.Namespace, env: Env, train: torch.Tensor, val: torc
     random.seed(args.seed + env.rank)
     config = gpt_config(args.model_size, vocab_size=VOCAB_SIZE, block_size=args.seq_len)
     model = GPT(config).to(env.device)
+    num_params = model.num_parameters()
     strategy = build_strategy(model, args, env.device)  # + precision, checkpointing
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         strategy.optimizer, lambda s: lr_factor(s, args.warmup_steps, args.steps)
@@ -155,7 +158,7 @@ def build_run(args: argparse.Namespace, env: Env, train: torch.Tensor, val: torc
     sampler = BatchSampler(train, args.batch_size, args.seq_len, args.seed, env.rank)
     n_val = args.eval_batches * args.batch_size * env.world_size
     val_xy = eval_windows(val, n_val, args.seq_len, env.rank, env.world_size)
-    return Run(args, env, model, strategy, scheduler, sampler, val_xy)
+    return Run(args, env, model, strategy, scheduler, sampler, val_xy, num_params)
 
 
 def checkpoint_payload(run: Run) -> dict[str, Any]:
@@ -318,7 +321,7 @@ def summary(run: Run, wall_s: float) -> dict[str, Any]:
         "strategy": args.strategy,
         "world_size": run.env.world_size,
         "model_size": args.model_size,
-        "param_count": run.model.num_parameters(),
+        "param_count": run.num_params,
         "step": run.step,
         "start_step": run.step - run.steps_this_run,
         "train_loss": h.train_loss,
@@ -359,7 +362,7 @@ def run_job(args: argparse.Namespace, env: Env, data: tuple[torch.Tensor, torch.
     run = build_run(args, env, *data)
     say(
         run,
-        f"{args.model_size} GPT: {run.model.num_parameters():,} parameters | strategy "
+        f"{args.model_size} GPT: {run.num_params:,} parameters | strategy "
         f"{args.strategy} | {env.world_size} rank(s) on {env.device.type} | batch "
         f"{args.batch_size}x{args.seq_len} tokens per rank | {len(data[0]):,} train / "
         f"{len(data[1]):,} val tokens",
