@@ -108,14 +108,8 @@ def test_fsdp_auto_wrap_trains_like_the_unwrapped_model(results: list[dict[str, 
         assert_state_dicts_close(model_state, expected_model, atol=1e-6)
 
 
-@pytest.mark.xfail(
-    reason="FSDP gap: optim_state keeps a parameter's state only when it has a scalar "
-    "entry ('step'); SGD with momentum has only 'momentum_buffer', so "
-    "gather_full_optim_state_dict returns an empty 'state' (and sharded checkpoints "
-    "drop the momentum)",
-    strict=False,
-)
 def test_fsdp_gathers_sgd_momentum_state(results: list[dict[str, Any]]) -> None:
+    # Regression: state without a scalar entry (SGD's momentum_buffer only) was dropped.
     _, expected_optim = results[0]["reference_clipped"]
     _, optim_state = results[0]["fsdp"]  # gathered on rank 0
     _check_optimizer_state(optim_state, expected_optim)

@@ -51,8 +51,9 @@ def flat_optim_state(
 ) -> tuple[FlatState, dict[str, dict[str, Any]]]:
     """This rank's optimizer state as (flat shards per unit and key, scalars per name).
 
-    Padding and frozen parameters are zeros in the flat shards. Parameters the
-    optimizer has no state for are left out (zeros, no scalars).
+    Padding and frozen parameters are zeros in the flat shards. Every parameter with
+    state has an entry in the scalars (empty for SGD's momentum-only state); those the
+    optimizer has no state for have none.
     """
     names = _names(root)
     flat: FlatState = {}
@@ -61,7 +62,10 @@ def flat_optim_state(
         handle, per_key = unit._handle, {}
         for index, param in enumerate(handle.sharded_params):
             a, b = handle.layout.piece(index, handle.rank)
-            for state_key, value in optim.state.get(param, {}).items():
+            param_state = optim.state.get(param, {})
+            if param_state:  # present even without scalars (SGD: only momentum_buffer)
+                scalars.setdefault(names[id(param)], {})
+            for state_key, value in param_state.items():
                 if _is_sharded(value, param):
                     if state_key not in per_key:
                         per_key[state_key] = value.new_zeros(handle.layout.shard_numel)
@@ -92,9 +96,9 @@ def load_flat_optim_state(
             if id(param) not in index:
                 continue
             a, b = handle.layout.piece(i, handle.rank)
-            entry = {k: _copy(v) for k, v in scalars.get(names[id(param)], {}).items()}
-            if not entry:
+            if names[id(param)] not in scalars:
                 continue  # no state saved for this parameter
+            entry = {k: _copy(v) for k, v in scalars[names[id(param)]].items()}
             entry.update({k: t[a:b].clone() for k, t in flat.get(key, {}).items()})
             state[index[id(param)]] = entry
     groups = [
