@@ -280,6 +280,10 @@ class FullyShardedDataParallel(nn.Module):
     # forward -------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module with its full parameters (see the class docstring)."""
+        if self._training_state is TrainingState.SUMMON_FULL_PARAMS:
+            # Inside summon_full_params (e.g. generate()): the parameters are already
+            # full; the forward hooks would reshard them under the context's feet.
+            return self.module(*args, **kwargs)
         self._lazy_init()
         hooks.pre_forward(self)
         mp = self._config.mixed_precision
