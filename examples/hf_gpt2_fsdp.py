@@ -8,7 +8,8 @@ tokenizer and no download) or loaded with ``--from-pretrained`` from a local dir
 (or a hub name, if the machine can download). Each rank trains on its own random
 windows of the Python language reference that ships with CPython. At the end every
 rank generates greedily inside ``summon_full_params(recurse=False)`` (the root's full
-parameters; the nested units gather themselves), and rank 0 writes the full state
+parameters; the nested units gather themselves one at a time, so the whole model is
+never unsharded at once), and rank 0 writes the full state
 dict with ``save_pretrained``: ``GPT2LMHeadModel.from_pretrained(out_dir)`` loads it.
 Needs ``pip install -e '.[hf]'``.
 """
