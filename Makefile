@@ -10,7 +10,7 @@ STRATEGY ?= ddp
 TRAIN_ARGS ?=
 SITE_DIR ?= /tmp/shardkit-site
 
-.PHONY: train test lint docs venv clean
+.PHONY: train test lint docs venv clean bench
 
 venv: $(STAMP)
 
@@ -27,6 +27,10 @@ train: $(STAMP)
 # The docs site (mkdocs.yml), strict: a warning (broken link, bad docstring) fails.
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir $(SITE_DIR)
+
+# every strategy side by side (benchmarks/compare.py); results in benchmarks/results/
+bench: $(STAMP)
+	$(PY) -m benchmarks.compare $(BENCH_ARGS)
 
 lint: $(STAMP) docs
 	$(VENV)/bin/ruff check .

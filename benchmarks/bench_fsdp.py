@@ -5,9 +5,8 @@ Run (2 ranks, gloo, one thread per rank)::
     python -m benchmarks.bench_fsdp                       # the ANCHORS.md GPT: 6 x 512, vocab 8192
     python -m benchmarks.bench_fsdp --n-layer 2 --n-embd 256 --steps 4   # quick
 
-Each configuration runs in freshly spawned ranks (so the peak RSS, read with
-``resource.getrusage(RUSAGE_SELF).ru_maxrss`` in each rank, is that configuration's
-alone): one untimed warm-up step, then ``--steps`` timed steps (forward, backward,
+Each configuration runs in freshly spawned ranks (so the peak RSS, ``VmHWM`` of each
+rank's process, is that configuration's alone): one untimed warm-up step, then ``--steps`` timed steps (forward, backward,
 ``optimizer.step()``, ``zero_grad()``; a step's time is the slowest rank's). The
 configurations are run ``--rounds`` times in turn and the median over all steps is
 reported, so that load from other processes falls on all of them alike. Model-state
@@ -21,62 +20,49 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.memory import model_state_bytes, zero_memory_estimate
+from benchmarks.common import (
+    ADAMW,
+    MIB,
+    RESULTS,
+    add_gpt_args,
+    build_shardkit_fsdp,
+    build_torch_fsdp2,
+    gpt_config_from,
+    local_state_bytes,
+    peak_rss_bytes,
+    slowest,
+)
+from shardkit.memory import zero_memory_estimate
 from shardkit.testing import run_distributed
-from shardkit.testing.models import GPT, Block, GPTConfig
+from shardkit.testing.models import GPT
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = ["torch DDP", "torch FSDP2 fully_shard", "shardkit FSDP"]
-ADAMW: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.01}
 
 
 def _build(name: str, model: GPT) -> nn.Module:
     if name == "torch DDP":
         return nn.parallel.DistributedDataParallel(model)
     if name == "torch FSDP2 fully_shard":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block)
-        return fully_shard(model)
-    from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
-    from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
-
-    with enable_wrap(wrapper_cls=FSDP):
-        wrapped = auto_wrap(model, transformer_auto_wrap_policy({Block}))
-    return FSDP(wrapped)
+        return build_torch_fsdp2(model)
+    return build_shardkit_fsdp(model)
 
 
 def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return peak_rss_bytes() / MIB
 
 
 def _bench_one(name: str, args: dict[str, Any]) -> dict[str, Any]:
     """One configuration on this rank, in a fresh process."""
     rss_start = _rss_mib()
-    cfg = GPTConfig(
-        vocab_size=args["vocab"],
-        block_size=args["seq_len"],
-        n_layer=args["n_layer"],
-        n_head=args["n_head"],
-        n_embd=args["n_embd"],
-    )
+    cfg = gpt_config_from(args)
     torch.manual_seed(0)
     gpt = GPT(cfg)
     params = gpt.num_parameters()
@@ -92,9 +78,9 @@ def _bench_one(name: str, args: dict[str, Any]) -> dict[str, Any]:
         model(x, y)[1].backward()
         opt.step()
         if step == 0:
-            state = _state_bytes(model, opt)
+            state = local_state_bytes(model, opt.state)
         opt.zero_grad()
-        elapsed = _slowest(time.perf_counter() - start)
+        elapsed = slowest(time.perf_counter() - start)
         if step > 0:
             times.append(elapsed)
     return {
@@ -104,31 +90,6 @@ def _bench_one(name: str, args: dict[str, Any]) -> dict[str, Any]:
         "rss_start_mib": rss_start,
         "params": params,
     }
-
-
-def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-    holder = nn.Module()
-    holder.params = nn.ParameterList([nn.Parameter(t, requires_grad=False) for t in local])
-    for mine, p in zip(holder.params, model.parameters()):
-        if p.grad is not None:
-            grad = p.grad
-            mine.grad = grad.to_local() if hasattr(grad, "to_local") else grad
-    measured = model_state_bytes(holder).as_dict()
-    opt_tensors = [
-        v.to_local() if hasattr(v, "to_local") else v
-        for s in opt.state.values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor)
-    ]
-    seen, total = set(), 0
-    for t in opt_tensors:
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if key not in seen:
-            seen.add(key)
-            total += key[1]
-    measured["optimizer_state"] = total
-    return measured
 
 
 def _table(runs: dict[str, list[dict[str, Any]]], world: int) -> tuple[str, dict[str, Any]]:
@@ -168,14 +129,7 @@ def _table(runs: dict[str, list[dict[str, Any]]], world: int) -> tuple[str, dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--n-layer", type=int, default=6)
-    parser.add_argument("--n-head", type=int, default=8)
-    parser.add_argument("--n-embd", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
-    parser.add_argument("--rounds", type=int, default=2)
+    add_gpt_args(parser, steps=5, rounds=2)
     parser.add_argument("--world-size", type=int, default=2)
     args = vars(parser.parse_args())
     runs: dict[str, list[Any]] = {name: [] for name in CONFIGS}

@@ -41,36 +41,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from benchmarks.common import ADAMW, RESULTS, peak_rss_bytes
 from shardkit.nn.offload import MemoryTier, OffloadModel
 from shardkit.testing.models import GPT, GPTConfig, gpt_init_fn, gpt_stages
 
-RESULTS = Path(__file__).resolve().parent / "results"
-ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.01}
 MB = 2**20
-
-
-def _status_bytes(key: str) -> int:
-    """``VmRSS`` / ``VmHWM`` of this process from ``/proc/self/status``, in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _maxrss_bytes() -> int:
-    """Peak resident set of this process image, in bytes.
-
-    ``VmHWM`` rather than ``getrusage().ru_maxrss``: Linux carries ``ru_maxrss`` across
-    ``execve`` from the forking parent, so a child of a large process (pytest) would
-    report the parent's peak. ``VmHWM`` belongs to the current address space.
-    """
-    return _status_bytes("VmHWM")
 
 
 def _warm_up() -> None:
@@ -122,10 +102,10 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(cfg.get("threads", 1))
     _warm_up()
     torch.manual_seed(0)
-    rss_import = _maxrss_bytes()
+    rss_import = peak_rss_bytes()
     with tempfile.TemporaryDirectory(dir=cfg.get("tmp")) as directory:
         loss_fn, opt, num_params = _build(cfg, directory)
-        rss_built = _maxrss_bytes()
+        rss_built = peak_rss_bytes()
         x = torch.randint(0, 256, (cfg["batch"], cfg["seq"]))
         times = []
         for _ in range(cfg["steps"] + 1):
@@ -139,7 +119,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         "params": num_params,
         "rss_import": rss_import,
         "rss_built": rss_built,
-        "rss_peak": _maxrss_bytes(),
+        "rss_peak": peak_rss_bytes(),
         "times": times[1:],
     }
 

@@ -27,7 +27,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,13 +35,11 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from benchmarks.common import ADAMW, RESULTS, add_gpt_args, gpt_config_from, slowest
 from shardkit.memory import model_state_bytes, zero_memory_estimate
 from shardkit.optim import OSS
 from shardkit.testing import RankPool
-from shardkit.testing.models import GPT, GPTConfig
-
-RESULTS = Path(__file__).resolve().parent / "results"
-ADAMW: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.01}
+from shardkit.testing.models import GPT
 
 
 @dataclass
@@ -105,21 +102,9 @@ def _step(setup: Setup, x: torch.Tensor, y: torch.Tensor, measure: bool) -> dict
     return state
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def _bench(args: dict[str, Any]) -> dict[str, Any]:
     """Body of each rank: build every configuration, run interleaved rounds."""
-    cfg = GPTConfig(
-        vocab_size=args["vocab"],
-        block_size=args["seq_len"],
-        n_layer=args["n_layer"],
-        n_head=args["n_head"],
-        n_embd=args["n_embd"],
-    )
+    cfg = gpt_config_from(args)
     rank = dist.get_rank()
     setups: dict[str, Setup] = {}
     for name in args["configs"]:
@@ -142,7 +127,7 @@ def _bench(args: dict[str, Any]) -> dict[str, Any]:
                 dist.barrier()
                 start = time.perf_counter()
                 _step(setup, x, y, measure=False)
-                times[name].append(_slowest(time.perf_counter() - start))
+                times[name].append(slowest(time.perf_counter() - start))
         if rank == 0:
             medians = {k: round(statistics.median(v), 3) for k, v in times.items()}
             print(f"round {round_index + 1}/{args['rounds']}: median s {medians}", flush=True)
@@ -186,14 +171,7 @@ def _table(results: list[dict[str, Any]], configs: list[str]) -> tuple[str, dict
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--n-layer", type=int, default=6)
-    p.add_argument("--n-embd", type=int, default=512)
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per config per round")
-    p.add_argument("--rounds", type=int, default=3)
+    add_gpt_args(p, steps=5, rounds=3)
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--world-size", type=int, default=2)
     args = vars(p.parse_args(argv))

@@ -19,7 +19,7 @@ all of them alike); a step's time is the slowest rank's. Reported: median step t
 throughput relative to one process (theory ``p m / (m + p - 1)``), and the measured
 bubble -- the share of the step each stage spends blocked in receives, averaged over
 the stages -- against the fill-drain theory ``(p - 1) / (m + p - 1)``. Peak RSS per
-stage is measured in fresh processes per schedule (``ru_maxrss``, so nothing else ran
+stage is measured in fresh processes per schedule (``VmHWM``, so nothing else ran
 in them before). A Markdown table goes to stdout and ``benchmarks/results/``, the raw
 numbers to ``benchmarks/results/bench_pipe-<time>.json``.
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.common import MIB, RESULTS, peak_rss_bytes, status_bytes
 from shardkit.nn.pipe import (
     PipelineStage,
     Schedule1F1B,
@@ -49,7 +49,6 @@ from shardkit.nn.pipe import (
 from shardkit.testing import RankPool, run_distributed
 from shardkit.testing.models import GPT, GPTConfig, gpt_stages
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 STAGES = 2
 
@@ -156,14 +155,11 @@ def _peak_rss(args: dict[str, Any], schedule: str | None) -> dict[str, float]:
             runner = SCHEDULES[schedule](stage, args["rss_chunks"], loss_fn=lm_loss)
             stage.module.zero_grad(set_to_none=True)
             runner.step(x if stage.is_first else None, target=y if stage.is_last else None)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return {"before_mib": before, "peak_mib": peak}
+    return {"before_mib": before, "peak_mib": peak_rss_bytes() / MIB}
 
 
 def _rss_now_mib() -> float:
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * resource.getpagesize() / 2**20
+    return status_bytes("VmRSS") / MIB
 
 
 def _tables(

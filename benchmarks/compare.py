@@ -2,7 +2,7 @@
 
 Run::
 
-    python -m benchmarks.compare                   # defaults: world size 2, GPT small, ~10 min
+    python -m benchmarks.compare                   # defaults: world size 2, GPT tiny (the main job)
     python -m benchmarks.compare --world-sizes 1 2 4 --model-sizes small medium
     python -m benchmarks.compare --steps 2 --rounds 1 --strategies "torch DDP" "shardkit fsdp"
     make bench                                     # the defaults
@@ -55,7 +55,7 @@ from tqdm import tqdm
 
 from benchmarks import comm
 from benchmarks.common import (
-    RESULTS,
+    add_run_args,
     command,
     local_state_bytes,
     machine,
@@ -67,7 +67,7 @@ from benchmarks.common import (
 from benchmarks.report import render_markdown, summarize, write_plots
 from benchmarks.runners import BY_NAME, STRATEGIES, Runner, available
 from shardkit.testing import RankError, RankTimeoutError, run_distributed
-from shardkit.testing.models import GPT, MODEL_SIZES, GPTConfig
+from shardkit.testing.models import MODEL_SIZES, GPTConfig
 
 SIZES: dict[str, dict[str, int]] = {
     **{name: {**shape, "vocab_size": 256} for name, shape in MODEL_SIZES.items()},
@@ -89,9 +89,14 @@ def model_config(size: str, seq_len: int) -> GPTConfig:
 
 
 def num_params(config: GPTConfig) -> int:
-    """psi: the GPT's unique parameter elements (the tied weight once)."""
-    with torch.device("meta"):
-        return GPT(config).num_parameters()
+    """psi: the GPT's unique parameter elements (the tied LM head counted once).
+
+    Embeddings ``(V + T) C``; per block two LayerNorms (``4 C``), attention
+    (``4 C^2 + 4 C``) and MLP (``8 C^2 + 5 C``); the final LayerNorm ``2 C``.
+    """
+    c = config.n_embd
+    per_block = 12 * c * c + 13 * c
+    return (config.vocab_size + config.block_size) * c + config.n_layer * per_block + 2 * c
 
 
 # ---------------------------------------------------------------------------- ranks
@@ -254,16 +259,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     names = [s.name for s in STRATEGIES]
     add = p.add_argument
     add("--world-sizes", type=int, nargs="+", default=[2], help="default: 2")
-    add("--model-sizes", nargs="+", default=["small"], choices=sorted(SIZES), help="default small")
+    add("--model-sizes", nargs="+", default=["tiny"], choices=sorted(SIZES), help="default tiny")
     add("--strategies", nargs="+", default=names, choices=names, metavar="NAME", help="default all")
-    add("--batch", type=int, default=8, help="sequences per rank (default 8)")
-    add("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    add_run_args(p, batch=8)
+    add("--render", type=Path, default=None, help="re-render the .md and plots of a results JSON")
     add("--steps", type=int, default=5, help="timed steps per run (default 5)")
     add("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     add("--warmup", type=int, default=1, help="untimed steps per run, >= 1 (default 1)")
     add("--chunks", type=int, default=4, help="pipe: micro-batches per step (default 4)")
-    add("--timeout", type=float, default=900.0, help="seconds per run (default 900)")
-    add("--out", type=Path, default=RESULTS, help="results folder (default benchmarks/results)")
     args = p.parse_args(argv)
     if args.warmup < 1:
         p.error(f"--warmup must be >= 1 (the first step measures the state); got {args.warmup}")
@@ -275,11 +278,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def write_outputs(doc: dict[str, Any], stem: Path) -> str:
+    """Summarize ``doc["records"]``; write ``<stem>.json``, ``<stem>.md`` and the plots;
+    return the Markdown page."""
+    args = doc["args"]
+    doc["summary"] = summarize(doc["records"], args["batch"], args["seq_len"])
+    doc["plots"] = [p.name for p in write_plots(doc["summary"], stem)]
+    page = render_markdown(doc, list(doc["not_installed"]))
+    Path(f"{stem}.md").write_text(page + "\n")
+    Path(f"{stem}.json").write_text(json.dumps(doc, indent=1, default=float) + "\n")
+    return page
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the grid, write JSON, Markdown and plots; return the JSON document."""
     args = parse_args(argv)
+    if args.render is not None:
+        saved: dict[str, Any] = json.loads(args.render.read_text())
+        print(write_outputs(saved, args.render.with_suffix("")))
+        return saved
     selected = [BY_NAME[n] for n in args.strategies]
-    missing = [s.name for s in selected if not available(s)]
     runnable = [s.name for s in selected if available(s)]
     doc: dict[str, Any] = {
         "command": command("benchmarks.compare", argv),
@@ -290,14 +308,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     doc["records"] = run_grid(args, runnable)
     doc["loadavg_end"] = machine()["loadavg"]
-    doc["summary"] = summarize(doc["records"], args.batch, args.seq_len)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"compare-{timestamp()}"
-    doc["plots"] = [p.name for p in write_plots(doc["summary"], stem)]
-    table = render_markdown(doc, missing)
-    Path(f"{stem}.md").write_text(table + "\n")
-    Path(f"{stem}.json").write_text(json.dumps(doc, indent=1, default=float) + "\n")
-    print(table)
+    print(write_outputs(doc, stem))
     print(f"\nwrote {stem}.json, {stem}.md and {', '.join(doc['plots'])}")
     return doc
 

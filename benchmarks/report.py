@@ -151,7 +151,7 @@ def _row_cells(row: Row) -> list[str]:
     if "paired_rounds" in row and len(row["paired_rounds"]) > 1:
         ratio += f" [{min(row['paired_rounds']):.2f}-{max(row['paired_rounds']):.2f}]"
     top = max(row["state_bytes"], key=_model_bytes)
-    state = "/".join(f"{top[k] / MIB:.0f}" for k in ("parameters", "gradients", "optimizer_state"))
+    state = "/".join(f"{top[k] / MIB:.1f}" for k in ("parameters", "gradients", "optimizer_state"))
     comm = row["comm_volume_bytes"] / MIB
     return [
         f"{row['median_s']:.3f} [{row['q1_s']:.3f}-{row['q3_s']:.3f}]",
@@ -233,14 +233,14 @@ def _memory_plot(ax: Any, rows: list[Row], size: str) -> None:
     span = list(range(1, max(max(worlds), 4) + 1))
     for stage, style in zip(range(4), ("-", "--", "-.", ":")):
         y = [zero_memory_estimate(psi, n, stage, mixed_precision=False).total / MIB for n in span]
-        ax.plot(span, y, style, color="gray", label=f"ZeRO-{stage} formula (fp32)")
+        ax.plot(span, y, style, color="black", lw=0.8, label=f"ZeRO-{stage} formula (fp32)")
     for name in dict.fromkeys(r["strategy"] for r in mine):
         pts = sorted(
             (r["world_size"], max(_model_bytes(s) for s in r["state_bytes"]) / MIB)
             for r in mine
             if r["strategy"] == name
         )
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name, alpha=0.8)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name, alpha=0.8, ms=7)
     ax.set_title(f"GPT {size} (psi = {psi / 1e6:.1f}M)")
     ax.set_xlabel("world size N")
     ax.set_ylabel("model-state MiB per rank (max rank)")
@@ -269,10 +269,10 @@ def write_plots(rows: list[Row], stem: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     sizes = list(dict.fromkeys(r["model_size"] for r in rows))
-    fig, axes = plt.subplots(1, len(sizes), figsize=(7 * len(sizes), 5), squeeze=False)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes) + 3, 5), squeeze=False)
     for ax, size in zip(axes[0], sizes):
         _memory_plot(ax, rows, size)
-    axes[0][0].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     memory = Path(f"{stem}-memory.png")
     fig.savefig(memory, dpi=100)

@@ -127,15 +127,31 @@ def _plain_step(opt: torch.optim.Optimizer) -> Callable[[], None]:
     return step
 
 
-def build_torch_zero(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
-    """torch DDP + ``ZeroRedundancyOptimizer(AdamW)`` (ZeRO-1)."""
+def _ddp_and(make_optimizer: Callable[[list[nn.Parameter]], Any]) -> Builder:
+    """torch DDP with a sharded optimizer whose local optimizer is ``.optim`` (ZeRO-1)."""
+
+    def build(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
+        model = GPT(config)
+        module = nn.parallel.DistributedDataParallel(model)
+        count_ddp(module)
+        opt = make_optimizer(list(model.parameters()))
+        return Runner(module, _plain_step(opt), lambda: opt.optim.state)
+
+    return build
+
+
+def _torch_zero(params: list[nn.Parameter]) -> Any:
+    """torch ``ZeroRedundancyOptimizer(AdamW)``."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    model = GPT(config)
-    module = nn.parallel.DistributedDataParallel(model)
-    count_ddp(module)
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW)
-    return Runner(module, _plain_step(opt), lambda: opt.optim.state)
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **ADAMW)
+
+
+def _fairscale_oss(params: list[nn.Parameter]) -> Any:
+    """FairScale ``OSS(AdamW)``. Not run where FairScale is not installed."""
+    from fairscale.optim import OSS as FairScaleOSS
+
+    return FairScaleOSS(params, optim=torch.optim.AdamW, **ADAMW)
 
 
 def build_torch_fsdp2_runner(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
@@ -167,17 +183,6 @@ def build_offload_disk(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
     )
     opt = offload.sliced_optimizer(torch.optim.AdamW, **ADAMW)
     return Runner(OffloadGPT(offload), _plain_step(opt), lambda: opt.state)
-
-
-def build_fairscale_oss(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
-    """FairScale ``OSS(AdamW)`` under torch DDP (ZeRO-1). Not run where not installed."""
-    from fairscale.optim import OSS as FairScaleOSS
-
-    model = GPT(config)
-    module = nn.parallel.DistributedDataParallel(model)
-    count_ddp(module)
-    opt = FairScaleOSS(model.parameters(), optim=torch.optim.AdamW, **ADAMW)
-    return Runner(module, _plain_step(opt), lambda: opt.optim.state)
 
 
 def build_fairscale_sdp(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
@@ -225,12 +230,12 @@ def _deepspeed(stage: int) -> Builder:
 
 STRATEGIES: list[BenchStrategy] = [
     BenchStrategy("torch DDP", 0, _from_registry("ddp")),
-    BenchStrategy("torch DDP + ZeroRedundancyOptimizer", 1, build_torch_zero),
+    BenchStrategy("torch DDP + ZeroRedundancyOptimizer", 1, _ddp_and(_torch_zero)),
     BenchStrategy("torch FSDP2 fully_shard", 3, build_torch_fsdp2_runner),
     BenchStrategy("DeepSpeed ZeRO-1", 1, _deepspeed(1), requires="deepspeed"),
     BenchStrategy("DeepSpeed ZeRO-2", 2, _deepspeed(2), requires="deepspeed"),
     BenchStrategy("DeepSpeed ZeRO-3", 3, _deepspeed(3), requires="deepspeed"),
-    BenchStrategy("FairScale OSS + DDP", 1, build_fairscale_oss, requires="fairscale"),
+    BenchStrategy("FairScale OSS + DDP", 1, _ddp_and(_fairscale_oss), requires="fairscale"),
     BenchStrategy("FairScale ShardedDDP + OSS", 2, build_fairscale_sdp, requires="fairscale"),
     BenchStrategy("shardkit oss", 1, _from_registry("oss")),
     BenchStrategy("shardkit sdp", 2, _from_registry("sdp")),

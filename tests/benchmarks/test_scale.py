@@ -1,0 +1,85 @@
+"""benchmarks.scale: the ladder, the formula-guided start, verdicts and the page."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from benchmarks.common import MIB, RSS_EXIT_CODE
+from benchmarks.compare import num_params
+from benchmarks.scale import LADDER, predicted_rung, render, rung_config, verdict
+from shardkit.testing.models import GPT
+
+
+def test_ladder_grows_in_depth_and_width() -> None:
+    psis = [num_params(rung_config(r, 128)) for r in range(len(LADDER))]
+    assert all(b > a for a, b in itertools.pairwise(psis))
+    for (l0, c0), (l1, c1) in itertools.pairwise(LADDER):
+        assert l1 >= l0 and c1 >= c0 and (l1, c1) != (l0, c0)
+    assert rung_config(8, 128).n_head == 512 // 64
+    for rung in (0, 5):
+        with torch.device("meta"):
+            assert GPT(rung_config(rung, 128)).num_parameters() == psis[rung]
+
+
+def test_predicted_rung_follows_the_zero_formula() -> None:
+    limit = 1024 * MIB
+    ddp, fsdp = (predicted_rung(s, limit, len(LADDER), 128) for s in (0, 3))
+    fits = num_params(rung_config(ddp, 128)) * 16 + 400 * MIB
+    assert fits <= limit < num_params(rung_config(ddp + 1, 128)) * 16 + 400 * MIB
+    assert fsdp > ddp  # 8 psi per rank at N = 2 instead of 16 psi
+    assert predicted_rung(None, limit, 5, 128) == 4  # no formula: start at the cap
+
+
+def _ok(peaks: list[int]) -> dict[str, Any]:
+    return {"ranks": [{"rss_peak": p} for p in peaks]}
+
+
+def test_verdicts() -> None:
+    limit = 100
+    assert verdict(_ok([90, 100]), limit) == "pass"
+    assert verdict(_ok([90, 101]), limit) == "memory"  # a spike the watchdog missed
+    exited = f"rank 1: process exited with code {RSS_EXIT_CODE} without reporting"
+    assert verdict({"error": exited}, limit) == "memory"
+    oom = "rank 0: RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried..."
+    assert verdict({"error": oom}, limit) == "memory"
+    assert verdict({"error": "rank 0: ValueError: bad shape"}, limit) == "error"
+
+
+def test_render_names_largest_and_ratio() -> None:
+    def rec(rung: int, why: str, peak: int = 500 * MIB) -> dict[str, Any]:
+        return {
+            "shape": LADDER[rung],
+            "psi": num_params(rung_config(rung, 128)),
+            "verdict": why,
+            "peak_rss_bytes": [peak, peak],
+        }
+
+    doc = {
+        "started": "now",
+        "command": "python -m benchmarks.scale",
+        "machine": {"cpu_count": 2, "cpu_model": "x", "torch": "t", "loadavg": [1.0]},
+        "loadavg_end": [2.0],
+        "limit_bytes": 1024 * MIB,
+        "args": {"batch": 2, "seq_len": 128, "max_params": 8e7},
+        "results": [
+            {
+                "strategy": "torch DDP",
+                "best": rec(4, "pass"),
+                "first_failure": rec(5, "memory"),
+                "tries": [1, 2],
+            },
+            {
+                "strategy": "shardkit fsdp",
+                "best": rec(6, "pass"),
+                "first_failure": None,
+                "tries": [1],
+            },
+        ],
+    }
+    page = render(doc)
+    ratio = num_params(rung_config(6, 128)) / num_params(rung_config(4, 128))
+    assert f"| {ratio:.2f} (at least: the cap) |" in page
+    assert "| torch DDP | 4 x 320" in page and "| memory |" in page
