@@ -1,4 +1,4 @@
-"""Wrappers check at construction that every rank has the same model (issue 10)."""
+"""OSS, ShardedDDP and FSDP check at construction that every rank has the same model."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.distributed.consistency import ConsistencyError
-from shardkit.nn import ShardedDataParallel
+from shardkit.nn import FullyShardedDataParallel, ShardedDataParallel
 from shardkit.optim import OSS
 
 
@@ -30,8 +30,20 @@ def _construct(case: str) -> str:
     return "ok"
 
 
+def _fsdp(case: str) -> str:
+    model = _model(dist.get_rank(), "oss-shape" if case == "fsdp-shape" else "same")
+    reshard = not (case == "fsdp-option" and dist.get_rank() == 0)
+    try:
+        FullyShardedDataParallel(model, reshard_after_forward=reshard)
+    except ConsistencyError as err:
+        return str(err)
+    return "ok"
+
+
 def _cases() -> dict[str, str]:
-    return {case: _construct(case) for case in ("same", "oss-shape", "sdp-name")}
+    results = {case: _construct(case) for case in ("same", "oss-shape", "sdp-name")}
+    results.update({case: _fsdp(case) for case in ("fsdp-same", "fsdp-shape", "fsdp-option")})
+    return results
 
 
 def test_oss_and_sharded_ddp_name_the_mismatch(rank_pool) -> None:
@@ -42,3 +54,9 @@ def test_oss_and_sharded_ddp_name_the_mismatch(rank_pool) -> None:
     assert "ranks [1] have 'param_groups[0][0] shape=(5, 4)" in results[0]["oss-shape"]
     assert results[0]["sdp-name"].startswith("ShardedDataParallel: ranks disagree at entry 4")
     assert "ranks [1] have 'renamed.weight shape=(2, 4)" in results[0]["sdp-name"]
+    assert results[0]["fsdp-same"] == "ok"
+    assert results[0]["fsdp-shape"].startswith(
+        "FullyShardedDataParallel (the FSDP unit wrapping Sequential): ranks disagree at entry 2"
+    )
+    assert "ranks [1] have 'first.weight shape=(5, 4)" in results[0]["fsdp-shape"]
+    assert "ranks [0] have 'option reshard_after_forward=False'" in results[0]["fsdp-option"]

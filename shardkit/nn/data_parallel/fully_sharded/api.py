@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.nn.data_parallel.fully_sharded import hooks
 from shardkit.nn.data_parallel.fully_sharded import state_dict as sd
 from shardkit.nn.data_parallel.fully_sharded.collectives import (
@@ -187,6 +188,15 @@ class FullyShardedDataParallel(nn.Module):
         infos = collect_params(module, _is_unit, label)
         check_same_device_and_dtype(infos, module)
         originals = [_original(info) for info in infos]
+        verify_consistent(  # one collective: a mismatch is an error, not a hang
+            describe_parameters((info.name, p) for info, p in zip(infos, originals)),
+            what=f"FullyShardedDataParallel ({label})",
+            group=self._process_group,
+            options={  # not devices: cuda:0 on rank 0 and cuda:1 on rank 1 is normal
+                "reshard_after_forward": self._config.reshard_after_forward,
+                "mixed_precision": self._config.mixed_precision,
+            },
+        )
         self._placement = _placement(self._config, originals, module)
         _move_buffers(module, self._placement.compute_device)
         mp = self._config.mixed_precision
