@@ -8,18 +8,19 @@ Run::
         "shardkit fsdp" "shardkit offload (disk)"  # the full search (tens of minutes)
 
 [Note: method]
-The candidate GPTs form a ladder (:data:`LADDER`) that grows by depth and by width in
-turn, ``(2 x 128)`` to ``(64 x 1536)``, byte-level vocabulary, sequence length
-``--seq-len``; psi grows by 1.2-1.7x per rung. A candidate is tried in fresh spawned
-ranks (:func:`benchmarks.compare.run_once`): build, wrap and one training step
-(forward, backward, AdamW step) on ``--batch`` sequences per rank. Each rank runs an
-RSS watchdog (:func:`benchmarks.common.start_rss_watchdog`) that ends it as soon as its
-resident set passes ``--limit-gb``; a run passes when it completes and every rank's
-peak resident set (``VmHWM``) stayed within the limit. The search starts at the
-largest rung the ZeRO formula of the strategy's stage (fp32 AdamW) plus a measured
-baseline predicts to fit and walks up while runs pass, down while they fail, so a
-strategy costs 2-4 runs. Rungs above ``--max-params`` are not tried (a strategy that
-passes the last one is reported as "at least").
+The candidate GPTs form a ladder (:data:`LADDER`) that grows by depth and
+by width in turn, ``(2 x 128)`` to ``(64 x 1536)``, byte-level vocabulary, sequence
+length ``--seq-len``; psi grows by 1.2-1.7x per rung. A candidate is tried in fresh
+spawned ranks (:func:`benchmarks.compare.run_once`): build, wrap and one training step
+(forward, backward, AdamW step) on ``--batch`` sequences per rank. Each rank runs an RSS
+watchdog (:func:`benchmarks.common.start_rss_watchdog`) that ends it as soon as its
+resident set passes ``--limit-gb``; a run passes when it completes and every rank's peak
+resident set (``VmHWM``) stayed within the limit. The search starts at the largest rung
+the ZeRO formula of the strategy's stage (fp32 AdamW) plus a measured baseline predicts
+to fit and walks up while runs pass, down while they fail; then ``--refine`` runs bisect
+(by psi) between the largest passing and the smallest failing shape, by depth and by
+width in steps of 64, so a strategy costs 3-6 runs. Rungs above ``--max-params`` are not
+tried (a strategy that passes the last one is reported as "at least").
 """
 
 from __future__ import annotations
@@ -60,7 +61,12 @@ MEMORY_ERRORS = ("can't allocate memory", "MemoryError", "out of memory", "Canno
 
 def rung_config(rung: int, seq_len: int) -> GPTConfig:
     """The GPT of ladder rung ``rung`` (vocabulary 256, ``block_size = seq_len``)."""
-    n_layer, n_embd = LADDER[rung]
+    return shape_config(LADDER[rung], seq_len)
+
+
+def shape_config(shape: tuple[int, int], seq_len: int) -> GPTConfig:
+    """The GPT of ``(n_layer, n_embd)`` (vocabulary 256, ``block_size = seq_len``)."""
+    n_layer, n_embd = shape
     return GPTConfig(
         vocab_size=256, block_size=seq_len, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd
     )
@@ -90,8 +96,25 @@ def verdict(record: dict[str, Any], limit: int) -> str:
     return "pass" if peak <= limit else "memory"
 
 
-def _try(name: str, rung: int, args: argparse.Namespace, limit: int) -> dict[str, Any]:
-    config = rung_config(rung, args.seq_len)
+def between(
+    passed: tuple[int, int], failed: tuple[int, int], seq_len: int
+) -> tuple[int, int] | None:
+    """The shape halfway (by psi) between a passing and a failing one: depth from
+    ``passed[0]`` to ``failed[0]``, width in steps of 64 between theirs; None if none
+    lies strictly between."""
+    low = num_params(shape_config(passed, seq_len))
+    high = num_params(shape_config(failed, seq_len))
+    shapes = sorted(
+        (num_params(shape_config((n, c), seq_len)), (n, c))
+        for n in range(passed[0], failed[0] + 1)
+        for c in range(passed[1], failed[1] + 1, 64)
+    )
+    inside = [shape for psi, shape in shapes if low < psi < high]
+    return inside[len(inside) // 2] if inside else None
+
+
+def _try(name: str, shape: tuple[int, int], args: argparse.Namespace, limit: int) -> dict[str, Any]:
+    config = shape_config(shape, args.seq_len)
     spec = {
         "strategy": name,
         "model": asdict(config),
@@ -102,7 +125,7 @@ def _try(name: str, rung: int, args: argparse.Namespace, limit: int) -> dict[str
         "memory_limit_bytes": limit,
     }
     record = run_once(spec, WORLD, args.timeout)
-    record.update(rung=rung, shape=LADDER[rung], psi=num_params(config))
+    record.update(shape=shape, psi=num_params(config))
     record["verdict"] = verdict(record, limit)
     if "ranks" in record:
         record["peak_rss_bytes"] = [r["rss_peak"] for r in record["ranks"]]
@@ -122,7 +145,7 @@ def search(name: str, args: argparse.Namespace, limit: int, bar: Any) -> dict[st
     failed: dict[str, Any] | None = None
     while 0 <= rung < rungs:
         bar.set_postfix_str(f"{name} {LADDER[rung][0]}x{LADDER[rung][1]}")
-        record = _try(name, rung, args, limit)
+        record = _try(name, LADDER[rung], args, limit)
         tries.append(record)
         bar.update()
         if record["verdict"] == "pass":
@@ -135,6 +158,21 @@ def search(name: str, args: argparse.Namespace, limit: int, bar: Any) -> dict[st
             if best is not None or record["verdict"] == "error":
                 break
             rung -= 1
+    for _ in range(args.refine if best is not None and failed is not None else 0):
+        assert best is not None and failed is not None
+        mid = between(best["shape"], failed["shape"], args.seq_len)
+        if mid is None:
+            break
+        bar.set_postfix_str(f"{name} {mid[0]}x{mid[1]}")
+        record = _try(name, mid, args, limit)
+        tries.append(record)
+        bar.update()
+        if record["verdict"] == "pass":
+            best = record
+        elif record["verdict"] == "memory":
+            failed = record
+        else:
+            break
     return {"strategy": name, "best": best, "first_failure": failed, "tries": tries}
 
 
@@ -193,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     add("--limit-gb", type=float, default=1.0, help="resident GiB per rank (default 1)")
     add("--max-params", type=float, default=8e7, help="largest psi tried (default 8e7)")
+    add("--refine", type=int, default=2, help="runs between the last rungs (default 2)")
     add_run_args(p, batch=2)
     args = p.parse_args(argv)
     limit = int(args.limit_gb * 2**30)

@@ -9,7 +9,15 @@ import torch
 
 from benchmarks.common import MIB, RSS_EXIT_CODE
 from benchmarks.compare import num_params
-from benchmarks.scale import LADDER, predicted_rung, render, rung_config, verdict
+from benchmarks.scale import (
+    LADDER,
+    between,
+    predicted_rung,
+    render,
+    rung_config,
+    shape_config,
+    verdict,
+)
 from shardkit.testing.models import GPT
 
 
@@ -83,3 +91,12 @@ def test_render_names_largest_and_ratio() -> None:
     ratio = num_params(rung_config(6, 128)) / num_params(rung_config(4, 128))
     assert f"| {ratio:.2f} (at least: the cap) |" in page
     assert "| torch DDP | 4 x 320" in page and "| memory |" in page
+
+
+def test_between_bisects_by_psi_in_depth_and_width() -> None:
+    assert between((12, 512), (12, 640), 128) == (12, 576)
+    assert between((8, 512), (12, 512), 128) == (10, 512)
+    low, high = (num_params(shape_config(s, 128)) for s in ((3, 192), (4, 256)))
+    mid = between((3, 192), (4, 256), 128)
+    assert mid is not None and low < num_params(shape_config(mid, 128)) < high
+    assert between((12, 512), (13, 512), 128) is None  # nothing strictly between
