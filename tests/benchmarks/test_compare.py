@@ -3,6 +3,7 @@ checked against the ZeRO formulas (the estimator at small scale) and the comm th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -11,7 +12,14 @@ from typing import Any
 import pytest
 
 from benchmarks.comm import theory_volume_bytes
-from benchmarks.compare import error_line, model_config, num_params, rotated, run_config
+from benchmarks.compare import (
+    error_line,
+    model_config,
+    num_params,
+    rotated,
+    run_config,
+    write_outputs,
+)
 from benchmarks.report import render_markdown, summarize, write_plots
 from benchmarks.runners import BY_NAME, STRATEGIES, available
 from shardkit.memory import zero_memory_estimate
@@ -161,6 +169,42 @@ def test_report_of_measured_runs(measured: dict[str, list[dict[str, Any]]], tmp_
     paths = write_plots(rows, tmp_path / "run")
     assert [p.name for p in paths] == ["run-memory.png", "run-ratio.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_write_outputs_round_trips_json(
+    measured: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    records = [
+        {
+            "spec": {"strategy": name},
+            "world_size": WORLD,
+            "model_size": "test",
+            "round": r,
+            "psi": PSI,
+            "stage": BY_NAME[name].stage,
+            "ranks": measured[name],
+        }
+        for r in range(2)
+        for name in ("torch DDP", "shardkit fsdp")
+    ]
+    broken = {k: v for k, v in records[0].items() if k != "ranks"}
+    records.append({**broken, "spec": {"strategy": "broken"}, "error": "rank 0: E: x"})
+    machine = {"cpu_count": 2, "cpu_model": "x", "torch": "t", "python": "p", "loadavg": [1.0]}
+    doc = {
+        "command": "c",
+        "machine": machine,
+        "args": {"batch": 2, "seq_len": CONFIG.block_size},
+        "not_installed": {"FairScale OSS + DDP": "fairscale"},
+        "records": records,
+    }
+    page = write_outputs(doc, tmp_path / "run")
+    saved = json.loads((tmp_path / "run.json").read_text())
+    assert saved["plots"] == ["run-memory.png", "run-ratio.png"]
+    rows = {r["strategy"]: r for r in saved["summary"]}
+    assert rows["torch DDP"]["n_steps"] == 2 * STEPS and rows["torch DDP"]["x_ddp_paired"] == 1.0
+    assert rows["broken"]["error"] == "rank 0: E: x"
+    assert "| broken | 2 | test (0.1M) | failed: rank 0: E: x |" in page
+    assert (tmp_path / "run.md").read_text() == page + "\n"
 
 
 def test_helpers() -> None:
