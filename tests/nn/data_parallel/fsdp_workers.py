@@ -300,6 +300,20 @@ class _Twice(nn.Module):
         return self.act(self.lin(self.lin(x * self.scale))).sum(-1) + self.empty.sum()
 
 
+def _sgd_step_against_reference(
+    model: nn.Module, ref: nn.Module, *, features: int, lr: float
+) -> torch.Tensor:
+    """One SGD step: ``model`` on this rank's 2 rows, ``ref`` on the global batch
+    (``2 * world`` rows, the same on every rank); returns the global batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(2 * world, features, generator=torch.Generator().manual_seed(0))
+    model(x[2 * rank : 2 * rank + 2]).mean().backward()
+    ref(x).mean().backward()
+    for module in (model, ref):
+        torch.optim.SGD(module.parameters(), lr=lr).step()
+    return x
+
+
 def edge_cases() -> dict[str, Any]:
     """Twice-used unit, zero-size parameter, parameter-free unit, buffers, eval."""
     torch.manual_seed(0)
@@ -310,14 +324,7 @@ def edge_cases() -> dict[str, Any]:
     model.lin = FSDP(model.lin)
     model.act = FSDP(model.act)
     model = FSDP(model)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x = torch.randn(2 * world, 5, generator=torch.Generator().manual_seed(0))
-    model(x[2 * rank : 2 * rank + 2]).mean().backward()
-    ref(x).mean().backward()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    opt.step()
-    ref_opt.step()
+    x = _sgd_step_against_reference(model, ref, features=5, lr=0.5)
     model.eval()
     with torch.no_grad():
         eval_out = model(x)
@@ -340,14 +347,7 @@ def frozen_first_in_unit() -> dict[str, Any]:
     model = copy.deepcopy(ref)
     model[1] = FSDP(model[1])
     model = FSDP(model)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(0))
-    model(x[2 * rank : 2 * rank + 2]).mean().backward()
-    ref(x).mean().backward()
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
-    opt.step()
-    ref_opt.step()
+    _sgd_step_against_reference(model, ref, features=4, lr=1.0)
     return {"state": model.state_dict(), "ref_state": ref.state_dict()}
 
 
