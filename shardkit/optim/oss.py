@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -48,6 +48,8 @@ from shardkit.distributed import (
     plan_owner_broadcast,
 )
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
+from shardkit.distributed.failures import collective_context
+from shardkit.distributed.validation import check_parameters
 from shardkit.optim.grad_norm import clip_grad_norm_sharded
 from shardkit.optim.partition import partition_sizes
 
@@ -61,6 +63,11 @@ _DIRECT_BYTES = 2**20
 
 
 def _check_optim_class(optim: Any) -> type[Optimizer]:
+    if isinstance(optim, type) and issubclass(optim, OSS):
+        raise TypeError(
+            "OSS(optim=OSS) would shard an already sharded optimizer: pass the inner "
+            "optimizer class, e.g. OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)"
+        )
     if isinstance(optim, type) and issubclass(optim, Optimizer):
         return optim
     raise TypeError(
@@ -129,8 +136,12 @@ class OSS(Optimizer):
         **defaults: arguments of ``optim`` (``lr``, ``weight_decay``, ...).
 
     Raises:
-        TypeError: if ``optim`` is not a ``torch.optim.Optimizer`` subclass.
-        ValueError: if ``params`` is empty.
+        TypeError: if ``optim`` is not a ``torch.optim.Optimizer`` subclass or is
+            ``OSS`` itself, ``params`` is an optimizer (wrapping twice), or a parameter
+            has an integer, bool or complex dtype
+            (:func:`shardkit.distributed.validation.check_parameters`).
+        ValueError: if ``params`` is empty or a parameter is on the meta device.
+        ConsistencyError: if the ranks' parameters or options differ.
 
     Warning:
         The partition is made from ``requires_grad`` at construction. A change of
@@ -150,6 +161,12 @@ class OSS(Optimizer):
         **defaults: Any,
     ) -> None:
         self._optim_class = _check_optim_class(optim)
+        if isinstance(params, Optimizer):
+            raise TypeError(
+                f"OSS got an instance of {type(params).__name__} as its parameters (wrapping an "
+                "optimizer twice); pass the parameters and the optimizer class instead: "
+                "OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)"
+            )
         param_list = list(params)
         if not param_list:
             raise ValueError(
@@ -165,15 +182,12 @@ class OSS(Optimizer):
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.global_rank = global_rank(group, self.rank)
         verify_consistent(
-            describe_parameters(
-                (f"param_groups[{g}][{i}]", p)
-                for g, group_ in enumerate(self.param_groups)
-                for i, p in enumerate(group_["params"])
-            ),
+            describe_parameters(self._named_params()),
             what="OSS",
             group=group,
             options={"optim": self._optim_class.__name__, "broadcast_fp16": broadcast_fp16},
         )
+        check_parameters("OSS", self._named_params())  # after: every rank raises alike
         self.broadcast_buffer_size = (
             DEFAULT_BUCKET_BYTES if broadcast_buffer_size < 0 else broadcast_buffer_size
         )
@@ -196,6 +210,11 @@ class OSS(Optimizer):
     @state.setter
     def state(self, value: defaultdict[torch.Tensor, Any]) -> None:
         self.__dict__["_bootstrap_state"] = value  # only torch's constructor sets it
+
+    def _named_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                yield f"param_groups[{g}][{i}]", p
 
     def _all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -326,7 +345,8 @@ class OSS(Optimizer):
         wire = torch.float16 if self.broadcast_fp16 else None
         bucket = self.broadcast_buffer_size
         plan = plan_owner_broadcast(owned, bucket, wire, min(bucket, _DIRECT_BYTES))
-        return broadcast_from_owners(plan, self.group, pool=self._pool, comm_dtype=wire)
+        with collective_context("OSS", "step: broadcast of updated parameters", self.group):
+            return broadcast_from_owners(plan, self.group, pool=self._pool, comm_dtype=wire)
 
     def clip_grad_norm(
         self,

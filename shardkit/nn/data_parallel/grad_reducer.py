@@ -42,8 +42,11 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from shardkit.distributed import BufferPool, copy_scaled, global_rank, plan_buckets
+from shardkit.distributed.failures import collective_context
 
 __all__ = ["GradReducer", "ReduceBucket", "ReducerState"]
+
+_WRAPPER = "ShardedDataParallel"
 
 
 class ReducerState(enum.Enum):
@@ -211,7 +214,8 @@ class GradReducer:
             bucket = self.buckets[self._next]
             buffer = self._fill_unused(bucket)
             dst = global_rank(self.group, bucket.owner)
-            bucket.work = dist.reduce(buffer, dst=dst, group=self.group, async_op=True)
+            with collective_context(_WRAPPER, "backward: reduce of gradients", self.group):
+                bucket.work = dist.reduce(buffer, dst=dst, group=self.group, async_op=True)
             self._in_flight.append(bucket)
             self._next += 1
             if len(self._in_flight) > self.max_in_flight:
@@ -229,7 +233,8 @@ class GradReducer:
     def _complete(self, bucket: ReduceBucket) -> None:
         """Wait for a bucket; on its owner, set ``.grad`` of every parameter some rank used."""
         assert bucket.work is not None and bucket.buffer is not None
-        bucket.work.wait()
+        with collective_context(_WRAPPER, "backward: reduce of gradients", self.group):
+            bucket.work.wait()
         if bucket.owner == self.rank:
             flags = bucket.buffer[bucket.numel :].tolist()
             for k, p in enumerate(bucket.params):

@@ -25,10 +25,14 @@ from torch import nn
 
 from shardkit.distributed import broadcast_from_owners, plan_owner_broadcast
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
+from shardkit.distributed.failures import collective_context
+from shardkit.distributed.validation import check_not_wrapped, check_parameters
 from shardkit.nn.data_parallel.grad_reducer import GradReducer
 from shardkit.optim import OSS
 
 __all__ = ["ShardedDDP", "ShardedDataParallel"]
+
+_WRAPPER = "ShardedDataParallel"
 
 
 def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -52,6 +56,16 @@ def _check_optimizers(optimizers: Sequence[Any], group: dist.ProcessGroup | None
                 "both (OSS(..., group=pg) and ShardedDataParallel(..., process_group=pg))"
             )
     return list(optimizers)
+
+
+def _check_module(module: nn.Module) -> None:
+    check_not_wrapped("ShardedDataParallel", module, ShardedDataParallel)
+    if next(module.parameters(), None) is None:
+        raise ValueError(
+            f"ShardedDataParallel: the module ({type(module).__name__}) has no parameters, "
+            "so there is nothing to shard or reduce; run it unwrapped, or wrap the module "
+            "that holds the parameters"
+        )
 
 
 class ShardedDataParallel(nn.Module):
@@ -89,10 +103,13 @@ class ShardedDataParallel(nn.Module):
             ``reduce_fp16``. Default None (the gradients' dtype).
 
     Raises:
-        TypeError: if an optimizer is not an :class:`OSS`.
-        ValueError: if an optimizer holds parameters that are not the module's, a
-            trainable parameter of the module is in no optimizer, two optimizers share a
-            parameter, or the process groups differ.
+        TypeError: if an optimizer is not an :class:`OSS`, or a parameter has an
+            integer, bool or complex dtype.
+        ValueError: if ``module`` is (or contains) a ShardedDataParallel already, has no
+            parameters or some on the meta device; if an optimizer holds parameters
+            that are not the module's, a trainable parameter of the module is in no
+            optimizer, two optimizers share a parameter, or the process groups differ.
+        ConsistencyError: if the ranks' modules or options differ.
     """
 
     def __init__(
@@ -109,6 +126,7 @@ class ShardedDataParallel(nn.Module):
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        _check_module(module)
         self.module = module
         opts = (
             list(sharded_optimizer)
@@ -134,6 +152,7 @@ class ShardedDataParallel(nn.Module):
             group=process_group,
             options={"reduce_buffer_size": reduce_buffer_size, "reduce_dtype": self.reduce_dtype},
         )
+        check_parameters("ShardedDataParallel", module.named_parameters())
         if sync_models_at_startup:
             self._broadcast_from_first_rank([p.detach() for p in module.parameters()])
             self._broadcast_from_first_rank(list(module.buffers()))
@@ -251,8 +270,9 @@ class ShardedDataParallel(nn.Module):
         if self.world_size == 1 or not tensors:
             return
         owned: list[list[torch.Tensor]] = [tensors] + [[] for _ in range(self.world_size - 1)]
-        with torch.no_grad():
-            broadcast_from_owners(plan_owner_broadcast(owned, 2**24), self.process_group)
+        group = self.process_group
+        with torch.no_grad(), collective_context(_WRAPPER, "broadcast from rank 0", group):
+            broadcast_from_owners(plan_owner_broadcast(owned, 2**24), group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero (or free) the module's gradients and forget reduced ones."""

@@ -12,6 +12,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardkit.distributed.linear_partition import balance_bounds
+from shardkit.distributed.validation import check_not_wrapped, check_parameters
 from shardkit.nn.offload.disk import DiskTier
 from shardkit.nn.offload.flat import SliceLayout
 from shardkit.nn.offload.function import SliceFunction, SliceRunner, average_gradients
@@ -39,6 +40,17 @@ def _layers(model: nn.Sequential | Sequence[nn.Module]) -> tuple[list[nn.Module]
         f"{type(model).__name__}. Express the model as a sequence of stages, each taking "
         "one tensor and returning one (see shardkit.testing.models.gpt_stages for a GPT)"
     )
+
+
+def _named_parameters(
+    model: nn.Sequential | Sequence[nn.Module],
+) -> Iterator[tuple[str, nn.Parameter]]:
+    if isinstance(model, nn.Module):
+        yield from model.named_parameters()
+        return
+    for i, layer in enumerate(model):
+        if isinstance(layer, nn.Module):
+            yield from layer.named_parameters(prefix=str(i))
 
 
 def _split(
@@ -129,8 +141,10 @@ class OffloadModel(nn.Module):
             default None: no averaging (single process).
 
     Raises:
-        TypeError: if ``model`` is not an ``nn.Sequential`` or a list of modules.
-        ValueError: for ``num_slices`` out of range, ``num_microbatches < 1``, an
+        TypeError: if ``model`` is not an ``nn.Sequential`` or a list of modules, or a
+            parameter has an integer, bool or complex dtype.
+        ValueError: if ``model`` is (or contains) an OffloadModel already; for
+            ``num_slices`` out of range, ``num_microbatches < 1``, an
             unwritable or mismatching ``offload_dir``, or a ``meta`` model off the disk tier.
 
     Warning:
@@ -155,6 +169,8 @@ class OffloadModel(nn.Module):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        check_not_wrapped("OffloadModel", model, OffloadModel)
+        check_parameters("OffloadModel", _named_parameters(model), allow_meta=True)
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1; got {num_microbatches}")
         self.device = torch.device(device)

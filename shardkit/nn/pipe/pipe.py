@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from shardkit.distributed.validation import check_not_wrapped, check_parameters
 from shardkit.nn.pipe.batchnorm import DeferredBatchNorm
 from shardkit.nn.pipe.checkpoint import CheckpointMode
 from shardkit.nn.pipe.microbatch import TensorOrTensors, gather, scatter
@@ -94,10 +95,12 @@ class Pipe(nn.Module):
     (copied to ``devices[0]``). Output: the module's output on ``devices[-1]``.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``.
+        TypeError: ``module`` is not an ``nn.Sequential``; a parameter has an integer,
+            bool or complex dtype.
         BalanceError: ``balance`` does not sum to ``len(module)``, or devices and
             partitions differ in number.
-        ValueError: ``chunks`` < 1, an unknown ``checkpoint``, a parameter shared by
+        ValueError: ``module`` is (or contains) a Pipe already, a parameter is on the meta
+            device, ``chunks`` < 1, an unknown ``checkpoint``, a parameter shared by
             partitions on different devices; in forward, a batch smaller than ``chunks``.
 
     Memory: a partition keeps, per micro-batch, its input when checkpointed, else every
@@ -116,7 +119,9 @@ class Pipe(nn.Module):
         deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
+        check_not_wrapped("Pipe", module, Pipe)
         verify_module(module)
+        check_parameters("Pipe", module.named_parameters())
         self.balance = verify_balance(balance, len(module))
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1 (micro-batches per mini-batch); got {chunks}")

@@ -147,6 +147,9 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(
                 "the module is already a FullyShardedDataParallel unit; wrap each module once"
             )
+        from shardkit.distributed.validation import check_parameters  # integer/complex/meta
+
+        check_parameters("FullyShardedDataParallel", module.named_parameters())
         super().__init__()
         self._config = fairscale_config(
             mixed_precision,

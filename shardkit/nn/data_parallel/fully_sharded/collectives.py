@@ -25,8 +25,12 @@ import torch.distributed as dist
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from shardkit.distributed.collectives import global_rank
+from shardkit.distributed.failures import collective_context
 
 __all__ = ["Pending", "all_gather_flat", "broadcast_tensors", "reduce_scatter_flat"]
+
+_WRAPPER = "FullyShardedDataParallel"
+_GATHER, _SCATTER = "all-gather of parameters", "reduce-scatter of gradients"
 
 
 @dataclass
@@ -39,17 +43,24 @@ class Pending:
     done: bool = field(default=False)
     keep_version: Any = None  # a version-preserving context made before the issue
     keep_alive: Any = None  # an input that must live until the collective completes
+    operation: str = ""  # for a CollectiveError: e.g. "all-gather of parameters"
+    group: Any = None
 
     def wait(self) -> None:
-        """Block until the collective finished, then run the continuation."""
+        """Block until the collective finished, then run the continuation.
+
+        Raises:
+            CollectiveError: a peer timed out or disconnected (names the operation).
+        """
         if self.done:
             return
         if self.work is not None:
-            if self.keep_version is None:
-                self.work.wait()
-            else:  # waiting marks the output as written: see the module note
-                with self.keep_version:
+            with collective_context(_WRAPPER, self.operation, self.group):
+                if self.keep_version is None:
                     self.work.wait()
+                else:  # waiting marks the output as written: see the module note
+                    with self.keep_version:
+                        self.work.wait()
         self.done = True
         if self.then is not None:
             self.then()
@@ -76,9 +87,17 @@ def all_gather_flat(
             with torch.no_grad():
                 full.copy_(shard)
             return Pending(done=True)
-        work = dist.all_gather_single(full, shard, group=group, async_op=async_op)
+        with collective_context(_WRAPPER, _GATHER, group):
+            work = dist.all_gather_single(full, shard, group=group, async_op=async_op)
     nbytes = full.numel() * full.element_size()
-    return Pending(work=work, nbytes=nbytes, keep_version=keep, keep_alive=shard)
+    return Pending(
+        work=work,
+        nbytes=nbytes,
+        keep_version=keep,
+        keep_alive=shard,
+        operation=_GATHER,
+        group=group,
+    )
 
 
 def reduce_scatter_flat(
@@ -91,13 +110,16 @@ def reduce_scatter_flat(
     """Sum ``flat`` ``(N * S,)`` over ranks; rank r receives elements ``[r*S, (r+1)*S)``."""
     if flat.numel() == 0:
         return Pending(done=True)
-    work = dist.reduce_scatter_single(shard_out, flat, group=group, async_op=async_op)
-    return Pending(work=work, nbytes=flat.numel() * flat.element_size())
+    with collective_context(_WRAPPER, _SCATTER, group):
+        work = dist.reduce_scatter_single(shard_out, flat, group=group, async_op=async_op)
+    nbytes = flat.numel() * flat.element_size()
+    return Pending(work=work, nbytes=nbytes, operation=_SCATTER, group=group)
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
     """Overwrite ``tensors`` on every rank with the group's first rank's values."""
     src = global_rank(group, 0)
-    for tensor in tensors:
-        if tensor.numel() > 0:
-            dist.broadcast(tensor, src=src, group=group)
+    with collective_context(_WRAPPER, "broadcast from rank 0", group):
+        for tensor in tensors:
+            if tensor.numel() > 0:
+                dist.broadcast(tensor, src=src, group=group)

@@ -1,0 +1,115 @@
+"""Wrap-time checks of the parameters and modules a wrapper is given.
+
+Sharded wrappers pack parameters into flat floating-point buffers, reduce gradients
+and step optimizers; each needs floating-point parameters that hold real memory. A
+parameter that breaks this (an integer or complex dtype, one on the meta device) fails
+much later otherwise, inside a collective or an optimizer, with a message that does
+not name the parameter. :func:`check_parameters` names the first such parameter, its
+dtype or device, why it cannot be wrapped and the fix. :func:`check_not_wrapped`
+refuses a module that is already (or contains) the same wrapper.
+
+No collective: every rank checks its own parameters (the cross-rank agreement is
+:func:`shardkit.distributed.consistency.verify_consistent`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["check_not_wrapped", "check_parameters"]
+
+
+def _dtype_problem(name: str, param: torch.Tensor, wrapper: str) -> str | None:
+    dtype = param.dtype
+    if dtype.is_complex:
+        return (
+            f"{wrapper}: parameter `{name}` (shape {tuple(param.shape)}) has the complex dtype "
+            f"{dtype}; shardkit packs, reduces and shards real floating-point tensors only. "
+            "Store it as a real parameter with a trailing dimension of 2 and view it as "
+            "complex in forward: nn.Parameter(torch.view_as_real(w)), then "
+            "torch.view_as_complex(self.w)"
+        )
+    if not dtype.is_floating_point:
+        return (
+            f"{wrapper}: parameter `{name}` (shape {tuple(param.shape)}) has the dtype {dtype}; "
+            "optimizers and gradient reductions need floating-point parameters (an integer "
+            "or bool tensor has no gradient). Register it as a buffer "
+            "(module.register_buffer(name, tensor)) or convert it with .float()"
+        )
+    return None
+
+
+def _meta_problem(name: str, param: torch.Tensor, wrapper: str) -> str:
+    return (
+        f"{wrapper}: parameter `{name}` (shape {tuple(param.shape)}) is on the meta device: "
+        "it has no storage to shard, reduce or step. Materialise the module before "
+        "wrapping: module.to_empty(device=...) then initialise it (module.apply(init_fn), "
+        "reset_parameters() or load_state_dict(...))"
+    )
+
+
+def check_parameters(
+    wrapper: str,
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    *,
+    allow_meta: bool = False,
+) -> None:
+    """Refuse parameters a sharded wrapper cannot hold, naming the first one and the fix.
+
+    Args:
+        wrapper: the caller, for the message (e.g. ``"OSS"``).
+        named_params: ``(name, parameter)`` pairs, e.g. ``module.named_parameters()``.
+        allow_meta: accept parameters on the meta device (a wrapper that materialises
+            them itself, such as OffloadModel's disk tier). Default False.
+
+    Raises:
+        TypeError: a parameter has an integer, bool or complex dtype (the message says
+            why and how to store it instead).
+        ValueError: a parameter is on the meta device and ``allow_meta`` is False (the
+            message gives ``module.to_empty(device=...)`` and an initialisation).
+    """
+    for name, param in named_params:
+        problem = _dtype_problem(name, param, wrapper)
+        if problem is not None:
+            raise TypeError(problem)
+        if param.is_meta and not allow_meta:
+            raise ValueError(_meta_problem(name, param, wrapper))
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'AEIOU' else 'a'} {noun}"
+
+
+def check_not_wrapped(wrapper: str, module: object, wrapper_type: type) -> None:
+    """Refuse ``module`` when it is, or contains, a ``wrapper_type`` instance already.
+
+    Args:
+        wrapper: the caller's name, for the message.
+        module: what the user passed to the wrapper (a module or a list of modules).
+        wrapper_type: the wrapper's class.
+
+    Raises:
+        ValueError: naming where the existing wrapper sits, and the fix.
+    """
+    if isinstance(module, wrapper_type):
+        raise ValueError(
+            f"the module given to {wrapper} is already {_a(wrapper_type.__name__)}: wrap "
+            f"each module once (pass the inner module, `wrapped.module`, to re-wrap)"
+        )
+    roots = module if isinstance(module, (list, tuple)) else [module]
+    for index, root in enumerate(roots):
+        if not isinstance(root, nn.Module):
+            continue
+        for name, sub in root.named_modules():
+            if isinstance(sub, wrapper_type):
+                where = name
+                if isinstance(module, (list, tuple)):
+                    where = f"[{index}].{name}" if name else f"[{index}]"
+                raise ValueError(
+                    f"the module given to {wrapper} contains {_a(wrapper_type.__name__)} at "
+                    f"`{where}`: a wrapper inside the same wrapper would shard twice; wrap "
+                    "each module once"
+                )

@@ -1,0 +1,103 @@
+"""A collective a peer never joins ends in an error naming the wrapper and the operation.
+
+Each case runs on its own 2-rank group with a 2 s timeout (the shared pool's world
+group keeps its long one): rank 1 skips a step, a forward or a backward, or leaves the
+group, and rank 0's error must say which wrapper, which operation, its rank and the
+group size, with the backend's error chained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.distributed.failures import CollectiveError, collective_context
+from shardkit.nn import FullyShardedDataParallel, ShardedDataParallel
+from shardkit.optim import OSS
+
+_TIMEOUT = timedelta(seconds=2)
+
+
+def _oss_step(group: dist.ProcessGroup, skip: bool) -> None:
+    model = nn.Linear(4, 4)
+    optimizer = OSS(model.parameters(), lr=0.1, group=group)
+    if not skip:
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+
+
+def _fsdp_forward(group: dist.ProcessGroup, skip: bool) -> None:
+    model = FullyShardedDataParallel(nn.Linear(4, 4), process_group=group)
+    if not skip:
+        model(torch.ones(2, 4))
+
+
+def _sdp_backward(group: dist.ProcessGroup, skip: bool) -> None:
+    model = nn.Linear(4, 4)
+    wrapped = ShardedDataParallel(model, OSS(model.parameters(), lr=0.1, group=group), group)
+    if not skip:
+        wrapped(torch.ones(2, 4)).sum().backward()
+
+
+def _fsdp_peer_gone(group: dist.ProcessGroup, skip: bool) -> None:
+    model = FullyShardedDataParallel(nn.Linear(4, 4), process_group=group)
+    if skip:
+        dist.destroy_process_group(group)  # its connections close, as when a rank dies
+    else:
+        model(torch.ones(2, 4))
+
+
+def _run_case(case: Callable[[dist.ProcessGroup, bool], None]) -> str:
+    group = dist.new_group([0, 1], timeout=_TIMEOUT)
+    outcome = "ok"
+    try:
+        case(group, dist.get_rank() == 1)
+    except CollectiveError as err:
+        cause = err.__cause__
+        outcome = f"{err} | chained {type(cause).__name__}"
+    dist.barrier()  # the world group: rank 1 waits here for rank 0's timeout
+    return outcome
+
+
+def _cases() -> dict[str, str]:
+    return {
+        "oss": _run_case(_oss_step),
+        "fsdp": _run_case(_fsdp_forward),
+        "sdp": _run_case(_sdp_backward),
+        "fsdp-gone": _run_case(_fsdp_peer_gone),
+    }
+
+
+def test_skipped_collective_names_wrapper_and_operation(rank_pool: Any) -> None:
+    results = rank_pool(2).run(_cases)
+    assert all(outcome == "ok" for outcome in results[1].values()), results[1]
+    got = results[0]
+    expected = {
+        "oss": "OSS: step: broadcast of updated parameters failed on rank 0 of a group of 2",
+        "fsdp": "FullyShardedDataParallel: all-gather of parameters failed on rank 0 of a group of 2",
+        "sdp": "ShardedDataParallel: backward: reduce of gradients failed on rank 0 of a group of 2",
+        "fsdp-gone": "FullyShardedDataParallel: all-gather of parameters failed on rank 0",
+    }
+    for case, start in expected.items():
+        assert got[case].startswith(start), (case, got[case])
+        assert "a rank skipped a forward, backward or optimizer step" in got[case]
+        assert "a rank died" in got[case] and "different models" in got[case]
+        assert "Backend error: " in got[case] and "| chained " in got[case]
+
+
+def test_other_errors_pass_unchanged() -> None:
+    with pytest.raises(ValueError, match="not a collective"), collective_context("X", "op"):
+        raise ValueError("not a collective")
+    with pytest.raises(RuntimeError, match="shape mismatch") as info, collective_context("X", "op"):
+        raise RuntimeError("shape mismatch")
+    assert not isinstance(info.value, CollectiveError)
+    with pytest.raises(CollectiveError) as failed, collective_context("OSS", "broadcast"):
+        raise RuntimeError("[gloo] Timed out waiting 2000ms for recv operation to complete")
+    assert str(failed.value).startswith("OSS: broadcast failed on rank 0 of a group of 1:")
+    assert failed.value.operation == "broadcast" and failed.value.world_size == 1
