@@ -96,6 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # Test-only fault injection (tests/examples/test_restart.py): see fault_point().
     add("--fault-kill-at-step", type=_non_negative, default=None, help=argparse.SUPPRESS)
     add("--fault-rank", type=_non_negative, default=0, help=argparse.SUPPRESS)
+    add("--fault-nan-at-step", type=_non_negative, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.strategy not in STRATEGIES:
         raise InputError(
@@ -222,17 +223,57 @@ def fault_point(run: Run) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class NonFiniteLossError(Exception):
+    """A step's loss is NaN or infinite on some rank; no rank took the step."""
+
+
+def fault_loss(run: Run, loss: torch.Tensor) -> torch.Tensor:
+    """Test-only: the loss of step ``--fault-nan-at-step`` is NaN on ``--fault-rank``."""
+    args = run.args
+    if run.step + 1 == args.fault_nan_at_step and run.env.rank == args.fault_rank:
+        return loss * float("nan")
+    return loss
+
+
+def finite_mean_loss(run: Run, loss: torch.Tensor) -> float:
+    """The loss averaged over ranks (one all-reduce, before the backward pass).
+
+    A NaN or inf on any rank makes the mean non-finite on every rank, so all ranks
+    agree to stop before the optimizer step: the model and the checkpoints keep the
+    last good state. With a loss scaler (``--precision fp16``) the scaler skips such a
+    step instead (its gradients are not finite), on every rank.
+
+    Raises:
+        NonFiniteLossError: no scaler and the mean is not finite.
+    """
+    mean = mean_over_ranks(loss)
+    if math.isfinite(mean) or getattr(run.strategy, "scaler", None) is not None:
+        return mean
+    raise NonFiniteLossError(
+        f"step {run.step + 1}: the training loss is {mean} (mean over the "
+        f"{run.env.world_size} ranks); stopped before the optimizer step, so the model "
+        "and the last checkpoint are untouched (--resume continues from it). Lower --lr, "
+        "check the data, or use --precision fp16, whose loss scaler skips such steps"
+    )
+
+
 def train_step(run: Run) -> float:
-    """One optimizer step on this rank's next batch; the loss averaged over ranks."""
+    """One optimizer step on this rank's next batch; the loss averaged over ranks.
+
+    Raises:
+        NonFiniteLossError: the loss is NaN or inf on a rank (see :func:`finite_mean_loss`).
+    """
     x, y = (t.to(run.env.device, non_blocking=True) for t in run.sampler.next_batch())
     run.strategy.optimizer.zero_grad(set_to_none=True)
     _, loss = run.strategy.module(x, targets=y)
+    loss = fault_loss(run, loss)
+    mean = finite_mean_loss(run, loss)
     run.strategy.backward(loss)  # loss scaling with --precision fp16
     fault_point(run)
     run.strategy.before_step()  # the gradient-clipping hook (strategies.py)
     run.strategy.step()
     run.scheduler.step()
-    return mean_over_ranks(loss)
+    return mean
 
 
 @torch.no_grad()
@@ -287,30 +328,34 @@ def train_loop(run: Run, out_dir: Path) -> None:
         report(run, None)
     bar = tqdm(total=stop, initial=run.step, disable=run.env.rank != 0, desc="train", ncols=90)
     window_s, window_steps = 0.0, 0
-    while run.step < stop:
-        t0 = time.perf_counter()
-        loss = train_step(run)
-        dt = time.perf_counter() - t0
-        run.step, run.steps_this_run = run.step + 1, run.steps_this_run + 1
-        run.train_time_s, window_s, window_steps = (
-            run.train_time_s + dt,
-            window_s + dt,
-            window_steps + 1,
-        )
-        run.history.train_loss.append([run.step, loss])
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}")
-        tps = window_steps * tokens_per_step / window_s
-        if args.log_every and run.step % args.log_every == 0:
-            say(run, f"step {run.step:5d}/{args.steps} | train {loss:.4f} | {tps:,.0f} tok/s")
-        if (args.eval_every and run.step % args.eval_every == 0) or run.step == args.steps:
-            run.history.tokens_per_s.append([run.step, tps])
-            report(run, tps)
-            window_s, window_steps = 0.0, 0
-        end_of_run = run.step == stop and (args.save_every > 0 or stop < args.steps)
-        if (args.save_every and run.step % args.save_every == 0) or end_of_run:
-            save_checkpoint(out_dir, run.step, checkpoint_payload(run), args.strategy, args.keep)
-    bar.close()
+    try:  # closed also when a step raises, so an error line starts a line of its own
+        while run.step < stop:
+            t0 = time.perf_counter()
+            loss = train_step(run)
+            dt = time.perf_counter() - t0
+            run.step, run.steps_this_run = run.step + 1, run.steps_this_run + 1
+            run.train_time_s, window_s, window_steps = (
+                run.train_time_s + dt,
+                window_s + dt,
+                window_steps + 1,
+            )
+            run.history.train_loss.append([run.step, loss])
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            tps = window_steps * tokens_per_step / window_s
+            if args.log_every and run.step % args.log_every == 0:
+                say(run, f"step {run.step:5d}/{args.steps} | train {loss:.4f} | {tps:,.0f} tok/s")
+            if (args.eval_every and run.step % args.eval_every == 0) or run.step == args.steps:
+                run.history.tokens_per_s.append([run.step, tps])
+                report(run, tps)
+                window_s, window_steps = 0.0, 0
+            end_of_run = run.step == stop and (args.save_every > 0 or stop < args.steps)
+            if (args.save_every and run.step % args.save_every == 0) or end_of_run:
+                save_checkpoint(
+                    out_dir, run.step, checkpoint_payload(run), args.strategy, args.keep
+                )
+    finally:
+        bar.close()
 
 
 def summary(run: Run, wall_s: float) -> dict[str, Any]:
@@ -393,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         run_job(args, env, data)
     except InputError as err:
         return fail(err, True)
+    except NonFiniteLossError as err:  # every rank stops; rank 0 says it
+        return fail(err, env.rank == 0)
     finally:
         if env.owns_group:
             dist.destroy_process_group()

@@ -12,7 +12,12 @@ from shardkit.optim.grad_scaler import ShardedGradScaler
 from shardkit.testing import assert_tensors_close
 
 
-def _train(scaler: torch.amp.GradScaler, inject_inf_at: int | None, inf_rank: int) -> list[Any]:
+def _train(
+    scaler: torch.amp.GradScaler,
+    inject_inf_at: int | None,
+    inf_rank: int,
+    bad: float = float("inf"),
+) -> list[Any]:
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -25,7 +30,7 @@ def _train(scaler: torch.amp.GradScaler, inject_inf_at: int | None, inf_rank: in
             loss = model(x).float().pow(2).mean()
         scaler.scale(loss).backward()
         if step == inject_inf_at and rank == inf_rank:
-            model.weight.grad[0, 0] = float("inf")
+            model.weight.grad[0, 0] = bad
         scaler.step(opt)
         scaler.update()
         history.append((model.weight.detach().clone(), scaler.get_scale()))
@@ -73,3 +78,18 @@ def test_disabled_is_pass_through() -> None:
     loss = torch.tensor(3.0)
     assert scaler.scale(loss) is loss
     assert scaler.get_scale() == 1.0
+
+
+def _nan_run() -> list[Any]:
+    return _train(ShardedGradScaler(init_scale=1024.0), 2, inf_rank=1, bad=float("nan"))
+
+
+def test_nan_gradient_on_one_rank_is_skipped_on_all(rank_pool) -> None:
+    """A NaN (not an overflow) in one rank's gradient: the same skip as for inf."""
+    per_rank = rank_pool(2).run(_nan_run)
+    for run in per_rank:
+        assert [s for _, s in run] == [1024.0, 1024.0, 512.0, 512.0]
+        assert_tensors_close(run[2][0], run[1][0], atol=0, rtol=0, name="skipped step")
+        assert all(bool(w.isfinite().all()) for w, _ in run)
+    for a, b in zip(*per_rank):
+        assert_tensors_close(a[0], b[0], atol=0, rtol=0, name="ranks agree")
