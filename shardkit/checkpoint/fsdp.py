@@ -1,8 +1,13 @@
 """Sharded FSDP checkpoints: one file per rank, loadable at any world size.
 
-Each rank writes only its own shards (no gather), atomically::
+Each rank writes only its own shards (no gather), atomically, through the manifest
+(:mod:`shardkit.checkpoint.manifest`): ``<directory>/ckpt-<step>/`` holds the files
+and ``manifest.json`` (size and sha256 of each), ``<directory>/latest`` the newest
+committed step. Loading verifies the checksums (the ranks share the work) and falls
+back to the previous checkpoint when a file is damaged. A plain directory of shard
+files (written before the manifest existed) still loads, unchecked::
 
-    <directory>/fsdp-shard-<rank>-of-<world_size>.pt  holds
+    fsdp-shard-<rank>-of-<world_size>.pt  holds
     {"format": "shardkit.fsdp_sharded/1", "rank": r, "world_size": N,
      "units": {unit key: {"total": T, "shard_numel": S, "names": [...],
                           "shapes": [...], "flat": (S,) tensor}},
@@ -28,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardkit.checkpoint.atomic import atomic_save
+from shardkit.checkpoint.manifest import save_checkpoint
+from shardkit.checkpoint.sharded_optim import resolve_shard_directory
 
 if TYPE_CHECKING:
     from shardkit.nn.data_parallel.fully_sharded.api import FullyShardedDataParallel
@@ -91,18 +97,31 @@ def save_fsdp_sharded(
     model: FullyShardedDataParallel,
     directory: PathLike,
     optim: torch.optim.Optimizer | None = None,
+    *,
+    step: int = 0,
+    keep: int = 0,
 ) -> Path:
-    """Write this rank's shards (and ``optim``'s) to ``directory``; no communication.
+    """Write this rank's shards (and ``optim``'s) under ``directory`` (a collective).
 
-    Every rank calls it with the same ``directory`` (created if missing).
+    Every rank of the model's process group calls it with the same ``directory``
+    (created if missing). The files go to ``directory/ckpt-<step>/``; rank 0 then
+    writes the manifest and ``directory/latest``
+    (:func:`shardkit.checkpoint.manifest.save_checkpoint`).
+
+    Args:
+        step: the training step; default 0. Saving a step again overwrites it: pass
+            the step so that a crash mid-save leaves the previous one usable.
+        keep: committed checkpoints to keep (the newest); default 0: all.
 
     Returns:
-        The path written.
+        The path this rank wrote.
+
+    Raises:
+        CheckpointError: on every rank, if a rank could not write its file.
     """
     from shardkit.nn.data_parallel.fully_sharded.optim_state import flat_optim_state
     from shardkit.nn.data_parallel.fully_sharded.state_dict import unit_names
 
-    Path(directory).mkdir(parents=True, exist_ok=True)
     units = {key: _unit_record(unit) for key, unit in unit_names(model).items()}
     record: dict[str, Any] = {
         "format": FSDP_SHARD_FORMAT,
@@ -116,9 +135,11 @@ def save_fsdp_sharded(
         flat, scalars = flat_optim_state(model, optim)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
         record["optim"] = {"param_groups": groups, "scalars": scalars, "flat": flat}
-    path = fsdp_shard_path(directory, model._rank, model._world_size)
-    atomic_save(record, path)
-    return path
+    name = fsdp_shard_path(".", model._rank, model._world_size).name
+    layout = {"format": FSDP_SHARD_FORMAT, "reshardable": True}
+    group = model._process_group
+    ckpt = save_checkpoint(directory, step, {name: record}, layout=layout, keep=keep, group=group)
+    return ckpt / name
 
 
 def _open_all(directory: PathLike) -> list[dict[str, Any]]:
@@ -166,20 +187,24 @@ def load_fsdp_sharded(
     directory: PathLike,
     optim: torch.optim.Optimizer | None = None,
 ) -> None:
-    """Load a checkpoint written by :func:`save_fsdp_sharded`, at any world size.
+    """Load the newest intact checkpoint written by :func:`save_fsdp_sharded`, at any
+    world size (a collective over the model's process group).
 
     The model must be wrapped the same way (same units, same parameters); the world
-    size may differ. ``optim`` (built after wrapping) gets the saved state.
+    size may differ. ``optim`` (built after wrapping) gets the saved state. A damaged
+    file makes every rank use the previous checkpoint, with a warning.
 
     Raises:
-        FileNotFoundError: shard files missing.
+        CheckpointCorruptError: every committed checkpoint is damaged.
+        FileNotFoundError: shard files missing, or nothing committed.
         ValueError: the units or their parameters differ from the saved ones, or
             ``optim`` is given and the checkpoint has no optimizer state.
     """
     from shardkit.nn.data_parallel.fully_sharded.optim_state import load_flat_optim_state
     from shardkit.nn.data_parallel.fully_sharded.state_dict import unit_names
 
-    records = _open_all(directory)
+    found = resolve_shard_directory(directory, collective=True, group=model._process_group)
+    records = _open_all(found)
     units = unit_names(model)
     _check_units(records[0]["units"], units)
     for key, unit in units.items():

@@ -36,9 +36,9 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from shardkit.checkpoint.sharded_optim import (
-    load_optimizer_shards,
+    load_optimizer_checkpoint,
     merge_optimizer_shards,
-    save_optimizer_shard,
+    save_optimizer_checkpoint,
 )
 from shardkit.distributed import (
     DEFAULT_BUCKET_BYTES,
@@ -477,30 +477,44 @@ class OSS(Optimizer):
             g["params"] = [local_pos[p] for p in local_g["params"]]
         return {"state": state, "param_groups": groups}
 
-    def save_sharded(self, directory: str | Path) -> Path:
-        """Write this rank's shard to ``directory`` (collective: ends with a barrier).
+    def save_sharded(self, directory: str | Path, step: int = 0, keep: int = 0) -> Path:
+        """Write this rank's shard under ``directory`` with a manifest (a collective).
 
-        No consolidation: each rank writes only its own state, atomically
-        (:func:`shardkit.checkpoint.sharded_optim.save_optimizer_shard`). The checkpoint
-        loads at any world size with :meth:`load_sharded`.
+        No consolidation: each rank writes only its own state, atomically, into
+        ``directory/ckpt-<step>/``; rank 0 then writes the manifest (size and sha256 of
+        every file) and ``directory/latest``
+        (:func:`shardkit.checkpoint.sharded_optim.save_optimizer_checkpoint`). The
+        checkpoint loads at any world size with :meth:`load_sharded`.
+
+        Args:
+            directory: the checkpoint root, shared by every rank.
+            step: the training step; default 0. Saving a step again overwrites it: pass
+                the step so that a crash mid-save leaves the previous one usable.
+            keep: committed checkpoints to keep (the newest); default 0: all.
 
         Returns:
             The file this rank wrote.
         """
-        path = save_optimizer_shard(
-            directory, self.sharded_state_dict(), self.rank, self.world_size
+        return save_optimizer_checkpoint(
+            directory,
+            step,
+            self.sharded_state_dict(),
+            self.rank,
+            self.world_size,
+            keep=keep,
+            group=self.group,
         )
-        if self.world_size > 1:
-            dist.barrier(group=self.group)
-        return path
 
     def load_sharded(self, directory: str | Path) -> None:
-        """Load a checkpoint written by :meth:`save_sharded` at any world size.
+        """Load the newest intact checkpoint written by :meth:`save_sharded`, at any
+        world size (a collective over ``group``).
 
-        Reads every shard (memory-mapped) and keeps the state of this rank's shard.
+        Every rank reads every shard (memory-mapped) and keeps the state of its own
+        shard. A damaged shard file makes every rank use the previous checkpoint, with
+        a warning. A plain directory of shard files (no manifest) loads too.
 
         Raises:
-            FileNotFoundError, ValueError: see
-                :func:`shardkit.checkpoint.sharded_optim.load_optimizer_shards`.
+            CheckpointCorruptError, FileNotFoundError, ValueError: see
+                :func:`shardkit.checkpoint.sharded_optim.load_optimizer_checkpoint`.
         """
-        self.load_state_dict(load_optimizer_shards(directory))
+        self.load_state_dict(load_optimizer_checkpoint(directory, group=self.group))
