@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.distributed.linear_partition import balance_bounds
 from shardkit.distributed.validation import check_not_wrapped, check_parameters
 from shardkit.nn.offload.disk import DiskTier
@@ -138,7 +139,9 @@ class OffloadModel(nn.Module):
             them in place; default: ``reset_parameters()`` of every submodule having one.
         process_group: average gradients over this group after each slice's backward
             (data-parallel OffloadModel: every rank holds the whole model offloaded);
-            default None: no averaging (single process).
+            default None: no averaging (single process, and no cross-rank check). With a
+            group, construction is a collective that checks every rank has the same
+            parameters and slicing options (one small all-gather).
 
     Raises:
         TypeError: if ``model`` is not an ``nn.Sequential`` or a list of modules, or a
@@ -146,6 +149,7 @@ class OffloadModel(nn.Module):
         ValueError: if ``model`` is (or contains) an OffloadModel already; for
             ``num_slices`` out of range, ``num_microbatches < 1``, an
             unwritable or mismatching ``offload_dir``, or a ``meta`` model off the disk tier.
+        ConsistencyError: with ``process_group``, the ranks' models or options differ.
 
     Warning:
         Buffers (BatchNorm statistics) and shared parameters are not offloaded. With
@@ -170,6 +174,14 @@ class OffloadModel(nn.Module):
     ) -> None:
         super().__init__()
         check_not_wrapped("OffloadModel", model, OffloadModel)
+        if process_group is not None:  # data parallel: every rank must hold the same model
+            options = {"num_slices": num_slices, "num_microbatches": num_microbatches}
+            verify_consistent(
+                describe_parameters(_named_parameters(model)),
+                what="OffloadModel",
+                group=process_group,
+                options={**options, "checkpoint_activation": checkpoint_activation},
+            )
         check_parameters("OffloadModel", _named_parameters(model), allow_meta=True)
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1; got {num_microbatches}")

@@ -1,0 +1,47 @@
+"""Data-parallel OffloadModel and cross-rank pipeline schedules check that ranks agree."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.distributed.consistency import ConsistencyError
+from shardkit.nn import OffloadModel
+
+
+def _outcome(build: Callable[[], Any]) -> str:
+    try:
+        build()
+    except ConsistencyError as err:
+        return str(err)
+    return "ok"
+
+
+def _offload(width: int, num_slices: int) -> OffloadModel:
+    model = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
+    return OffloadModel(model, "cpu", num_slices=num_slices, process_group=dist.group.WORLD)
+
+
+def _cases() -> dict[str, str]:
+    rank = dist.get_rank()
+    return {
+        "offload-same": _outcome(lambda: _offload(4, 2)),
+        "offload-width": _outcome(lambda: _offload(4 + rank, 2)),
+        "offload-slices": _outcome(lambda: _offload(4, 2 + rank)),
+        "offload-single": _outcome(  # no process group: single process, nothing checked
+            lambda: OffloadModel(nn.Sequential(nn.Linear(4, 4 + rank)), "cpu", num_slices=1)
+        ),
+    }
+
+
+def test_ranks_that_disagree_are_named(rank_pool: Any) -> None:
+    per_rank = rank_pool(2).run(_cases)
+    assert per_rank[0] == per_rank[1]  # every rank raises the same error
+    got = per_rank[0]
+    assert got["offload-same"] == got["offload-single"] == "ok"
+    assert got["offload-width"].startswith("OffloadModel: ranks disagree at entry 3 of 7: ")
+    assert "ranks [1] have '0.weight shape=(5, 4)" in got["offload-width"]
+    assert "ranks [0] have 'option num_slices=2'" in got["offload-slices"]
