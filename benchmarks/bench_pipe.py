@@ -9,7 +9,10 @@ The model is the main job's GPT as ``nn.Sequential(embed, *blocks, head)``
 (``shardkit.testing.models.gpt_stages``), split in two equal halves of blocks. One training step
 (forward, loss, backward; no optimizer) on the same mini-batch runs
 
-- in one process (rank 0 alone, the plain module, no micro-batches), and
+- in one process (rank 0 alone, the plain module, no micro-batches),
+- in one process with the same ``m`` micro-batches by gradient accumulation (``1 process
+  m=...``: what micro-batching alone costs -- smaller matrix products, one gradient
+  accumulation and the per-operator overhead per micro-batch -- without a pipeline), and
 - as a 2-stage pipeline on 2 ranks with ``m`` = 1, 4, 8, 16 micro-batches, under GPipe
   and 1F1B.
 
@@ -88,14 +91,16 @@ def _reduce(wall_s: float, cpu_s: float, wait_s: float) -> tuple[float, float, f
 
 
 def _one_process_step(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int = 1
 ) -> tuple[float, float, float]:
-    """Rank 0 runs the plain model while rank 1 waits (it uses no CPU in a barrier)."""
+    """Rank 0 runs the plain model (``chunks`` micro-batches accumulated) while rank 1
+    waits (it uses no CPU in a barrier)."""
     dist.barrier()
     start, cpu = time.perf_counter(), time.process_time()
     if dist.get_rank() == 0:
         model.zero_grad(set_to_none=True)
-        lm_loss(model(x), y).backward()
+        for xs, ys in zip(x.tensor_split(chunks), y.tensor_split(chunks)):
+            (lm_loss(model(xs), ys) * (len(xs) / len(x))).backward()
     busy = dist.get_rank() == 0
     wall_s = time.perf_counter() - start if busy else 0.0
     return _reduce(wall_s, time.process_time() - cpu if busy else 0.0, 0.0)
@@ -122,15 +127,16 @@ def _bench(args: dict[str, Any]) -> dict[str, Any]:
         for name, cls in SCHEDULES.items()
     }
     x, y = _batch(args)
-    keys = ["one process", *runners]
+    accumulate = {f"1 process m={m}": m for m in args["chunks"] if m > 1}
+    keys = ["one process", *accumulate, *runners]
     times: dict[str, list[float]] = {k: [] for k in keys}
     cpus: dict[str, list[float]] = {k: [] for k in keys}
     waits: dict[str, list[float]] = {k: [] for k in keys}
     for rnd in range(args["rounds"]):
         for n in range(args["steps"] + (1 if rnd == 0 else 0)):
             for key in keys:
-                if key == "one process":
-                    wall, cpu, share = _one_process_step(full, x, y)
+                if key == "one process" or key in accumulate:
+                    wall, cpu, share = _one_process_step(full, x, y, accumulate.get(key, 1))
                 else:
                     wall, cpu, share = _pipe_step(runners[key], x, y)
                 if not (rnd == 0 and n == 0):  # the first round's first step warms up
@@ -180,8 +186,8 @@ def _tables(
         med = statistics.median(bench["times"][key])
         cpu = statistics.median(bench["cpu"][key])
         cores = statistics.median(c / t for c, t in zip(bench["cpu"][key], bench["times"][key]))
-        if key == "one process":
-            theory, bubble, bubble_theory, estimate = "1.00", "-", "-", "1.00"
+        if key == "one process" or key.startswith("1 process"):
+            theory, bubble, bubble_theory, estimate = "1.00", "-", "-", "-"
         else:
             m = int(key.split("m=")[1])
             theory = f"{STAGES * m / (m + STAGES - 1):.2f}"
@@ -197,8 +203,9 @@ def _tables(
         "step s: median wall seconds of a step (slowest rank). cores busy: CPU seconds of all "
         "ranks / wall seconds (2.00 at most for the pipeline, 1.00 for one process; below "
         "that, other processes on the machine took the cores). CPU s vs 1 process: the "
-        "pipeline's total CPU work relative to the plain step (micro-batch and send/recv "
-        "overhead). estimate on 2 free cores: p (1 - bubble theory) / (CPU s vs 1 process), "
+        "total CPU work relative to the plain step (micro-batching and send/recv "
+        "overhead); the `1 process m=...` rows give the share of micro-batching alone "
+        "(gradient accumulation in one process). estimate on 2 free cores: p (1 - bubble theory) / (CPU s vs 1 process), "
         "what the step times would give if each rank had a core of its own (a model, not a "
         "measurement; use it when cores busy shows the machine was shared).",
     ]

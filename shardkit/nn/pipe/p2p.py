@@ -13,6 +13,14 @@ sends a gradient back (1F1B) therefore cannot deadlock on two blocking sends, an
 schedule is deadlock-free exactly when its receive order is (the schedule tests
 check that by simulation). Between two ranks each direction carries one kind of
 message, in order, so messages match by order without tags.
+
+[Note: receives posted ahead]
+gloo (like NCCL) moves a message only once both sides have posted it: a receive
+posted after its send costs a round trip through both ranks' transport threads,
+which on busy cores wait to be scheduled. :meth:`P2P.irecv` and
+:meth:`P2P.irecv_header` post a receive early and return a :class:`PendingRecv`
+whose ``wait`` blocks; the stage posts each receive as soon as it knows the shapes,
+in the order the peer sends, so the transfer overlaps its compute.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["P2P", "TensorMeta"]
+__all__ = ["P2P", "PendingRecv", "TensorMeta"]
 
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -68,6 +76,21 @@ def decode_header(header: torch.Tensor) -> tuple[bool, list[TensorMeta]]:
     return atomic, metas
 
 
+class PendingRecv:
+    """Receives posted ahead (:meth:`P2P.irecv`); :meth:`wait` returns their tensors."""
+
+    def __init__(self, p2p: P2P, works: list[dist.Work], tensors: list[torch.Tensor]) -> None:
+        self._p2p, self._works, self.tensors = p2p, works, tensors
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block until every tensor arrived (time counted in ``wait_s``); the tensors."""
+        start = time.perf_counter()
+        for work in self._works:
+            work.wait()
+        self._p2p.wait_s += time.perf_counter() - start
+        return self.tensors
+
+
 class P2P:
     """Sends and receives lists of tensors to and from peers of one process group.
 
@@ -103,6 +126,11 @@ class P2P:
         self.wait_s += time.perf_counter() - start
         return tensor
 
+    def _irecv(self, tensor: torch.Tensor, peer: int) -> dist.Work:
+        work = dist.irecv(tensor, self._global(peer), group=self.group)
+        assert work is not None
+        return work
+
     def send(
         self, tensors: Sequence[torch.Tensor], peer: int, *, atomic: bool | None = None
     ) -> None:
@@ -121,13 +149,7 @@ class P2P:
     def recv_header(self, peer: int) -> tuple[bool, list[TensorMeta]]:
         """Receive a header from ``peer``: single tensor or tuple, and each tensor's meta."""
         first = self._recv(torch.empty(_HEADER_SLOTS, dtype=torch.int64, device=self.device), peer)
-        first = first.cpu()
-        size = int(first[0])
-        header = first[1 : 1 + size]
-        if size > _HEADER_SLOTS - 1:
-            rest = torch.empty(size - _HEADER_SLOTS + 1, dtype=torch.int64, device=self.device)
-            header = torch.cat([header, self._recv(rest, peer).cpu()])
-        return decode_header(header)
+        return self.finish_header(first, peer)
 
     def recv(self, metas: Sequence[TensorMeta], peer: int) -> list[torch.Tensor]:
         """Receive one tensor per meta from ``peer`` (``requires_grad`` as in the meta)."""
@@ -136,6 +158,30 @@ class P2P:
             t = self._recv(torch.empty(meta.shape, dtype=meta.dtype, device=self.device), peer)
             out.append(t.requires_grad_(meta.requires_grad))
         return out
+
+    def irecv(self, metas: Sequence[TensorMeta], peer: int) -> PendingRecv:
+        """Post receives of one tensor per meta from ``peer`` now (see module note)."""
+        tensors = [
+            torch.empty(m.shape, dtype=m.dtype, device=self.device).requires_grad_(m.requires_grad)
+            for m in metas
+        ]
+        return PendingRecv(self, [self._irecv(t.detach(), peer) for t in tensors], tensors)
+
+    def irecv_header(self, peer: int) -> PendingRecv:
+        """Post the receive of a header's first message from ``peer``; decode it with
+        :meth:`finish_header` after ``wait``."""
+        first = torch.empty(_HEADER_SLOTS, dtype=torch.int64, device=self.device)
+        return PendingRecv(self, [self._irecv(first, peer)], [first])
+
+    def finish_header(self, first: torch.Tensor, peer: int) -> tuple[bool, list[TensorMeta]]:
+        """Decode a header's first message, receiving the rest when it did not fit."""
+        first = first.cpu()
+        size = int(first[0])
+        header = first[1 : 1 + size]
+        if size > _HEADER_SLOTS - 1:
+            rest = torch.empty(size - _HEADER_SLOTS + 1, dtype=torch.int64, device=self.device)
+            header = torch.cat([header, self._recv(rest, peer).cpu()])
+        return decode_header(header)
 
     def wait(self) -> None:
         """Wait for every send issued so far (their buffers are released after)."""

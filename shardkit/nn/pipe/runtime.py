@@ -47,7 +47,7 @@ class _PipelineSchedule:
         targets = [t.with_tensors([x.to(stage.device) for x in t.tensors]) for t in targets]
         rows = sum(len(t) for t in targets)
         losses: list[torch.Tensor] = []
-        stage.begin_step()
+        stage.begin_step(self.chunks)
         for n, (phase, i) in enumerate(actions):
             if phase is Phase.FORWARD:
                 out = stage.forward(i, batches[i] if batches else None)
@@ -69,7 +69,7 @@ class _PipelineSchedule:
         if stage.is_first and not batches:
             raise ValueError("the first stage needs the inputs: call forward(inputs)")
         outputs: list[Batch] = []
-        stage.begin_step()
+        stage.begin_step(self.chunks)
         with torch.no_grad():
             for i in range(self.chunks):
                 outputs.append(stage.forward(i, batches[i] if batches else None))

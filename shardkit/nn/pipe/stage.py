@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.nn.pipe.checkpoint import CheckpointMode, run_checkpointed
 from shardkit.nn.pipe.microbatch import Batch, check_value
-from shardkit.nn.pipe.p2p import P2P, TensorMeta
+from shardkit.nn.pipe.p2p import P2P, PendingRecv, TensorMeta
 
 __all__ = ["PipelineStage", "StageState"]
 
@@ -51,6 +51,7 @@ class _InFlight:
     inputs: list[torch.Tensor]  # received tensors that require grad
     outputs: list[torch.Tensor] = field(default_factory=list)  # outputs that require grad
     loss: torch.Tensor | None = None  # last stage: the weighted micro-batch loss
+    grads: PendingRecv | None = None  # the output gradients, posted when the output left
 
 
 class PipelineStage:
@@ -105,6 +106,8 @@ class PipelineStage:
         self.state = StageState.IDLE
         self.peak_in_flight = 0
         self._in_flight: dict[int, _InFlight] = {}
+        self._chunks: int | None = None  # micro-batches of the current step, when known
+        self._next_header: PendingRecv | None = None  # posted ahead for the next input
 
     @property
     def wait_s(self) -> float:
@@ -122,14 +125,18 @@ class PipelineStage:
         return self.index == self.num_stages - 1
 
     # step lifecycle ------------------------------------------------------------------
-    def begin_step(self) -> None:
-        """Enter a schedule step (nothing may be in flight)."""
+    def begin_step(self, chunks: int | None = None) -> None:
+        """Enter a schedule step (nothing may be in flight). With ``chunks`` (the step's
+        micro-batches) given, receives are posted ahead (see :mod:`.p2p`)."""
         if self._in_flight:
             raise RuntimeError(
                 f"stage {self.index}: micro-batches {sorted(self._in_flight)} are still in flight"
             )
         self.state, self.peak_in_flight = StageState.RUNNING, 0
         self.p2p.wait_s = 0.0
+        self._chunks = chunks
+        if chunks is not None and not self.is_first:
+            self._next_header = self.p2p.irecv_header(self.index - 1)
 
     def end_step(self) -> None:
         """Leave a step: wait for this stage's sends to finish."""
@@ -142,9 +149,17 @@ class PipelineStage:
         self.state = StageState.IDLE
 
     # forward ---------------------------------------------------------------------------
-    def _receive_input(self) -> Batch:
-        atomic, metas = self.p2p.recv_header(self.index - 1)
-        tensors = self.p2p.recv(metas, self.index - 1)
+    def _receive_input(self, microbatch: int) -> Batch:
+        """The input of ``microbatch``; then post the next micro-batch's header receive
+        (after this one's tensors, in the order the previous stage sends them)."""
+        prev, header, self._next_header = self.index - 1, self._next_header, None
+        if header is None:
+            header = self.p2p.irecv_header(prev)
+        atomic, metas = self.p2p.finish_header(header.wait()[0], prev)
+        pending = self.p2p.irecv(metas, prev)
+        if self._chunks is not None and microbatch + 1 < self._chunks:
+            self._next_header = self.p2p.irecv_header(prev)
+        tensors = pending.wait()
         return Batch(tensors[0] if atomic else tuple(tensors))
 
     def _run_module(self, value: object) -> Batch:
@@ -162,15 +177,17 @@ class PipelineStage:
             assert batch is not None, "the first stage needs its micro-batch"
             batch = batch.with_tensors([t.to(self.device) for t in batch.tensors])
         else:
-            batch = self._receive_input()
+            batch = self._receive_input(microbatch)
         out = self._run_module(batch.value)
         if not self.is_last:
             self.p2p.send(out.tensors, self.index + 1, atomic=out.atomic)
         if torch.is_grad_enabled():
             inputs = [t for t in batch.tensors if t.requires_grad] if not self.is_first else []
-            self._in_flight[microbatch] = _InFlight(
-                inputs, [t for t in out.tensors if t.requires_grad]
-            )
+            saved = _InFlight(inputs, [t for t in out.tensors if t.requires_grad])
+            if not self.is_last:  # its gradient comes back in this order: post it now
+                metas = [TensorMeta(tuple(t.shape), t.dtype, False) for t in saved.outputs]
+                saved.grads = self.p2p.irecv(metas, self.index + 1)
+            self._in_flight[microbatch] = saved
             self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
         return out
 
@@ -183,13 +200,19 @@ class PipelineStage:
         """Backward of ``microbatch``: from its loss (last stage) or the received output
         gradient; then send the input gradient back (not on the first stage). ``last``
         marks the final backward of a step (data-parallel gradients reduce there)."""
+        oldest = min(self._in_flight, default=None)
+        if microbatch != oldest:
+            raise RuntimeError(
+                f"stage {self.index}: backward of micro-batch {microbatch} before the oldest "
+                f"in flight ({oldest}); gradients arrive in forward order"
+            )
         saved = self._in_flight.pop(microbatch)
         if self.is_last:
             assert saved.loss is not None, f"micro-batch {microbatch} has no loss on the last stage"
             roots, grads = [saved.loss], None
         else:
-            metas = [TensorMeta(tuple(t.shape), t.dtype, False) for t in saved.outputs]
-            roots, grads = saved.outputs, self.p2p.recv(metas, self.index + 1)
+            assert saved.grads is not None
+            roots, grads = saved.outputs, saved.grads.wait()
         if roots:
             self._prepare_reduction(roots, last)
             torch.autograd.backward(roots, grads)
