@@ -53,6 +53,15 @@ def _fsdp_peer_gone(group: dist.ProcessGroup, skip: bool) -> None:
         model(torch.ones(2, 4))
 
 
+def _pipe_step(group: dist.ProcessGroup, skip: bool) -> None:
+    from shardkit.nn.pipe import PipelineStage, Schedule1F1B
+
+    stage = PipelineStage(nn.Linear(4, 4), process_group=group)
+    schedule = Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss)
+    if not skip:  # stage 0 sends its activations, then waits for gradients
+        schedule.step(torch.ones(4, 4))
+
+
 def _run_case(case: Callable[[dist.ProcessGroup, bool], None]) -> str:
     group = dist.new_group([0, 1], timeout=_TIMEOUT)
     outcome = "ok"
@@ -71,6 +80,7 @@ def _cases() -> dict[str, str]:
         "fsdp": _run_case(_fsdp_forward),
         "sdp": _run_case(_sdp_backward),
         "fsdp-gone": _run_case(_fsdp_peer_gone),
+        "pipe": _run_case(_pipe_step),
     }
 
 
@@ -83,12 +93,16 @@ def test_skipped_collective_names_wrapper_and_operation(rank_pool: Any) -> None:
         "fsdp": "FullyShardedDataParallel: all-gather of parameters failed on rank 0 of a group of 2",
         "sdp": "ShardedDataParallel: backward: reduce of gradients failed on rank 0 of a group of 2",
         "fsdp-gone": "FullyShardedDataParallel: all-gather of parameters failed on rank 0",
+        "pipe": "PipelineStage: ",
     }
     for case, start in expected.items():
         assert got[case].startswith(start), (case, got[case])
         assert "a rank skipped a forward, backward or optimizer step" in got[case]
         assert "a rank died" in got[case] and "different models" in got[case]
         assert "Backend error: " in got[case] and "| chained " in got[case]
+    assert "from stage 1 failed on rank 0 of a group of 2" in got["pipe"] or (
+        "wait for receives posted ahead failed on rank 0 of a group of 2" in got["pipe"]
+    ), got["pipe"]
 
 
 def test_other_errors_pass_unchanged() -> None:

@@ -45,3 +45,30 @@ def test_ranks_that_disagree_are_named(rank_pool: Any) -> None:
     assert got["offload-width"].startswith("OffloadModel: ranks disagree at entry 3 of 7: ")
     assert "ranks [1] have '0.weight shape=(5, 4)" in got["offload-width"]
     assert "ranks [0] have 'option num_slices=2'" in got["offload-slices"]
+
+
+def _schedule(kind: str, chunks: int) -> Any:
+    from shardkit.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage = PipelineStage(nn.Linear(4, 4))
+    schedule = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
+    return schedule(stage, chunks, loss_fn=nn.functional.mse_loss)
+
+
+def _pipe_cases() -> dict[str, str]:
+    rank = dist.get_rank()
+    return {
+        "same": _outcome(lambda: _schedule("1f1b", 4)),
+        "chunks": _outcome(lambda: _schedule("1f1b", 4 + rank)),
+        "schedule": _outcome(lambda: _schedule("1f1b" if rank == 0 else "gpipe", 4)),
+    }
+
+
+def test_pipeline_stages_that_disagree_are_named(rank_pool: Any) -> None:
+    per_rank = rank_pool(2).run(_pipe_cases)
+    for rank, got in enumerate(per_rank):
+        assert got["same"] == "ok"
+        assert got["chunks"].startswith(f"Schedule1F1B (stage {rank} of 2): ranks disagree at")
+        assert "ranks [0] have 'option chunks=4'; ranks [1] have 'option chunks=5'" in got["chunks"]
+        assert "ranks [0] have \"option schedule='Schedule1F1B'\"" in got["schedule"]
+        assert "ranks [1] have \"option schedule='ScheduleGPipe'\"" in got["schedule"]

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from shardkit.distributed.failures import collective_context
 
 __all__ = ["P2P", "PendingRecv", "TensorMeta"]
 
@@ -85,8 +88,9 @@ class PendingRecv:
     def wait(self) -> list[torch.Tensor]:
         """Block until every tensor arrived (time counted in ``wait_s``); the tensors."""
         start = time.perf_counter()
-        for work in self._works:
-            work.wait()
+        with self._p2p.failures("wait for receives posted ahead"):
+            for work in self._works:
+                work.wait()
         self._p2p.wait_s += time.perf_counter() - start
         return self.tensors
 
@@ -113,21 +117,28 @@ class P2P:
     def _global(self, peer: int) -> int:
         return dist.get_global_rank(self.group, peer)
 
+    def failures(self, operation: str) -> AbstractContextManager[None]:
+        """A peer's timeout or disconnection in the body: a CollectiveError naming it."""
+        return collective_context("PipelineStage", operation, self.group)
+
     def _isend(self, tensor: torch.Tensor, peer: int) -> None:
         tensor = tensor.detach().to(self.device).contiguous()
-        work = dist.isend(tensor, self._global(peer), group=self.group)
+        with self.failures(f"send to stage {peer}"):
+            work = dist.isend(tensor, self._global(peer), group=self.group)
         assert work is not None
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
         self._pending.append((work, tensor))
 
     def _recv(self, tensor: torch.Tensor, peer: int) -> torch.Tensor:
         start = time.perf_counter()
-        dist.recv(tensor, self._global(peer), group=self.group)
+        with self.failures(f"receive from stage {peer}"):
+            dist.recv(tensor, self._global(peer), group=self.group)
         self.wait_s += time.perf_counter() - start
         return tensor
 
     def _irecv(self, tensor: torch.Tensor, peer: int) -> dist.Work:
-        work = dist.irecv(tensor, self._global(peer), group=self.group)
+        with self.failures(f"receive from stage {peer}"):
+            work = dist.irecv(tensor, self._global(peer), group=self.group)
         assert work is not None
         return work
 
@@ -185,6 +196,7 @@ class P2P:
 
     def wait(self) -> None:
         """Wait for every send issued so far (their buffers are released after)."""
-        for work, _ in self._pending:
-            work.wait()
+        with self.failures("wait for sends to the neighbour stages"):
+            for work, _ in self._pending:
+                work.wait()
         self._pending.clear()

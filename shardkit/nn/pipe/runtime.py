@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shardkit.distributed.consistency import verify_consistent
 from shardkit.nn.pipe.microbatch import Batch, TensorOrTensors, gather, scatter
 from shardkit.nn.pipe.schedule import Action, Phase, gpipe_actions, one_f_one_b_actions
 from shardkit.nn.pipe.stage import LossFn, PipelineStage, weighted_loss
@@ -30,6 +31,16 @@ class _PipelineSchedule:
         self.stage = stage
         self.chunks = chunks
         self.loss_fn = loss_fn
+        verify_consistent(  # one small all-gather: a mismatch raises instead of hanging
+            [],
+            what=f"{type(self).__name__} (stage {stage.index} of {stage.num_stages})",
+            group=stage.group,
+            options={
+                "schedule": type(self).__name__,
+                "chunks": chunks,
+                "num_stages": stage.num_stages,
+            },
+        )
 
     def _run(
         self,
@@ -88,6 +99,15 @@ class ScheduleGPipe(_PipelineSchedule):
         chunks: micro-batches per step (>= 1, <= the batch size).
         loss_fn: ``loss_fn(output, target) -> scalar``, the mean over a micro-batch;
             needed on the last stage.
+
+    Construction is a collective over the stage's group: every stage checks that all
+    use the same schedule class, ``chunks`` and number of stages (one small
+    all-gather).
+
+    Raises:
+        ValueError: ``chunks`` < 1.
+        ConsistencyError: the stages disagree on the schedule, ``chunks`` or the
+            number of stages (on every rank, naming each rank's value).
 
     Memory: each stage keeps the activations of all ``chunks`` micro-batches at the turn
     from forward to backward. Source: Huang et al. 2019 (GPipe), section 2.2.
