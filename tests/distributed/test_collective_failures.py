@@ -8,8 +8,10 @@ group size, with the backend's error chained.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ from torch import nn
 from shardkit.distributed.failures import CollectiveError, collective_context
 from shardkit.nn import FullyShardedDataParallel, ShardedDataParallel
 from shardkit.optim import OSS
+from shardkit.testing import RankError, run_distributed
 
 _TIMEOUT = timedelta(seconds=2)
 
@@ -103,6 +106,32 @@ def test_skipped_collective_names_wrapper_and_operation(rank_pool: Any) -> None:
     assert "from stage 1 failed on rank 0 of a group of 2" in got["pipe"] or (
         "wait for receives posted ahead failed on rank 0 of a group of 2" in got["pipe"]
     ), got["pipe"]
+
+
+def _die_during_fsdp(report: str) -> None:
+    """Rank 1 exits (as if killed) after wrapping; rank 0's forward must not hang."""
+    model = FullyShardedDataParallel(nn.Linear(4, 4))
+    if dist.get_rank() == 1:
+        os._exit(9)
+    try:
+        model(torch.ones(2, 4))
+    except CollectiveError as err:
+        Path(report).write_text(f"{err} | chained {type(err.__cause__).__name__}")
+        raise
+
+
+def test_dead_rank_ends_the_survivors_collective(tmp_path: Path) -> None:
+    """A rank process that dies: the survivor's all-gather raises a CollectiveError
+    within the 4 s group timeout (its own spawned pair: the dead rank ends the pool)."""
+    report = tmp_path / "rank0.txt"
+    with pytest.raises(RankError) as info:
+        run_distributed(_die_during_fsdp, 2, str(report), timeout_s=4.0)
+    assert info.value.rank == 1 and "exited with code 9" in info.value.remote_traceback
+    text = report.read_text()
+    assert text.startswith(
+        "FullyShardedDataParallel: all-gather of parameters failed on rank 0 of a group of 2"
+    ), text
+    assert "a rank died" in text and "| chained " in text
 
 
 def test_other_errors_pass_unchanged() -> None:
