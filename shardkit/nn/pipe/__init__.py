@@ -10,12 +10,13 @@
 Modules: ``microbatch`` (split/gather), ``partition`` and ``balance``, ``checkpoint``
 and ``batchnorm``, ``stream`` and ``copy`` (device abstraction), ``schedule`` (pure
 orders), ``pipeline`` and ``pipe`` (one process), ``p2p``, ``stage``, ``runtime`` and
-``state`` (across ranks).
+``state`` and ``failure`` (across ranks).
 """
 
 from shardkit.nn.pipe.balance import balance_by_size, balance_by_time, solve_balance
 from shardkit.nn.pipe.batchnorm import DeferredBatchNorm
 from shardkit.nn.pipe.checkpoint import CheckpointMode, is_recomputing
+from shardkit.nn.pipe.failure import StageFailedError
 from shardkit.nn.pipe.partition import BalanceError, split_module, stage_module
 from shardkit.nn.pipe.pipe import Pipe
 from shardkit.nn.pipe.runtime import Schedule1F1B, ScheduleGPipe
@@ -31,6 +32,7 @@ __all__ = [
     "PipelineStage",
     "Schedule1F1B",
     "ScheduleGPipe",
+    "StageFailedError",
     "balance_by_size",
     "balance_by_time",
     "bubble_fraction",

@@ -10,7 +10,8 @@ share of rows, so the step's loss and gradients are those of the whole mini-batc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -20,6 +21,16 @@ from shardkit.nn.pipe.schedule import Action, Phase, gpipe_actions, one_f_one_b_
 from shardkit.nn.pipe.stage import LossFn, PipelineStage, weighted_loss
 
 __all__ = ["Schedule1F1B", "ScheduleGPipe"]
+
+
+@contextlib.contextmanager
+def _abort_on_error(stage: PipelineStage) -> Iterator[None]:
+    """An error in the body tells the neighbour stages (:meth:`PipelineStage.abort`)."""
+    try:
+        yield
+    except Exception as error:
+        stage.abort(error)
+        raise
 
 
 class _PipelineSchedule:
@@ -59,16 +70,18 @@ class _PipelineSchedule:
         rows = sum(len(t) for t in targets)
         losses: list[torch.Tensor] = []
         stage.begin_step(self.chunks)
-        for n, (phase, i) in enumerate(actions):
-            if phase is Phase.FORWARD:
-                out = stage.forward(i, batches[i] if batches else None)
-                if stage.is_last:
-                    assert self.loss_fn is not None
-                    loss = weighted_loss(self.loss_fn, out, targets[i], len(targets[i]) / rows)
-                    stage.set_loss(i, loss)
-                    losses.append(loss.detach())
-            else:
-                stage.backward(i, last=n == len(actions) - 1)
+        with _abort_on_error(stage):
+            for n, (phase, i) in enumerate(actions):
+                if phase is Phase.FORWARD:
+                    out = stage.forward(i, batches[i] if batches else None)
+                    if stage.is_last:
+                        assert self.loss_fn is not None
+                        weight = len(targets[i]) / rows
+                        loss = weighted_loss(self.loss_fn, out, targets[i], weight)
+                        stage.set_loss(i, loss)
+                        losses.append(loss.detach())
+                else:
+                    stage.backward(i, last=n == len(actions) - 1)
         stage.end_step()
         return torch.stack(losses).sum() if losses else None
 
@@ -81,7 +94,7 @@ class _PipelineSchedule:
             raise ValueError("the first stage needs the inputs: call forward(inputs)")
         outputs: list[Batch] = []
         stage.begin_step(self.chunks)
-        with torch.no_grad():
+        with torch.no_grad(), _abort_on_error(stage):
             for i in range(self.chunks):
                 outputs.append(stage.forward(i, batches[i] if batches else None))
         stage.end_step()
@@ -140,6 +153,10 @@ class ScheduleGPipe(_PipelineSchedule):
 
         Raises:
             ValueError: a missing input / target / loss_fn, or ``B < chunks``.
+            StageFailedError: another stage raised during the step; the message names
+                it (``stage 1 (rank 1) failed: <error>``). Any error raised here is sent
+                to the neighbour stages first (:mod:`shardkit.nn.pipe.failure`).
+            CollectiveError: a neighbour stage timed out or disconnected (named).
         """
         actions = gpipe_actions(self.stage.index, self.stage.num_stages, self.chunks)
         return self._run(actions, inputs, target)

@@ -28,7 +28,15 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
+from shardkit.distributed.failures import CollectiveError, is_communication_failure
 from shardkit.nn.pipe.checkpoint import CheckpointMode, run_checkpointed
+from shardkit.nn.pipe.failure import (
+    StageFailedError,
+    abort_header,
+    abort_tensors,
+    header_abort_reason,
+    read_abort,
+)
 from shardkit.nn.pipe.microbatch import Batch, check_value
 from shardkit.nn.pipe.p2p import P2P, PendingRecv, TensorMeta
 
@@ -42,6 +50,7 @@ class StageState(enum.Enum):
 
     IDLE = "idle"  #: between steps: nothing in flight, all sends finished
     RUNNING = "running"  #: inside a step: micro-batches may be in flight
+    FAILED = "failed"  #: a step raised; the neighbours were told (see :mod:`.failure`)
 
 
 @dataclass
@@ -108,6 +117,8 @@ class PipelineStage:
         self._in_flight: dict[int, _InFlight] = {}
         self._chunks: int | None = None  # micro-batches of the current step, when known
         self._next_header: PendingRecv | None = None  # posted ahead for the next input
+        self._owed: list[torch.Tensor] | None = None  # inputs in backward (gradient owed)
+        self._forwarding: list[torch.Tensor] | None = None  # inputs in forward
 
     @property
     def wait_s(self) -> float:
@@ -128,6 +139,11 @@ class PipelineStage:
     def begin_step(self, chunks: int | None = None) -> None:
         """Enter a schedule step (nothing may be in flight). With ``chunks`` (the step's
         micro-batches) given, receives are posted ahead (see :mod:`.p2p`)."""
+        if self.state is StageState.FAILED:
+            raise RuntimeError(
+                f"stage {self.index}: a previous step failed and left unmatched messages in "
+                "the process group; destroy it and build a new group and stages"
+            )
         if self._in_flight:
             raise RuntimeError(
                 f"stage {self.index}: micro-batches {sorted(self._in_flight)} are still in flight"
@@ -155,12 +171,35 @@ class PipelineStage:
         prev, header, self._next_header = self.index - 1, self._next_header, None
         if header is None:
             header = self.p2p.irecv_header(prev)
-        atomic, metas = self.p2p.finish_header(header.wait()[0], prev)
+        what = f"receive of the input of micro-batch {microbatch}"
+        first = self._wait(header, what, prev)[0]
+        reason = header_abort_reason(first)
+        if reason is not None:
+            raise StageFailedError(reason, f"stage {self.index}: {what}")
+        atomic, metas = self.p2p.finish_header(first, prev)
         pending = self.p2p.irecv(metas, prev)
         if self._chunks is not None and microbatch + 1 < self._chunks:
             self._next_header = self.p2p.irecv_header(prev)
-        tensors = pending.wait()
+        tensors = self._wait(pending, what, prev)
         return Batch(tensors[0] if atomic else tuple(tensors))
+
+    def _wait(self, pending: PendingRecv, what: str, peer: int) -> list[torch.Tensor]:
+        """``pending.wait()``; a timeout or lost peer raises a :class:`CollectiveError`
+        naming this stage, the operation and the peer stage."""
+        try:
+            return pending.wait()
+        except RuntimeError as err:
+            if not (isinstance(err, CollectiveError) or is_communication_failure(err)):
+                raise
+            cause = str(err).split("Backend error: ", 1)[-1].strip().splitlines()[0]
+            rank = dist.get_global_rank(self.p2p.group, peer)
+            raise CollectiveError(
+                "PipelineStage",
+                f"stage {self.index}: {what} from stage {peer} (rank {rank})",
+                self.index,
+                self.num_stages,
+                cause,
+            ) from err
 
     def _run_module(self, value: object) -> Batch:
         with self._no_sync():
@@ -178,6 +217,8 @@ class PipelineStage:
             batch = batch.with_tensors([t.to(self.device) for t in batch.tensors])
         else:
             batch = self._receive_input(microbatch)
+        if torch.is_grad_enabled() and not self.is_first:
+            self._forwarding = [t for t in batch.tensors if t.requires_grad]
         out = self._run_module(batch.value)
         if not self.is_last:
             self.p2p.send(out.tensors, self.index + 1, atomic=out.atomic)
@@ -189,6 +230,7 @@ class PipelineStage:
                 saved.grads = self.p2p.irecv(metas, self.index + 1)
             self._in_flight[microbatch] = saved
             self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
+        self._forwarding = None
         return out
 
     def set_loss(self, microbatch: int, loss: torch.Tensor) -> None:
@@ -207,12 +249,18 @@ class PipelineStage:
                 f"in flight ({oldest}); gradients arrive in forward order"
             )
         saved = self._in_flight.pop(microbatch)
+        self._owed = saved.inputs if not self.is_first else None
         if self.is_last:
             assert saved.loss is not None, f"micro-batch {microbatch} has no loss on the last stage"
             roots, grads = [saved.loss], None
         else:
             assert saved.grads is not None
-            roots, grads = saved.outputs, saved.grads.wait()
+            what = f"receive of the output gradient of micro-batch {microbatch}"
+            grads = self._wait(saved.grads, what, self.index + 1)
+            reason = read_abort(grads)
+            if reason is not None:
+                raise StageFailedError(reason, f"stage {self.index}: {what}")
+            roots = saved.outputs
         if roots:
             self._prepare_reduction(roots, last)
             torch.autograd.backward(roots, grads)
@@ -221,6 +269,40 @@ class PipelineStage:
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in saved.inputs
             ]
             self.p2p.send(input_grads, self.index - 1)
+        self._owed = None
+
+    # failure (see the failure module) ------------------------------------------------
+    def abort(self, error: BaseException) -> None:
+        """Tell both neighbours that this stage's step failed with ``error``, in place of
+        the next message each waits for; the stage enters ``FAILED``.
+
+        A :class:`StageFailedError` (heard from a neighbour) is passed on unchanged, so
+        every stage names the stage that failed first. Called by the schedules."""
+        if self.state is StageState.FAILED:
+            return
+        self.state = StageState.FAILED
+        if isinstance(error, StageFailedError):
+            reason = error.reason
+        else:
+            rank = dist.get_global_rank(self.p2p.group, self.index)
+            reason = f"stage {self.index} (rank {rank}) failed: {type(error).__name__}: {error}"
+        owed = self._owed_gradient()
+        try:
+            if not self.is_last:
+                self.p2p.send([abort_header(reason)], self.index + 1)
+            if not self.is_first and owed is not None:
+                metas = [TensorMeta(tuple(t.shape), t.dtype, False) for t in owed]
+                self.p2p.send(abort_tensors(reason, metas), self.index - 1)
+        except RuntimeError:  # a neighbour is gone already; the original error matters
+            pass
+
+    def _owed_gradient(self) -> list[torch.Tensor] | None:
+        """The inputs whose gradient the previous stage waits for next (None: unknown)."""
+        if self._owed is not None:
+            return self._owed  # failed in the backward of the oldest micro-batch
+        if self._in_flight:
+            return self._in_flight[min(self._in_flight)].inputs
+        return self._forwarding  # failed in the forward of the only micro-batch
 
     # data parallelism inside the stage (see the module note) -------------------------
     @contextlib.contextmanager
