@@ -107,18 +107,21 @@ def _batch(config: GPTConfig, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, config.vocab_size, shape, generator=gen)
 
 
-def _measured_step(runner: Runner, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
+def _measured_step(
+    runner: Runner, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, int]]:
     """One training step that measures the model state: parameters, gradients and
-    buffers after backward, optimizer state after the step (bytes per category)."""
-    runner.forward_backward(x, y)
-    state = local_state_bytes(runner.module)
+    buffers after backward, optimizer state after the step (bytes per category); the
+    loss and the state."""
+    loss = runner.forward_backward(x, y)
+    state = runner.module_state() if runner.module_state else local_state_bytes(runner.module)
     runner.step_fn()
     state["optimizer_state"] = local_state_bytes(torch.nn.Module(), runner.optimizer_state())[
         "optimizer_state"
     ]
     state["total"] = sum(state[k] for k in ("parameters", "gradients", "optimizer_state"))
     state["total"] += state["buffers"]
-    return state
+    return loss, state
 
 
 def run_config(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -131,7 +134,8 @@ def run_config(spec: Mapping[str, Any]) -> dict[str, Any]:
             ``memory_limit_bytes`` (RSS watchdog), ``chunks``, ``offload_dir``.
 
     Returns:
-        ``times`` (s per timed step, slowest rank), ``state`` (bytes by category),
+        ``times`` (s per timed step, slowest rank), ``losses`` (this rank's loss of
+        every step, warm-up included), ``state`` (bytes by category),
         ``comm`` (:meth:`benchmarks.comm.CommCounter.snapshot` over the timed steps),
         ``rss_start`` / ``rss_peak`` (``VmHWM`` bytes before building / at the end).
     """
@@ -145,21 +149,23 @@ def run_config(spec: Mapping[str, Any]) -> dict[str, Any]:
         config = GPTConfig(**spec["model"])
         runner = BY_NAME[spec["strategy"]].build(config, spec)
         x, y = _batch(config, spec["batch"])
-        state = _measured_step(runner, x, y)
+        loss, state = _measured_step(runner, x, y)
+        losses = [loss]
         for _ in range(spec["warmup"] - 1):
-            runner.train_step(x, y)
+            losses.append(runner.train_step(x, y))
         times = []
         for _ in range(spec["steps"]):
             dist.barrier()
             with counter.counting():
                 start = time.perf_counter()
-                runner.train_step(x, y)
+                losses.append(runner.train_step(x, y))
                 elapsed = time.perf_counter() - start
             times.append(slowest(elapsed))
     finally:
         comm.uninstall()  # a reused process (a test's rank pool) gets torch's own back
     return {
         "times": times,
+        "losses": [float(v) for v in losses],
         "state": state,
         "comm": counter.snapshot(),
         "rss_start": rss_start,

@@ -85,6 +85,25 @@ def _comm(ok: list[dict[str, Any]], world: int, psi: int, stage: int | None) -> 
     return row
 
 
+def _global_losses(ok: list[dict[str, Any]]) -> list[float]:
+    """The loss of every step of the first successful run, averaged over the ranks (the
+    global batch's loss: every rank holds an equal share; pipe ranks all hold it)."""
+    per_rank = [r.get("losses", []) for r in ok[0]["ranks"]]
+    return [statistics.fmean(step) for step in zip(*per_rank)]
+
+
+def _add_loss_check(rows: list[Row]) -> None:
+    """``loss_vs_ddp``: the largest difference, over the steps, between this strategy's
+    loss and torch DDP's on the same data from the same initial model (0 up to fp32
+    rounding for a strategy that trains like DDP)."""
+    base = {(r["world_size"], r["model_size"]): r for r in rows if r["strategy"] == BASELINE}
+    for row in rows:
+        ddp = base.get((row["world_size"], row["model_size"]), {})
+        mine, theirs = row.get("losses", []), ddp.get("losses", [])
+        if mine and len(mine) == len(theirs):
+            row["loss_vs_ddp"] = max(abs(a - b) for a, b in zip(mine, theirs))
+
+
 def _add_ratios(rows: list[Row]) -> None:
     """``x_ddp`` (ratio of medians) and ``paired`` (per-round ratios) against DDP."""
     base = {(r["world_size"], r["model_size"]): r for r in rows if r["strategy"] == BASELINE}
@@ -115,8 +134,10 @@ def summarize(records: Iterable[dict[str, Any]], batch: int, seq_len: int) -> li
         Rows with the timing (``median_s``, ``q1_s``, ``q3_s``, ``min_s``, ``max_s``,
         ``tokens_per_s``), ratios (``x_ddp``, ``x_ddp_paired``), memory
         (``peak_rss_bytes`` and ``state_bytes`` per rank, ``state_over_formula``) and
-        communication (``comm_volume_bytes``, ``comm_over_theory``) fields; a strategy
-        that failed in every round has ``error`` instead.
+        communication (``comm_volume_bytes``, ``comm_over_theory``) fields, the loss
+        of every step (``losses``, averaged over ranks) and its largest difference
+        from torch DDP's (``loss_vs_ddp``); a strategy that failed in every round has
+        ``error`` instead.
     """
     groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     for r in records:
@@ -137,8 +158,10 @@ def summarize(records: Iterable[dict[str, Any]], batch: int, seq_len: int) -> li
         row.update(_timing(ok, world * batch * seq_len))
         row.update(_memory(ok, world, psi, stage))
         row.update(_comm(ok, world, psi, stage))
+        row["losses"] = _global_losses(ok)
         rows.append(row)
     _add_ratios(rows)
+    _add_loss_check(rows)
     return rows
 
 
@@ -162,27 +185,28 @@ def _row_cells(row: Row) -> list[str]:
         _fmt(row.get("state_over_formula")),
         f"{comm:.1f}",
         _fmt(row.get("comm_over_theory")),
+        _fmt(row.get("loss_vs_ddp"), ".1e"),
     ]
 
 
 HEADER = (
     "| strategy | N | model (psi) | step s: median [IQR] | x DDP: medians / paired [rounds] "
     "| tokens/s | peak RSS MiB per rank | params/grads/optim MiB (max rank) | x ZeRO formula "
-    "| comm MiB/step/rank | x theory |"
+    "| comm MiB/step/rank | x theory | loss vs DDP |"
 )
 
 
 def table(rows: list[Row], not_installed: Iterable[str] = ()) -> str:
     """The Markdown table of :func:`summarize` rows (+ a row per missing package)."""
-    lines = [HEADER, "|" + "---|" * 11]
+    lines = [HEADER, "|" + "---|" * 12]
     for row in rows:
         model = f"{row['model_size']} ({row['psi'] / 1e6:.1f}M)"
         head = [row["strategy"], str(row["world_size"]), model]
-        failed = [f"failed: {row['error']}"] + ["-"] * 7 if "error" in row else None
+        failed = [f"failed: {row['error']}"] + ["-"] * 8 if "error" in row else None
         cells = failed or _row_cells(row)
         lines.append("| " + " | ".join(head + cells) + " |")
     for name in not_installed:
-        lines.append(f"| {name} | - | - | not installed | " + " | ".join(["-"] * 7) + " |")
+        lines.append(f"| {name} | - | - | not installed | " + " | ".join(["-"] * 8) + " |")
     return "\n".join(lines)
 
 
@@ -201,7 +225,13 @@ NOTES = """\
   issued in the timed steps, as ring-algorithm volume (2 (N-1)/N x payload for an
   all-reduce, (N-1)/N for all-gather, reduce-scatter, broadcast, reduce; benchmarks/comm.py);
   x theory: over the ZeRO paper's volume, 2 psi (N-1)/N x 4 bytes for DDP and stages 1-2,
-  3 psi (N-1)/N x 4 bytes for stage 3 (sec. 7). Pipe: activations, no theory."""
+  3 psi (N-1)/N x 4 bytes for stage 3 (sec. 7). Pipe: activations, no theory.
+- loss vs DDP: the largest difference, over every step of the first round (warm-up
+  included), between the loss (averaged over ranks: the global batch's) and torch DDP's
+  on the same data from the same initial model: fp32 rounding (~1e-6) for a strategy
+  that trains like DDP. shardkit fsdp exempts biases and norms from weight decay, as
+  the main job does (~1e-6 more); shardkit offload (disk) initialises the model slice
+  by slice (other initial weights), so its figure is no parity check."""
 
 
 def render_markdown(doc: dict[str, Any], not_installed: Iterable[str] = ()) -> str:

@@ -7,8 +7,9 @@ job's registry (``examples/strategies.py``, the ``--strategy`` flag of
 ``examples/train_gpt.py``), so the benchmark runs exactly what the main job trains;
 torch's, DeepSpeed's and FairScale's are built here. DeepSpeed and FairScale entries
 are only run where the package imports (:func:`available`); they are written against
-their documented APIs but were not run on the machine that made the committed results,
-where neither is installed.
+the pinned versions of the ``bench`` extra (``pip install -e .[bench]``, see
+docs/benchmarks.md), on CPU with gloo; :func:`deepspeed_on_cpu` says what DeepSpeed
+needs for that.
 
 Every DDP-based runner gets the counted all-reduce comm hook
 (:func:`benchmarks.comm.count_ddp`), so its gradient traffic is counted like the rest.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from torch import nn
 
 from benchmarks.comm import count_ddp
 from benchmarks.common import ADAMW, build_torch_fsdp2
+from shardkit.memory import _count_new  # the storage-dedup rule of model_state_bytes
 from shardkit.testing.models import GPT, GPTConfig, gpt_init_fn, gpt_stages
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
@@ -49,22 +52,29 @@ class Runner:
         step_fn: optimizer step and ``zero_grad`` (called after backward).
         optimizer_state: returns the mapping holding this rank's optimizer state.
         backward: how the loss is back-propagated (DeepSpeed: ``engine.backward``).
+        module_state: bytes of this rank's parameters, gradients and buffers (the
+            categories of :func:`benchmarks.common.local_state_bytes`) where the
+            module's own tensors do not show them (DeepSpeed keeps partitions and
+            gradient buffers in its optimizer); None: measured from ``module``.
     """
 
     module: nn.Module
     step_fn: Callable[[], None]
     optimizer_state: Callable[[], Mapping[Any, Any]]
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
+    module_state: Callable[[], dict[str, int]] | None = None
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Forward with the loss, then backward."""
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward with the loss, then backward; the loss (detached, shape ``()``)."""
         _, loss = self.module(x, targets=y)
         self.backward(loss)
+        return loss.detach()
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """One training step: forward, backward, optimizer step, ``zero_grad``."""
-        self.forward_backward(x, y)
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One training step: forward, backward, optimizer step, ``zero_grad``; the loss."""
+        loss = self.forward_backward(x, y)
         self.step_fn()
+        return loss
 
 
 Builder = Callable[[GPTConfig, Mapping[str, Any]], Runner]
@@ -203,26 +213,115 @@ def build_fairscale_sdp(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
     return Runner(module, step, lambda: opt.optim.state)
 
 
+def deepspeed_on_cpu() -> None:
+    """Prepare DeepSpeed to run on CPU ranks with the gloo group already initialised.
+
+    - ``DS_ACCELERATOR=cpu`` unless set (before ``deepspeed`` is imported).
+    - DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce op
+      (``deepspeed_shm_comm``, C++ with ninja: minutes on 2 cores, and a killed build
+      leaves a lock file in ``~/.cache/torch_extensions`` that makes the next run wait
+      forever). It is only used for inference all-reduce; marked incompatible here so
+      that training goes through ``torch.distributed`` (and is counted).
+    """
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value`` (a tensor, or a list / tuple / dict of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+# Where DeepSpeed's ZeRO optimizers keep gradients (stage 1/2: the reduced partition
+# and its per-parameter views; stage 3: one flat buffer of every gradient partition)
+# and the fp32 master copy of this rank's partition.
+_DS_GRADIENTS = ("grads_in_partition", "averaged_gradients", "grad_partitions_flat_buffer")
+_DS_MASTERS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+
+
+def _ds_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """Every parameter's local tensor: ZeRO-3's partition (``ds_tensor``) and the
+    full tensor where it is held (persistent small parameters)."""
+    return [
+        t for p in module.parameters() for t in (p, getattr(p, "ds_tensor", None)) if t is not None
+    ]
+
+
+def _unique_bytes(categories: Mapping[str, list[torch.Tensor]]) -> dict[str, int]:
+    """Bytes per category, each storage counted once, in the first category reaching it."""
+    seen: set[tuple[str, int, int]] = set()
+    return {name: _count_new(tensors, seen) for name, tensors in categories.items()}
+
+
+def _deepspeed_state(engine: Any) -> tuple[Callable[[], dict[str, int]], Callable[[], Any]]:
+    """``(module_state, optimizer_state)`` of a DeepSpeed engine for :class:`Runner`.
+
+    Parameters: the module's tensors (ZeRO-3: with their partitions); gradients: the
+    parameters' ``.grad`` and the ZeRO optimizer's gradient buffers; optimizer state:
+    the inner optimizer's state plus the fp32 master partition, where that is a copy
+    (ZeRO-1/2 copy it even in fp32; ZeRO-3 in fp32 steps the parameter partition).
+    """
+    opt = engine.optimizer
+    module = engine.module
+
+    def params() -> list[torch.Tensor]:
+        return _ds_parameters(module)
+
+    def module_state() -> dict[str, int]:
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        grads += [t for name in _DS_GRADIENTS for t in _tensors(getattr(opt, name, None))]
+        buffers = list(module.buffers())
+        return _unique_bytes({"parameters": params(), "gradients": grads, "buffers": buffers})
+
+    def optimizer_state() -> dict[Any, Any]:
+        own = {t.untyped_storage().data_ptr() for t in params()}
+        masters = [t for name in _DS_MASTERS for t in _tensors(getattr(opt, name, None))]
+        extra = {
+            f"fp32 master {i}": m
+            for i, m in enumerate(masters)
+            if m.untyped_storage().data_ptr() not in own
+        }
+        return {**opt.state, **extra}
+
+    return module_state, optimizer_state
+
+
 def _deepspeed(stage: int) -> Builder:
     def build(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
-        """DeepSpeed ZeRO on CPU (gloo), fp32 AdamW, no clipping. Not run where not
-        installed."""
+        """DeepSpeed ZeRO on CPU (gloo): fp32, torch AdamW as the client optimizer
+        (DeepSpeed's own Adam JIT-compiles a C++ op), no gradient clipping (its
+        default is 1.0). Needs the ``bench`` extra."""
+        deepspeed_on_cpu()
         import deepspeed
 
         ds_config = {
             "train_micro_batch_size_per_gpu": spec["batch"],
+            "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0,
             "zero_optimization": {"stage": stage},
-            "optimizer": {
-                "type": "AdamW",
-                "params": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "weight_decay": 0.01},
-            },
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
         }
         model = GPT(config)
-        engine, opt, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=ds_config
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=torch.optim.AdamW(model.parameters(), **ADAMW),
+            config=ds_config,
         )
-        return Runner(engine, engine.step, lambda: opt.state, backward=engine.backward)
+        module_state, optimizer_state = _deepspeed_state(engine)
+        return Runner(engine, engine.step, optimizer_state, engine.backward, module_state)
 
     build.__name__ = f"build_deepspeed_zero{stage}"
     return build

@@ -63,6 +63,19 @@ def test_every_strategy_times_steps_and_measures_rss(
         assert ranks[0]["times"] == ranks[1]["times"], name  # the slowest rank's time
 
 
+def test_every_strategy_trains_like_ddp(measured: dict[str, list[dict[str, Any]]]) -> None:
+    def global_loss(ranks: list[dict[str, Any]]) -> list[float]:
+        return [sum(step) / WORLD for step in zip(*(r["losses"] for r in ranks))]
+
+    ddp = global_loss(measured["torch DDP"])
+    assert len(ddp) == 1 + STEPS and ddp[-1] < ddp[0]  # warm-up + timed steps; it learns
+    for name, ranks in measured.items():
+        if name == "shardkit offload (disk)":  # initialised slice by slice: other weights
+            continue
+        # fp32 rounding; shardkit fsdp's AdamW exempts biases and norms from weight decay
+        assert global_loss(ranks) == pytest.approx(ddp, abs=2e-5), name
+
+
 def test_ddp_state_and_traffic_match_the_formulas_exactly(
     measured: dict[str, list[dict[str, Any]]],
 ) -> None:
@@ -152,6 +165,8 @@ def test_report_of_measured_runs(measured: dict[str, list[dict[str, Any]]], tmp_
     assert ddp["comm_over_theory"] == 1.0 and ddp["state_over_formula"] == pytest.approx(
         1.0, abs=1e-3
     )
+    assert ddp["loss_vs_ddp"] == 0.0
+    assert all(r["loss_vs_ddp"] < 2e-5 for r in rows if r["strategy"] != "shardkit offload (disk)")
     doc = {
         "command": "python -m benchmarks.compare",
         "machine": {
