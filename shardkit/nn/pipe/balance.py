@@ -45,13 +45,15 @@ def solve_balance(costs: Sequence[float], partitions: int) -> list[int]:
 
 
 def layer_sizes(module: nn.Sequential) -> list[int]:
-    """Bytes of parameters and buffers per layer; a shared tensor counts in its first layer."""
+    """Bytes of parameters and buffers per layer; a shared tensor counts in its first layer.
+    Works on the meta device (sizes from shapes and dtypes)."""
     seen: set[int] = set()
     sizes = []
     for layer in verify_module(module):
         size = 0
         for t in [*layer.parameters(), *layer.buffers()]:
-            key = t.untyped_storage().data_ptr() if t.numel() else id(t)
+            # meta tensors have no storage (every data_ptr is 0): a shared one is one object
+            key = t.untyped_storage().data_ptr() if t.numel() and not t.is_meta else id(t)
             if key not in seen:
                 seen.add(key)
                 size += t.numel() * t.element_size()

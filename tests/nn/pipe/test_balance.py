@@ -30,6 +30,18 @@ def test_balance_by_size_counts_bytes_and_shared_tensors_once() -> None:
     assert balance_by_size(3, nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])) == [2, 2, 2]
 
 
+def test_balance_by_size_on_the_meta_device_matches_real_tensors() -> None:
+    # regression: every meta tensor's storage data_ptr is 0, so all counted as one shared
+    def build() -> nn.Sequential:
+        big, small = nn.Linear(100, 100), nn.Linear(10, 10)
+        return nn.Sequential(big, small, nn.Linear(100, 100), nn.Sequential(big, small))
+
+    with torch.device("meta"):
+        meta = build()
+    assert layer_sizes(meta) == layer_sizes(build()) == [40400, 440, 40400, 0]
+    assert balance_by_size(3, meta) == balance_by_size(3, build()) == [1, 1, 2]
+
+
 def test_balance_by_time_isolates_the_slow_layer() -> None:
     torch.manual_seed(0)
     # one matmul of 256 x 512 x 512 against three elementwise layers: ~100x apart
