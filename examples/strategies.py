@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gpt_stage_init import materialize_stage
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -180,6 +181,10 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class PipelineGPT(nn.Module):
     """This rank's pipeline stage of the GPT behind the loop's ``module(x, targets=y)``.
 
+    ``model`` may be built on the meta device (the main job does, see :data:`META_INIT`):
+    only this rank's stage is then allocated and initialised, bit-identically to the
+    plain GPT's initialisation at the same seed (:func:`gpt_stage_init.materialize_stage`).
+
     Every rank samples its own batch, as under DDP; the batches are all-gathered so that
     the pipeline trains on the same global batch DDP would (``world_size * batch``
     rows, mean loss). In training, ``forward`` runs the whole schedule (forwards and
@@ -194,6 +199,8 @@ class PipelineGPT(nn.Module):
         rank, world = dist.get_rank(), dist.get_world_size()
         layers = gpt_stages(model)
         self.stage_module = stage_module(layers, balance_by_size(world, layers), rank)
+        if model.wte.weight.is_meta:
+            materialize_stage(model, self.stage_module, device)
         self.stage = PipelineStage(self.stage_module, device=device)
         self.runner: ScheduleGPipe | Schedule1F1B
         if args.schedule == "1f1b":
@@ -201,7 +208,8 @@ class PipelineGPT(nn.Module):
         else:
             self.runner = ScheduleGPipe(self.stage, args.chunks, loss_fn=lm_loss)
         self.tied_group = dist.new_group([0, world - 1]) if world > 1 else None
-        self.tied = (model.wte.weight,)  # a tuple: not registered as this module's parameter
+        # this stage's copy of the tied weight (a tuple: not registered as a parameter here)
+        self.tied = (model.lm_head.weight if rank == world - 1 else model.wte.weight,)
 
     def _global(self, t: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
@@ -238,8 +246,10 @@ class _PipeStrategy(Strategy):
         merged = consolidated_state_dict(self.module.stage_module)
         if merged is None:
             return None
-        gpt_stages(self.gpt).load_state_dict(merged)  # rank 0 still holds every layer
-        return self.gpt.state_dict()
+        # plain GPT keys, matched to gpt_stages keys by tensor identity (rank 0 may hold
+        # only its stage: the other layers are on meta)
+        stage_key = {id(t): k for k, t in gpt_stages(self.gpt).state_dict(keep_vars=True).items()}
+        return {k: merged[stage_key[id(t)]] for k, t in self.gpt.state_dict(keep_vars=True).items()}
 
 
 def _pipe(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
@@ -374,6 +384,10 @@ def _fsdp(model: GPT, args: argparse.Namespace, device: torch.device) -> Strateg
     ]
     return _FSDPStrategy(module=module, optimizer=torch.optim.AdamW(groups, **kwargs))
 
+
+#: strategies whose factory takes a GPT built on the meta device (and allocates only
+#: what this rank holds); the main job builds the model there for them
+META_INIT = ("pipe",)
 
 STRATEGIES: dict[str, StrategyFactory] = {
     "ddp": _ddp,

@@ -38,7 +38,7 @@ from gpt_checkpoint import (
 )
 from gpt_data import VOCAB_SIZE, BatchSampler, InputError, eval_windows, load_bytes, split_tokens
 from gpt_dist import Env, all_gather_ints, mean_over_ranks, setup_distributed
-from strategies import PRECISIONS, STRATEGIES, Strategy, build_strategy, option_error
+from strategies import META_INIT, PRECISIONS, STRATEGIES, Strategy, build_strategy, option_error
 from tqdm import tqdm
 
 from shardkit.checkpoint.atomic import atomic_save, atomic_write
@@ -150,7 +150,11 @@ def build_run(args: argparse.Namespace, env: Env, train: torch.Tensor, val: torc
     torch.manual_seed(args.seed)
     random.seed(args.seed + env.rank)
     config = gpt_config(args.model_size, vocab_size=VOCAB_SIZE, block_size=args.seq_len)
-    model = GPT(config).to(env.device)
+    if args.strategy in META_INIT:  # the strategy allocates only this rank's part
+        with torch.device("meta"):
+            model = GPT(config)
+    else:
+        model = GPT(config).to(env.device)
     num_params = model.num_parameters()
     strategy = build_strategy(model, args, env.device)  # + precision, checkpointing
     scheduler = torch.optim.lr_scheduler.LambdaLR(
