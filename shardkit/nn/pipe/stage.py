@@ -13,6 +13,10 @@ interleaved backwards) cannot arrange; so every forward runs under ``no_sync`` a
 the last backward of a step first calls the reducer's ``prepare_for_backward``, as
 ``torch.distributed.pipelining`` does. The gradient of all micro-batches is then
 all-reduced once, during the last backward.
+
+A wrapper with FairScale's gradient-accumulation pair, ``no_sync()`` and ``reduce()``
+(shardkit's ``ShardedDataParallel``), runs every forward and backward of the step under
+``no_sync`` and reduces once, with ``reduce()``, after the last backward.
 """
 
 from __future__ import annotations
@@ -263,7 +267,10 @@ class PipelineStage:
             roots = saved.outputs
         if roots:
             self._prepare_reduction(roots, last)
-            torch.autograd.backward(roots, grads)
+            with self._no_sync(backward=True):
+                torch.autograd.backward(roots, grads)
+        if last and self._accumulates():
+            self.module.reduce()  # type: ignore[operator]
         if not self.is_first:
             input_grads = [
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in saved.inputs
@@ -305,10 +312,18 @@ class PipelineStage:
         return self._forwarding  # failed in the forward of the only micro-batch
 
     # data parallelism inside the stage (see the module note) -------------------------
+    def _accumulates(self) -> bool:
+        """A wrapper with ``no_sync()`` and ``reduce()`` (not DDP): see the module note."""
+        return not isinstance(self.module, DistributedDataParallel) and all(
+            callable(getattr(self.module, name, None)) for name in ("no_sync", "reduce")
+        )
+
     @contextlib.contextmanager
-    def _no_sync(self) -> Iterator[None]:
-        if isinstance(self.module, DistributedDataParallel):
-            with self.module.no_sync():
+    def _no_sync(self, backward: bool = False) -> Iterator[None]:
+        """Forwards: DDP's or the wrapper's ``no_sync``; backwards: the wrapper's only."""
+        ddp = isinstance(self.module, DistributedDataParallel) and not backward
+        if ddp or self._accumulates():
+            with self.module.no_sync():  # type: ignore[operator]
                 yield
         else:
             yield

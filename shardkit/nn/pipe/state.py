@@ -19,8 +19,16 @@ __all__ = ["consolidated_state_dict", "load_stage_state_dict", "unwrap"]
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    """The module inside a ``DistributedDataParallel`` wrapper (or ``module`` itself)."""
-    return module.module if isinstance(module, DistributedDataParallel) else module
+    """The module inside a data-parallel wrapper (or ``module`` itself): torch
+    ``DistributedDataParallel``, or a wrapper with ``no_sync()``, ``reduce()`` and
+    ``.module`` (shardkit's ``ShardedDataParallel``)."""
+    inner = getattr(module, "module", None)
+    accumulating = all(callable(getattr(module, n, None)) for n in ("no_sync", "reduce"))
+    if isinstance(inner, nn.Module) and (
+        isinstance(module, DistributedDataParallel) or accumulating
+    ):
+        return inner
+    return module
 
 
 def consolidated_state_dict(

@@ -1,5 +1,6 @@
 """One stage per rank: parity with the plain model for GPipe and 1F1B on 2 and 4 ranks,
-pipeline x data parallel (2 x 2 with torch DDP inside each stage), consolidated state."""
+pipeline x data parallel (2 x 2 with torch DDP or shardkit ShardedDataParallel inside
+each stage), consolidated state."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.nn.pipe import (
     PipelineStage,
     Schedule1F1B,
@@ -21,6 +23,7 @@ from shardkit.nn.pipe import (
     stage_module,
 )
 from shardkit.nn.pipe.p2p import P2P
+from shardkit.optim import OSS
 from shardkit.testing import assert_state_dicts_close, assert_tensors_close
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -196,18 +199,26 @@ def test_training_steps_and_consolidated_state(rank_pool: Any) -> None:
     assert set(states[0]) == {f"{i}.{w}" for i in (0, 2, 3) for w in ("weight", "bias")}
 
 
-def run_two_d(steps: int, schedule: str) -> dict[str, torch.Tensor] | None:
-    """2 stages x 2 replicas: ranks (replica r, stage s) = 2r + s; DDP over {s, s + 2}."""
+def run_two_d(steps: int, schedule: str, wrapper: str = "ddp") -> dict[str, torch.Tensor] | None:
+    """2 stages x 2 replicas: ranks (replica r, stage s) = 2r + s; torch DDP (``ddp``) or
+    shardkit ShardedDataParallel + OSS (``sdp``) over {s, s + 2}."""
     rank = dist.get_rank()
     replica, s = divmod(rank, 2)
     pp_groups = [dist.new_group([2 * r, 2 * r + 1]) for r in range(2)]
     dp_groups = [dist.new_group([j, j + 2]) for j in range(2)]
     full, balance = make_model("mlp", 2)
     reference = copy.deepcopy(full)
-    part = DistributedDataParallel(stage_module(full, balance, s), process_group=dp_groups[s])
+    base = stage_module(full, balance, s)
+    part: nn.Module
+    opt: torch.optim.Optimizer
+    if wrapper == "sdp":
+        opt = OSS(base.parameters(), optim=torch.optim.SGD, group=dp_groups[s], lr=0.1)
+        part = ShardedDataParallel(base, opt, process_group=dp_groups[s])
+    else:
+        part = DistributedDataParallel(base, process_group=dp_groups[s])
+        opt = torch.optim.SGD(part.parameters(), lr=0.1)
     stage = PipelineStage(part, process_group=pp_groups[replica])
     runner = SCHEDULES[schedule](stage, 3, loss_fn=F.mse_loss)
-    opt = torch.optim.SGD(part.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(steps):
         x, y = make_batch("mlp", 12, seed=step)
@@ -219,9 +230,9 @@ def run_two_d(steps: int, schedule: str) -> dict[str, torch.Tensor] | None:
         F.mse_loss(reference(x), y).backward()  # the global batch: DDP averages the replicas
         ref_opt.step()
     ref_params = dict(reference.named_parameters())
-    for name, param in part.module.named_parameters():
+    for name, param in base.named_parameters():
         assert_tensors_close(
-            param, ref_params[name], atol=1e-5, name=f"{schedule} rank {rank} {name}"
+            param, ref_params[name], atol=1e-5, name=f"{wrapper} {schedule} rank {rank} {name}"
         )
     return consolidated_state_dict(part, process_group=pp_groups[replica])
 
@@ -236,8 +247,8 @@ def test_four_stages_and_pipeline_times_data_parallel(rank_pool: Any) -> None:
     assert [peaks[r][3] for r in range(4)] == [4, 3, 2, 1]  # 1F1B, 5 micro-batches: p - s
     assert [peaks[r][1] for r in range(4)] == [5, 5, 5, 5]  # GPipe: all of them
     reference, _ = make_model("mlp", 2)
-    for schedule in ("gpipe", "1f1b"):
-        states = pool.run(run_two_d, 2, schedule)
+    for schedule, wrapper in (("gpipe", "ddp"), ("1f1b", "ddp"), ("1f1b", "sdp")):
+        states = pool.run(run_two_d, 2, schedule, wrapper)
         assert states[1] is None and states[3] is None
         for r in (0, 2):  # stage 0 of each replica holds the whole model; replicas agree
             assert states[r] is not None and set(states[r]) == set(reference.state_dict())

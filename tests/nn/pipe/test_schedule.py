@@ -21,6 +21,9 @@ def test_every_forward_once_before_its_backward_and_no_deadlock(p: int, m: int, 
         assert sorted(actions) == sorted(
             [(Phase.FORWARD, i) for i in range(m)] + [(Phase.BACKWARD, i) for i in range(m)]
         )
+        # backwards in forward order: preposted gradient receives match by order (p2p note)
+        backwards = [i for phase, i in actions if phase is Phase.BACKWARD]
+        assert backwards == sorted(backwards)
     trace = simulate(per_stage)  # raises on a deadlock or a backward before its forward
     for s in range(p):
         for i in range(m):
