@@ -1,6 +1,6 @@
 """A collective a peer never joins ends in an error naming the wrapper and the operation.
 
-Each case runs on its own 2-rank group with a 2 s timeout (the shared pool's world
+Each case runs on its own 2-rank group with a 3 s timeout (the shared pool's world
 group keeps its long one): rank 1 skips a step, a forward or a backward, or leaves the
 group, and rank 0's error must say which wrapper, which operation, its rank and the
 group size, with the backend's error chained.
@@ -24,55 +24,62 @@ from shardkit.nn import FullyShardedDataParallel, ShardedDataParallel
 from shardkit.optim import OSS
 from shardkit.testing import RankError, run_distributed
 
-_TIMEOUT = timedelta(seconds=2)
+_TIMEOUT = timedelta(seconds=3)  # margin for a rank slowed by load while building
 
 
-def _oss_step(group: dist.ProcessGroup, skip: bool) -> None:
+Action = Callable[[], None] | None
+
+
+def _oss_step(group: dist.ProcessGroup, skip: bool) -> Action:
     model = nn.Linear(4, 4)
     optimizer = OSS(model.parameters(), lr=0.1, group=group)
-    if not skip:
+
+    def step() -> None:
         model(torch.ones(2, 4)).sum().backward()
         optimizer.step()
 
+    return None if skip else step
 
-def _fsdp_forward(group: dist.ProcessGroup, skip: bool) -> None:
+
+def _fsdp_forward(group: dist.ProcessGroup, skip: bool) -> Action:
     model = FullyShardedDataParallel(nn.Linear(4, 4), process_group=group)
-    if not skip:
-        model(torch.ones(2, 4))
+    return None if skip else lambda: model(torch.ones(2, 4))
 
 
-def _sdp_backward(group: dist.ProcessGroup, skip: bool) -> None:
+def _sdp_backward(group: dist.ProcessGroup, skip: bool) -> Action:
     model = nn.Linear(4, 4)
     wrapped = ShardedDataParallel(model, OSS(model.parameters(), lr=0.1, group=group), group)
-    if not skip:
-        wrapped(torch.ones(2, 4)).sum().backward()
+    return None if skip else lambda: wrapped(torch.ones(2, 4)).sum().backward()
 
 
-def _fsdp_peer_gone(group: dist.ProcessGroup, skip: bool) -> None:
+def _fsdp_peer_gone(group: dist.ProcessGroup, skip: bool) -> Action:
     model = FullyShardedDataParallel(nn.Linear(4, 4), process_group=group)
-    if skip:
-        dist.destroy_process_group(group)  # its connections close, as when a rank dies
-    else:
-        model(torch.ones(2, 4))
+    if skip:  # its connections close, as when a rank dies
+        return lambda: dist.destroy_process_group(group)
+    return lambda: model(torch.ones(2, 4))
 
 
-def _pipe_step(group: dist.ProcessGroup, skip: bool) -> None:
+def _pipe_step(group: dist.ProcessGroup, skip: bool) -> Action:
     from shardkit.nn.pipe import PipelineStage, Schedule1F1B
 
     stage = PipelineStage(nn.Linear(4, 4), process_group=group)
     schedule = Schedule1F1B(stage, 2, loss_fn=nn.functional.mse_loss)
-    if not skip:  # stage 0 sends its activations, then waits for gradients
-        schedule.step(torch.ones(4, 4))
+    # stage 0 sends its activations, then waits for gradients
+    return None if skip else lambda: schedule.step(torch.ones(4, 4))
 
 
-def _run_case(case: Callable[[dist.ProcessGroup, bool], None]) -> str:
+def _run_case(case: Callable[[dist.ProcessGroup, bool], Action]) -> str:
+    """Build on a fresh group with a short timeout (gloo's send/recv take it from the
+    group's creation), then run the action rank 1 skips."""
     group = dist.new_group([0, 1], timeout=_TIMEOUT)
+    action = case(group, dist.get_rank() == 1)
+    dist.barrier()  # the world group: both ranks start the action together
     outcome = "ok"
     try:
-        case(group, dist.get_rank() == 1)
+        if action is not None:
+            action()
     except CollectiveError as err:
-        cause = err.__cause__
-        outcome = f"{err} | chained {type(cause).__name__}"
+        outcome = f"{err} | chained {type(err.__cause__).__name__}"
     dist.barrier()  # the world group: rank 1 waits here for rank 0's timeout
     return outcome
 
