@@ -63,7 +63,6 @@ def _wrapper_cases() -> dict[str, Any]:
         "fsdp-complex": _error(lambda: FullyShardedDataParallel(_with_param(torch.complex64))),
         "oss-meta": _error(lambda: OSS(nn.Linear(2, 2, device="meta").parameters(), lr=0.1)),
         "sdp-meta": _error(lambda: _sdp(nn.Linear(2, 2, device="meta"))),
-        "fsdp-meta": _error(lambda: FullyShardedDataParallel(nn.Linear(2, 2, device="meta"))),
         "oss-of-oss": _error(lambda: OSS(oss, lr=0.1)),
         "oss-optim-oss": _error(lambda: OSS(nn.Linear(2, 2).parameters(), optim=OSS, lr=0.1)),
         "oss-same-params": _error(lambda: OSS(oss.param_groups[0]["params"], lr=0.1)),
@@ -90,6 +89,8 @@ def test_wrappers_refuse_bad_parameters_and_double_wrapping(rank_pool: Any) -> N
         cplx = errors[f"{wrapper}-complex"]
         assert cplx.startswith(f"TypeError: {label}: parameter `{where}`"), cplx
         assert "torch.complex64" in cplx and "torch.view_as_real" in cplx
+        if wrapper == "fsdp":
+            continue  # FSDP materialises meta modules itself (param_init_fn): its own tests
         meta = errors[f"{wrapper}-meta"]
         where = "param_groups[0][0]" if wrapper == "oss" else "weight"
         assert meta.startswith(f"ValueError: {label}: parameter `{where}` (shape (2, 2))"), meta
