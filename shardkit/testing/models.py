@@ -30,6 +30,7 @@ __all__ = [
     "gpt_config",
     "gpt_init_fn",
     "gpt_stages",
+    "gpt_unit_init_fn",
 ]
 
 
@@ -209,6 +210,20 @@ def gpt_stages(model: GPT) -> nn.Sequential:
     splitting it across slices. The GPT has ``n_layer + 2`` stages.
     """
     return nn.Sequential(GPTEmbedding(model), *model.blocks, GPTHead(model))
+
+
+def gpt_unit_init_fn(module: nn.Module) -> None:
+    """FSDP ``param_init_fn`` for a GPT built on ``meta``: materialise ``module``'s own
+    tensors on the CPU (``recurse=False``) and give them the GPT's initialisation.
+
+    Not recursive on purpose: FSDP calls it once per module, and nested units' modules
+    hold sharded parameters by then (a recursive init would overwrite their shards).
+    """
+    module.to_empty(device="cpu", recurse=False)
+    with torch.no_grad():
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        GPT._init_weights(module)
 
 
 def gpt_init_fn(module: nn.Module) -> None:

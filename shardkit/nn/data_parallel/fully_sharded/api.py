@@ -28,8 +28,17 @@ from shardkit.nn.data_parallel.fully_sharded.collectives import (
 )
 from shardkit.nn.data_parallel.fully_sharded.config import FSDPConfig, fairscale_config
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle, ParamInfo
+from shardkit.nn.data_parallel.fully_sharded.materialize import (
+    ParamInitFn,
+    has_meta,
+    materialize_unit,
+)
 from shardkit.nn.data_parallel.fully_sharded.optim_state import gather_full, shard_full
-from shardkit.nn.data_parallel.fully_sharded.placement import Placement, default_compute_device
+from shardkit.nn.data_parallel.fully_sharded.placement import (
+    Placement,
+    default_compute_device,
+    meta_init_device,
+)
 from shardkit.nn.data_parallel.fully_sharded.precision import (
     MixedPrecision,
     cast_buffers,
@@ -112,10 +121,18 @@ class FullyShardedDataParallel(nn.Module):
             ``{}`` elsewhere. Default False.
         gradient_predivide_factor: divide gradients by this before the reduce-scatter and
             by ``N / factor`` after. Default None (1).
+        param_init_fn: for a module built on the meta device (deferred initialisation:
+            each unit materialises only its own modules, so no rank holds the whole
+            model), called on each module owning meta tensors; it must materialise and
+            initialise that module's own tensors (e.g. ``to_empty(device=...,
+            recurse=False)`` then an init). Default None: ``to_empty`` and the module's
+            ``reset_parameters()``. The tensors go to ``compute_device`` (default: the
+            current CUDA device, else the CPU). See [Note: deferred initialisation].
 
     Raises:
         ValueError: ``module`` is already wrapped (or part of it is sharded already), its
-            parameters mix devices or dtypes, or an option is invalid.
+            parameters mix devices or dtypes, an option is invalid, or a meta module has
+            no ``reset_parameters()`` and no ``param_init_fn`` was given.
         SharedParameterError: a tied parameter would be split across two units.
 
     Warning:
@@ -142,6 +159,7 @@ class FullyShardedDataParallel(nn.Module):
         cpu_offload: bool = False,
         state_dict_on_rank_0_only: bool = False,
         gradient_predivide_factor: float | None = None,
+        param_init_fn: ParamInitFn | None = None,
     ) -> None:
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError(
@@ -149,7 +167,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         from shardkit.distributed.validation import check_parameters  # integer/complex/meta
 
-        check_parameters("FullyShardedDataParallel", module.named_parameters())
+        check_parameters("FullyShardedDataParallel", module.named_parameters(), allow_meta=True)
         super().__init__()
         self._config = fairscale_config(
             mixed_precision,
@@ -169,6 +187,7 @@ class FullyShardedDataParallel(nn.Module):
             gradient_predivide_factor=gradient_predivide_factor,
         )
         self._process_group = process_group
+        self._param_init_fn = param_init_fn
         self._rank = dist.get_rank(process_group)
         self._world_size = dist.get_world_size(process_group)
         self._fsdp_wrapped_module = module
@@ -188,6 +207,9 @@ class FullyShardedDataParallel(nn.Module):
     # construction --------------------------------------------------------------
     def _shard(self, module: nn.Module) -> FlatParamHandle:
         label = f"the FSDP unit wrapping {type(module).__name__}"
+        if has_meta(module, _is_unit):  # deferred init: see the note in .materialize
+            device = self._config.compute_device or meta_init_device()
+            materialize_unit(module, _is_unit, device, self._param_init_fn)
         infos = collect_params(module, _is_unit, label)
         check_same_device_and_dtype(infos, module)
         originals = [_original(info) for info in infos]

@@ -31,6 +31,14 @@ def default_compute_device(param_device: torch.device, offload: bool) -> torch.d
     return param_device
 
 
+def meta_init_device() -> torch.device:
+    """Where a unit built on the meta device is materialised when no compute device is
+    given: the current CUDA device, or the CPU when there is none."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class Placement:
     """Devices and dtypes of one unit's tensors.
