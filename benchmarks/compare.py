@@ -266,7 +266,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add = p.add_argument
     add("--world-sizes", type=int, nargs="+", default=[2], help="default: 2")
     add("--model-sizes", nargs="+", default=["tiny"], choices=sorted(SIZES), help="default tiny")
-    add("--strategies", nargs="+", default=names, choices=names, metavar="NAME", help="default all")
+    default = [s.name for s in STRATEGIES if not s.scale_only]
+    add(
+        "--strategies",
+        nargs="+",
+        default=default,
+        choices=names,
+        metavar="NAME",
+        help="default: all but scale-only",
+    )
     add_run_args(p, batch=8)
     add("--render", type=Path, default=None, help="re-render the .md and plots of a results JSON")
     add("--steps", type=int, default=5, help="timed steps per run (default 5)")

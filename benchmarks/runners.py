@@ -91,12 +91,15 @@ class BenchStrategy:
         build: ``build(config, spec) -> Runner`` on every rank.
         requires: a module that must import for the strategy to run (None: torch and
             shardkit only).
+        scale_only: run by ``benchmarks.scale`` but not in ``benchmarks.compare``'s
+            default set. Default False.
     """
 
     name: str
     stage: int | None
     build: Builder
     requires: str | None = None
+    scale_only: bool = False
 
 
 def _registry_args(spec: Mapping[str, Any]) -> argparse.Namespace:
@@ -127,6 +130,19 @@ def _from_registry(key: str) -> Builder:
 
     build.__name__ = f"build_{key}"
     return build
+
+
+def build_fsdp_meta(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
+    """shardkit fsdp on a GPT built on the meta device: each unit is materialised and
+    sharded in turn (deferred initialisation), so no rank holds the whole model. Its
+    initial values differ from ``GPT(config)``'s (another order of random draws)."""
+    from strategies import STRATEGIES as MAIN_JOB  # examples/strategies.py
+
+    with torch.device("meta"):
+        model = GPT(config)
+    strategy = MAIN_JOB["fsdp"](model, _registry_args(spec), torch.device("cpu"))
+    opt = strategy.optimizer
+    return Runner(strategy.module, _plain_step(opt), lambda: opt.state)
 
 
 def _plain_step(opt: torch.optim.Optimizer) -> Callable[[], None]:
@@ -339,6 +355,7 @@ STRATEGIES: list[BenchStrategy] = [
     BenchStrategy("shardkit oss", 1, _from_registry("oss")),
     BenchStrategy("shardkit sdp", 2, _from_registry("sdp")),
     BenchStrategy("shardkit fsdp", 3, _from_registry("fsdp")),
+    BenchStrategy("shardkit fsdp (meta init)", 3, build_fsdp_meta, scale_only=True),
     BenchStrategy("shardkit pipe", None, _from_registry("pipe")),
     BenchStrategy("shardkit offload", 0, _from_registry("offload")),
     BenchStrategy("shardkit offload (disk)", 0, build_offload_disk),

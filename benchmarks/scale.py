@@ -52,6 +52,7 @@ DEFAULT_STRATEGIES = [
     "shardkit oss",
     "shardkit sdp",
     "shardkit fsdp",
+    "shardkit fsdp (meta init)",
     "shardkit offload (disk)",
 ]
 BASELINE_BYTES = 400 * MIB  # a rank before its model: Python, torch, gloo (measured ~350 MiB)

@@ -68,7 +68,7 @@ from shardkit.nn.pipe import (
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 from shardkit.optim import OSS
 from shardkit.optim.grad_scaler import ShardedGradScaler
-from shardkit.testing.models import GPT, Block, gpt_stages
+from shardkit.testing.models import GPT, Block, gpt_stages, gpt_unit_init_fn
 
 __all__ = [
     "STRATEGIES",
@@ -373,9 +373,12 @@ def _fsdp(model: GPT, args: argparse.Namespace, device: torch.device) -> Strateg
     ``--precision bf16|fp16``: FSDP's own mixed precision (:func:`fsdp_policy`)."""
     blocks = {CheckpointWrapper if _checkpointing(args) else Block}
     policy = fsdp_policy(getattr(args, "precision", "fp32"))
-    with enable_wrap(wrapper_cls=FullyShardedDataParallel, mixed_precision=policy):
+    # a GPT built on meta is materialised unit by unit (deferred initialisation)
+    init = gpt_unit_init_fn if any(p.is_meta for p in model.parameters()) else None
+    fsdp_kwargs: dict[str, Any] = {"mixed_precision": policy, "param_init_fn": init}
+    with enable_wrap(wrapper_cls=FullyShardedDataParallel, **fsdp_kwargs):
         wrapped = auto_wrap(model, transformer_auto_wrap_policy(blocks))
-    module = FullyShardedDataParallel(wrapped, mixed_precision=policy)
+    module = FullyShardedDataParallel(wrapped, **fsdp_kwargs)
     kwargs = adamw_kwargs(args)
     named = list(module.named_parameters())
     groups: list[dict[str, Any]] = [
