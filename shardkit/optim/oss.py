@@ -49,8 +49,8 @@ from shardkit.distributed import (
 )
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.distributed.failures import collective_context
+from shardkit.distributed.grad_norm import clip_grad_norm_sharded
 from shardkit.distributed.validation import check_parameters
-from shardkit.optim.grad_norm import clip_grad_norm_sharded
 from shardkit.optim.partition import partition_sizes
 
 __all__ = ["OSS"]

@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
+from shardkit.distributed.grad_norm import clip_grad_norm_sharded
 from shardkit.nn.data_parallel.fully_sharded import hooks
 from shardkit.nn.data_parallel.fully_sharded import state_dict as sd
 from shardkit.nn.data_parallel.fully_sharded.collectives import (
@@ -52,7 +53,6 @@ from shardkit.nn.data_parallel.fully_sharded.sharing import (
     walk_unit,
 )
 from shardkit.nn.data_parallel.fully_sharded.state import ShardedState, TrainingState
-from shardkit.optim.grad_norm import clip_grad_norm_sharded
 
 __all__ = ["FSDP", "FullyShardedDataParallel"]
 
