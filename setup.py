@@ -25,7 +25,21 @@ setup(
         "test": ["pytest", "hypothesis", "pytest-timeout", "numpy"],
         "dev": ["ruff", "mypy"],
         "docs": ["mkdocs", "mkdocstrings", "mkdocstrings-python"],
-        "bench": ["matplotlib"],
+        # The anchors of benchmarks.compare, pinned to the versions measured (CPU, gloo,
+        # torch 2.13); DeepSpeed's own dependencies pinned with it. Not installed by
+        # `make test` / CI. See docs/benchmarks.md.
+        "bench": [
+            "matplotlib",
+            "deepspeed==0.19.8",
+            "fairscale==0.4.13",
+            "hjson==3.1.0",
+            "ninja==1.13.2",
+            "py-cpuinfo==9.0.0",
+            "msgpack==1.2.4",
+            "einops==0.8.2",
+            "psutil==7.2.2",
+            "pydantic==2.14.4",
+        ],
         "hf": ["transformers"],
     },
     license="BSD-3-Clause",

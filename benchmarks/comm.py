@@ -28,6 +28,11 @@ functions: :func:`count_ddp` registers a comm hook on a DDP module that does wha
 DDP's built-in all-reduce does (divide by N, all-reduce, in the same buckets) through
 ``torch.distributed.all_reduce``, so that it is counted.
 
+DeepSpeed's communication backend takes ``all_gather_into_tensor`` and
+``reduce_scatter_tensor`` from ``torch.distributed`` when it is created (its first
+``deepspeed.initialize`` in a process): :func:`install` must run before that, as
+:func:`benchmarks.compare.run_config` does, or its ZeRO-3 gathers go uncounted.
+
 What it misses: collectives issued from C++ other than DDP's reducer (none in the
 benchmarked strategies on CPU), ``torch.distributed._functional_collectives`` (DTensor
 redistribution; FSDP2 does not use it in forward / backward), and anything below the
