@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 NPROC ?= 2
-STRATEGY ?= ddp
+STRATEGY ?= fsdp
 TRAIN_ARGS ?=
 SITE_DIR ?= /tmp/shardkit-site
 
