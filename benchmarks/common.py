@@ -239,10 +239,22 @@ def machine() -> dict[str, Any]:
     }
 
 
+#: environment variables that change the allocator, hence peak RSS and step time
+ALLOCATOR_ENV = (
+    "GLIBC_TUNABLES",
+    "LD_PRELOAD",
+    "MALLOC_ARENA_MAX",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+)
+
+
 def command(module: str, argv: list[str] | None) -> str:
-    """The command line that ran ``python -m module`` with ``argv`` (default sys.argv)."""
+    """The command line that ran ``python -m module`` with ``argv`` (default sys.argv),
+    preceded by the allocator settings of :data:`ALLOCATOR_ENV` that were set."""
     args = sys.argv[1:] if argv is None else argv
-    return shlex.join(["python", "-m", module, *args])
+    env = [f"{k}={os.environ[k]}" for k in ALLOCATOR_ENV if os.environ.get(k)]
+    return shlex.join([*env, "python", "-m", module, *args])
 
 
 def timestamp() -> str:
