@@ -46,11 +46,18 @@ def _rank_file(rank: int) -> str:
 
 
 def save_checkpoint(
-    out_dir: Path, step: int, payload: dict[str, Any], strategy: str, keep: int = 2
+    out_dir: Path,
+    step: int,
+    payload: dict[str, Any],
+    strategy: str,
+    keep: int = 2,
+    model: dict[str, Any] | None = None,
 ) -> Path:
     """Write this rank's ``payload`` for ``step``; collective (call it on every rank).
 
     Args:
+        model: what fixes the model's shapes (``--model-size``, ``--seq-len``), kept in
+            the manifest so a resume with other shapes is refused with a clear message.
         keep: complete checkpoints to keep, the newest; older ones are deleted (by rank
             0, after ``latest`` moved on). 0 keeps all. Default 2.
 
@@ -58,7 +65,8 @@ def save_checkpoint(
         The checkpoint directory.
     """
     files = {_rank_file(dist.get_rank()): payload}
-    return manifest.save_checkpoint(out_dir, step, files, layout={"strategy": strategy}, keep=keep)
+    layout = {"strategy": strategy, "model": model or {}}
+    return manifest.save_checkpoint(out_dir, step, files, layout=layout, keep=keep)
 
 
 def find_resume_checkpoint(
@@ -84,13 +92,19 @@ def find_resume_checkpoint(
 
 
 def load_checkpoint(
-    ckpt: Path, rank: int, world_size: int, strategy: str, device: torch.device
+    ckpt: Path,
+    rank: int,
+    world_size: int,
+    strategy: str,
+    device: torch.device,
+    model: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """This rank's payload from ``ckpt``, after checking the manifest matches the run.
 
     Raises:
         InputError: the manifest or the file is missing or damaged, or was written by
-            another world size or strategy (the message names both and the fix).
+            another world size, strategy or model shape (the message names both and
+            the fix).
     """
     try:
         saved = manifest.read_manifest(ckpt)
@@ -100,6 +114,17 @@ def load_checkpoint(
                 f"--resume: {ckpt} was written by {run[0]} ranks with --strategy {run[1]}, "
                 f"this run has {world_size} ranks with --strategy {strategy}; "
                 "resume with the same launch, or use another --out-dir"
+            )
+        saved_model = saved.layout.get("model") or {}
+        differ = {k: (saved_model[k], v) for k, v in (model or {}).items() if k in saved_model}
+        differ = {k: pair for k, pair in differ.items() if pair[0] != pair[1]}
+        if differ:
+            flags = ", ".join(
+                f"--{k.replace('_', '-')} {a} (this run: {b})" for k, (a, b) in differ.items()
+            )
+            raise InputError(
+                f"--resume: {ckpt} was written with {flags}; resume with the same model "
+                "flags, or use another --out-dir"
             )
         payload: dict[str, Any] = manifest.load_checkpoint_file(
             ckpt, _rank_file(rank), map_location=device, weights_only=False

@@ -188,6 +188,11 @@ def restore(run: Run, payload: dict[str, Any]) -> None:
     set_rng_state(payload["rng"], run.env.device)
 
 
+def model_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags that fix the model's shapes (kept in each checkpoint's manifest)."""
+    return {"model_size": args.model_size, "seq_len": args.seq_len}
+
+
 def maybe_resume(run: Run, out_dir: Path) -> None:
     """Restore the newest intact checkpoint (a damaged newer one: warn and skip it)."""
     ckpt = find_resume_checkpoint(out_dir, run.env.world_size, lambda line: warn(run, line))
@@ -195,7 +200,11 @@ def maybe_resume(run: Run, out_dir: Path) -> None:
         say(run, f"--resume: no checkpoint in {out_dir}; starting from step 0")
         return
     env = run.env
-    restore(run, load_checkpoint(ckpt, env.rank, env.world_size, run.args.strategy, env.device))
+    shapes = model_flags(run.args)
+    restore(
+        run,
+        load_checkpoint(ckpt, env.rank, env.world_size, run.args.strategy, env.device, shapes),
+    )
     say(run, f"resumed from {ckpt} at step {run.step}")
 
 
@@ -356,7 +365,12 @@ def train_loop(run: Run, out_dir: Path) -> None:
             end_of_run = run.step == stop and (args.save_every > 0 or stop < args.steps)
             if (args.save_every and run.step % args.save_every == 0) or end_of_run:
                 save_checkpoint(
-                    out_dir, run.step, checkpoint_payload(run), args.strategy, args.keep
+                    out_dir,
+                    run.step,
+                    checkpoint_payload(run),
+                    args.strategy,
+                    args.keep,
+                    model_flags(args),
                 )
     finally:
         bar.close()

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import gpt_checkpoint
 import pytest
 import torch
 import train_gpt
@@ -88,10 +89,11 @@ def test_resume_reproduces_losses_exactly(rank_pool: Any, tmp_path: Path) -> Non
             [*common, "--out-dir", str(split), "--resume"],
             [*common, "--out-dir", str(foreign), "--resume"],
             [*common, "--out-dir", str(fresh), "--resume"],  # nothing to resume: step 0
+            [*common, "--out-dir", str(full), "--resume", "--seq-len", "16"],  # other shapes
         ],
         timeout_s=180,
     )
-    assert codes == [[0, 0, 0, 2, 0], [0, 0, 0, 2, 0]]  # the bad resume ends every rank
+    assert codes == [[0, 0, 0, 2, 0, 2], [0, 0, 0, 2, 0, 2]]  # bad resumes end every rank
     a, b = _metrics(full), _metrics(split)
     assert _metrics(fresh)["train_loss"] == a["train_loss"]
     assert (a["start_step"], b["start_step"], b["step"]) == (0, 3, 8)
@@ -102,6 +104,11 @@ def test_resume_reproduces_losses_exactly(rank_pool: Any, tmp_path: Path) -> Non
     model_a, model_b = torch.load(full / "model.pt"), torch.load(split / "model.pt")
     assert model_a.keys() == model_b.keys()
     assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
+    with pytest.raises(gpt_checkpoint.InputError, match=r"--seq-len 32 \(this run: 16\)"):
+        shapes = {"model_size": "tiny", "seq_len": 16}
+        gpt_checkpoint.load_checkpoint(
+            full / "ckpt-000008", 0, 2, "ddp", torch.device("cpu"), shapes
+        )
 
 
 def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:

@@ -100,4 +100,11 @@ def meta_defaults_and_errors() -> dict[str, Any]:
         out["lazy"] = "no error"
     except ValueError as e:
         out["lazy"] = str(e)
+    unit = FSDP(nn.Linear(2, 2))
+    try:  # state_dict() summons: nested in summon_full_params it must say so
+        with unit.summon_full_params():
+            unit.state_dict()
+        out["nested"] = "no error"
+    except RuntimeError as e:
+        out["nested"] = str(e)
     return out

@@ -33,3 +33,4 @@ def test_meta_default_init_and_errors(rank_pool: Any) -> None:
     assert r["default_ln_weight"] == [1.0] * 5 and r["default_finite"]
     assert "no reset_parameters()" in r["bare"] and "param_init_fn" in r["bare"]
     assert "left" in r["lazy"] and "meta device" in r["lazy"]
+    assert "inside another summon_full_params()" in r["nested"]

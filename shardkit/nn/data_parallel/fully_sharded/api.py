@@ -358,16 +358,23 @@ class FullyShardedDataParallel(nn.Module):
                 (change parameters under ``torch.no_grad()``). Default True.
 
         Raises:
-            RuntimeError: called during forward or backward.
+            RuntimeError: called during forward or backward, or nested in another
+                ``summon_full_params()`` (``state_dict()`` inside one, too).
         """
         units = self.units() if recurse else [self]
         busy = [
             u._training_state.name for u in units if u._training_state is not TrainingState.IDLE
         ]
         if busy:
+            where = (
+                "inside another summon_full_params() (state_dict() summons too: call it "
+                "after leaving the context)"
+                if "SUMMON_FULL_PARAMS" in busy
+                else "during forward or backward (call it after optimizer.step(), before "
+                "the next forward)"
+            )
             raise RuntimeError(
-                f"summon_full_params needs idle units, found states {busy}: call it outside "
-                "forward and backward (after optimizer.step(), before the next forward)"
+                f"summon_full_params needs idle units, found states {busy}: it was called {where}"
             )
         saved = [u._handle.local_shard.clone() if not writeback else None for u in units]
         for unit in units:

@@ -80,7 +80,7 @@ def materialize_unit(
         before = {attr: p for attr, p in mod._parameters.items() if p is not None and p.is_meta}
         if not any(t.is_meta for t in _own_tensors(mod)):
             continue
-        _init_one(mod, name or type(module).__name__, device, param_init_fn)
+        _init_one(mod, name.rstrip(".") or type(module).__name__, device, param_init_fn)
         for attr, old in before.items():
             new = mod._parameters[attr]
             if new is not None:
