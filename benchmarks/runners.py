@@ -18,6 +18,7 @@ Every DDP-based runner gets the counted all-reduce comm hook
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
@@ -113,11 +114,17 @@ def _registry_args(spec: Mapping[str, Any]) -> argparse.Namespace:
     )
 
 
-def _from_registry(key: str) -> Builder:
+def _from_registry(key: str, meta: bool = False) -> Builder:
+    """The main job's strategy ``key`` on ``GPT(config)``; with ``meta``, on a GPT built
+    on the meta device that the strategy materialises (fsdp: unit by unit, so no rank
+    holds the whole model; the initial values differ from ``GPT(config)``'s)."""
+
     def build(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
         from strategies import STRATEGIES as MAIN_JOB  # examples/strategies.py
 
-        strategy = MAIN_JOB[key](GPT(config), _registry_args(spec), torch.device("cpu"))
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = GPT(config)
+        strategy = MAIN_JOB[key](model, _registry_args(spec), torch.device("cpu"))
         count_ddp(strategy.module)
         opt = strategy.optimizer
 
@@ -128,21 +135,8 @@ def _from_registry(key: str) -> Builder:
 
         return Runner(strategy.module, step, lambda: opt.state)
 
-    build.__name__ = f"build_{key}"
+    build.__name__ = f"build_{key}{'_meta' if meta else ''}"
     return build
-
-
-def build_fsdp_meta(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
-    """shardkit fsdp on a GPT built on the meta device: each unit is materialised and
-    sharded in turn (deferred initialisation), so no rank holds the whole model. Its
-    initial values differ from ``GPT(config)``'s (another order of random draws)."""
-    from strategies import STRATEGIES as MAIN_JOB  # examples/strategies.py
-
-    with torch.device("meta"):
-        model = GPT(config)
-    strategy = MAIN_JOB["fsdp"](model, _registry_args(spec), torch.device("cpu"))
-    opt = strategy.optimizer
-    return Runner(strategy.module, _plain_step(opt), lambda: opt.state)
 
 
 def _plain_step(opt: torch.optim.Optimizer) -> Callable[[], None]:
@@ -355,7 +349,9 @@ STRATEGIES: list[BenchStrategy] = [
     BenchStrategy("shardkit oss", 1, _from_registry("oss")),
     BenchStrategy("shardkit sdp", 2, _from_registry("sdp")),
     BenchStrategy("shardkit fsdp", 3, _from_registry("fsdp")),
-    BenchStrategy("shardkit fsdp (meta init)", 3, build_fsdp_meta, scale_only=True),
+    BenchStrategy(
+        "shardkit fsdp (meta init)", 3, _from_registry("fsdp", meta=True), scale_only=True
+    ),
     BenchStrategy("shardkit pipe", None, _from_registry("pipe")),
     BenchStrategy("shardkit offload", 0, _from_registry("offload")),
     BenchStrategy("shardkit offload (disk)", 0, build_offload_disk),

@@ -116,8 +116,11 @@ def load_checkpoint(
                 "resume with the same launch, or use another --out-dir"
             )
         saved_model = saved.layout.get("model") or {}
-        differ = {k: (saved_model[k], v) for k, v in (model or {}).items() if k in saved_model}
-        differ = {k: pair for k, pair in differ.items() if pair[0] != pair[1]}
+        differ = {
+            k: (saved_model[k], v)
+            for k, v in (model or {}).items()
+            if k in saved_model and saved_model[k] != v
+        }
         if differ:
             flags = ", ".join(
                 f"--{k.replace('_', '-')} {a} (this run: {b})" for k, (a, b) in differ.items()

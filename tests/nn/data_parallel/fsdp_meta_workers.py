@@ -10,7 +10,14 @@ from torch import nn
 
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.testing.models import GPT, gpt_unit_init_fn
-from tests.nn.data_parallel.fsdp_workers import TINY, global_batch, local_part, wrap_model
+from tests.nn.data_parallel.fsdp_workers import (
+    TINY,
+    _raises,
+    global_batch,
+    local_part,
+    mean_over_ranks,
+    wrap_model,
+)
 
 
 def _train(model: nn.Module, steps: int, rank: int, world: int, split: bool) -> list[float]:
@@ -24,11 +31,8 @@ def _train(model: nn.Module, steps: int, rank: int, world: int, split: bool) -> 
         loss.backward()
         opt.step()
         opt.zero_grad()
-        mean = loss.detach().clone()
-        if split:  # the global batch's loss: the mean of the ranks' (equal-size) losses
-            dist.all_reduce(mean)
-            mean /= world
-        losses.append(mean.item())
+        # split: the global batch's loss is the mean of the ranks' (equal-size) losses
+        losses.append(mean_over_ranks(loss.item()) if split else loss.item())
     return losses
 
 
@@ -88,23 +92,15 @@ def meta_defaults_and_errors() -> dict[str, Any]:
     out["default_finite"] = all(torch.isfinite(t).all().item() for t in full.values())
     with torch.device("meta"):
         bare = _Bare()
-    try:
-        FSDP(bare)
-        out["bare"] = "no error"
-    except ValueError as e:
-        out["bare"] = str(e)
+    out["bare"] = _raises(lambda: FSDP(bare))
     with torch.device("meta"):
         lazy = nn.Sequential(nn.Linear(4, 4))
-    try:
-        FSDP(lazy, param_init_fn=lambda m: None)  # forgets to materialise
-        out["lazy"] = "no error"
-    except ValueError as e:
-        out["lazy"] = str(e)
+    out["lazy"] = _raises(lambda: FSDP(lazy, param_init_fn=lambda m: None))  # no materialising
     unit = FSDP(nn.Linear(2, 2))
-    try:  # state_dict() summons: nested in summon_full_params it must say so
+
+    def nested() -> None:  # state_dict() summons: inside summon_full_params it must say so
         with unit.summon_full_params():
             unit.state_dict()
-        out["nested"] = "no error"
-    except RuntimeError as e:
-        out["nested"] = str(e)
+
+    out["nested"] = _raises(nested)
     return out

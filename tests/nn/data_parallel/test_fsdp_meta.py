@@ -31,6 +31,9 @@ def test_meta_default_init_and_errors(rank_pool: Any) -> None:
     r = rank_pool(1).run(w.meta_defaults_and_errors)[0]
     assert r["default_keys"] == ["0.bias", "0.weight", "1.bias", "1.weight", "2.bias", "2.weight"]
     assert r["default_ln_weight"] == [1.0] * 5 and r["default_finite"]
+    assert r["bare"].startswith("ValueError: module `_Bare` (_Bare) has parameters")
     assert "no reset_parameters()" in r["bare"] and "param_init_fn" in r["bare"]
-    assert "left" in r["lazy"] and "meta device" in r["lazy"]
+    assert r["lazy"].startswith("ValueError") and "left" in r["lazy"]
+    assert "meta device" in r["lazy"]
+    assert r["nested"].startswith("RuntimeError")
     assert "inside another summon_full_params()" in r["nested"]

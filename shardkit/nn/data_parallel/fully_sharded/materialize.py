@@ -46,11 +46,9 @@ def has_meta(module: nn.Module, is_unit: Callable[[nn.Module], bool]) -> bool:
     """True when the unit's own tensors (not nested units') include meta tensors and its
     parameters are all on meta (a unit mixing meta and real parameters is left to the
     device check, which names both)."""
-    tensors = [t for _, m in walk_unit(module, is_unit) for t in _own_tensors(m)]
-    params = [
-        p for _, m in walk_unit(module, is_unit) for p in m._parameters.values() if p is not None
-    ]
-    return any(t.is_meta for t in tensors) and all(p.is_meta for p in params)
+    owned = [m for _, m in walk_unit(module, is_unit)]
+    params = [p for m in owned for p in m._parameters.values() if p is not None]
+    return any(t.is_meta for m in owned for t in _own_tensors(m)) and all(p.is_meta for p in params)
 
 
 def materialize_unit(
