@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.comm import count_ddp
-from benchmarks.common import ADAMW, build_torch_fsdp2
+from benchmarks.common import ADAMW, MIB, build_torch_fsdp2
 from shardkit.memory import _count_new  # the storage-dedup rule of model_state_bytes
 from shardkit.testing.models import GPT, GPTConfig, gpt_init_fn, gpt_stages
 
@@ -181,10 +181,25 @@ def build_torch_fsdp2_runner(config: GPTConfig, spec: Mapping[str, Any]) -> Runn
     return Runner(module, _plain_step(opt), lambda: opt.state)
 
 
+SLICE_STATE_BYTES = 512 * MIB
+"""Offload disk tier: the most model state (fp32 parameters, gradients and AdamW's two
+moments, 16 bytes per parameter) one slice may hold, so that large models get more
+slices and a step's resident set stays bounded."""
+
+
+def offload_slices(gpt: nn.Module, stages: int) -> int:
+    """Slices for ``gpt``: at least 4, at most ``stages`` (one per stage), enough that a
+    slice's model state stays near :data:`SLICE_STATE_BYTES` (slices are balanced by
+    parameter count)."""
+    psi = sum(p.numel() for p in gpt.parameters())
+    return min(stages, max(4, -(-16 * psi // SLICE_STATE_BYTES)))
+
+
 def build_offload_disk(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
     """shardkit OffloadModel on the disk tier: the GPT built on ``meta`` and initialised
     slice by slice, so no rank ever holds the whole model; gradients averaged across
-    ranks; ``sliced_optimizer`` steps each slice where it lives."""
+    ranks; ``sliced_optimizer`` steps each slice where it lives
+    (:func:`offload_slices` slices)."""
     from strategies import OffloadGPT  # examples/strategies.py
 
     from shardkit.nn.offload import OffloadModel
@@ -197,7 +212,7 @@ def build_offload_disk(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
         "cpu",
         offload_dir=f"{root}/rank{dist.get_rank()}",
         param_init_fn=gpt_init_fn,
-        num_slices=min(4, config.n_layer + 2),
+        num_slices=offload_slices(gpt, config.n_layer + 2),
         checkpoint_activation=True,
         process_group=dist.group.WORLD,
     )
