@@ -8,6 +8,16 @@ compares a digest of every rank's description with one ``all_gather_object`` of 
 32-byte hash; only on a mismatch are the full descriptions gathered, to name the
 first differing entry and the ranks that disagree. The error is raised on every rank,
 so no rank is left waiting in a later collective.
+
+[Note: a local error travels in the same exchange]
+A wrapper also checks its own rank's inputs (:mod:`shardkit.distributed.validation`:
+an integer or meta parameter, a failed deferred initialisation). Raised before the
+exchange on one rank only, such an error would leave the other ranks waiting in the
+exchange or in the first collective after it until the process-group timeout. So the
+wrapper hands it to :func:`verify_consistent` as ``local_error``: each rank's gathered
+item is its digest plus its error text (or None), the failing rank raises its own
+error after the exchange, and every other rank raises :class:`PeerRejectedError`
+naming that rank and its message. No extra collective.
 """
 
 from __future__ import annotations
@@ -19,11 +29,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ConsistencyError", "describe_parameters", "verify_consistent"]
+__all__ = ["ConsistencyError", "PeerRejectedError", "describe_parameters", "verify_consistent"]
 
 
 class ConsistencyError(ValueError):
     """Ranks disagree on something that must be identical across them."""
+
+
+class PeerRejectedError(ConsistencyError):
+    """Another rank of the group refused its inputs at wrap time; this rank stops too.
+
+    Attributes:
+        rank: the first rank (of the group) that refused, e.g. 1.
+        error: that rank's error as text, ``"TypeError: OSS: parameter ..."``.
+    """
+
+    def __init__(self, what: str, rank: int, error: str, others: Sequence[int]) -> None:
+        self.rank = rank
+        self.error = error
+        also = f" (ranks {list(others)} refused theirs too)" if others else ""
+        super().__init__(
+            f"{what}: rank {rank} rejected its parameters: {error}{also}. Every rank stops "
+            f"here so that none waits in a later collective; fix the inputs of rank {rank}."
+        )
 
 
 def describe_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -43,17 +71,31 @@ def _first_difference(per_rank: Sequence[Sequence[str]]) -> tuple[int, dict[int,
     return longest, {}
 
 
+def _raise_rejection(
+    gathered: Sequence[tuple[str, str | None]], what: str, local_error: Exception | None
+) -> None:
+    """After the exchange: this rank's own error first, else the first peer's."""
+    if local_error is not None:
+        raise local_error
+    refused = [(rank, error) for rank, (_, error) in enumerate(gathered) if error is not None]
+    if refused:
+        rank, error = refused[0]
+        raise PeerRejectedError(what, rank, error, [r for r, _ in refused[1:]])
+
+
 def verify_consistent(
     description: Sequence[str],
     *,
     what: str,
     group: dist.ProcessGroup | None = None,
     options: Mapping[str, Any] | None = None,
+    local_error: Exception | None = None,
 ) -> None:
     """Raise on every rank of ``group`` unless all ranks pass the same ``description``.
 
-    A collective: every rank of ``group`` must call it. Costs one ``all_gather_object``
-    of a 32-byte digest when the ranks agree.
+    A collective: every rank of ``group`` must call it, also a rank whose own checks
+    failed (pass the error as ``local_error``). Costs one ``all_gather_object`` of a
+    32-byte digest (and a None) when the ranks agree.
 
     Args:
         description: lines that must match across ranks, e.g. from
@@ -62,19 +104,31 @@ def verify_consistent(
         group: the process group; default None (the world group).
         options: settings that must match too (e.g. ``{"reshard_after_forward": True}``);
             compared by their ``repr``.
+        local_error: an error this rank found in its own inputs before the exchange
+            (e.g. from :func:`shardkit.distributed.validation.parameter_problem`);
+            default None. It is raised here, on this rank, after the exchange, and the
+            other ranks raise :class:`PeerRejectedError`. Without a process group it
+            is raised at once.
 
     Raises:
+        Exception: ``local_error``, when given.
+        PeerRejectedError: another rank passed a ``local_error`` (naming the first
+            such rank and its error text).
         ConsistencyError: naming the first differing entry, what each rank has, and
             the fix.
     """
     if not dist.is_available() or not dist.is_initialized():
+        if local_error is not None:
+            raise local_error
         return
     lines = [f"option {k}={v!r}" for k, v in sorted((options or {}).items())] + list(description)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    error = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
     world = dist.get_world_size(group)
-    digests: list[Any] = [None] * world
-    dist.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) == 1:
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (digest, error), group=group)
+    _raise_rejection(gathered, what, local_error)
+    if len({d for d, _ in gathered}) == 1:
         return
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, lines, group=group)

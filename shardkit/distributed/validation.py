@@ -9,7 +9,10 @@ dtype or device, why it cannot be wrapped and the fix. :func:`check_not_wrapped`
 refuses a module that is already (or contains) the same wrapper.
 
 No collective: every rank checks its own parameters (the cross-rank agreement is
-:func:`shardkit.distributed.consistency.verify_consistent`).
+:func:`shardkit.distributed.consistency.verify_consistent`). A distributed wrapper
+takes the error from :func:`parameter_problem` instead of raising it, and passes it to
+``verify_consistent(..., local_error=...)``, so that a bad parameter on one rank stops
+every rank at once (see the note there).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["check_not_wrapped", "check_parameters"]
+__all__ = ["check_not_wrapped", "check_parameters", "parameter_problem"]
 
 
 def _dtype_problem(name: str, param: torch.Tensor, wrapper: str) -> str | None:
@@ -51,6 +54,26 @@ def _meta_problem(name: str, param: torch.Tensor, wrapper: str) -> str:
     )
 
 
+def parameter_problem(
+    wrapper: str,
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    *,
+    allow_meta: bool = False,
+) -> TypeError | ValueError | None:
+    """The error :func:`check_parameters` would raise, returned instead (None: all fine).
+
+    For wrappers that hand it to
+    :func:`shardkit.distributed.consistency.verify_consistent` as ``local_error``.
+    """
+    for name, param in named_params:
+        problem = _dtype_problem(name, param, wrapper)
+        if problem is not None:
+            return TypeError(problem)
+        if param.is_meta and not allow_meta:
+            return ValueError(_meta_problem(name, param, wrapper))
+    return None
+
+
 def check_parameters(
     wrapper: str,
     named_params: Iterable[tuple[str, torch.Tensor]],
@@ -71,12 +94,9 @@ def check_parameters(
         ValueError: a parameter is on the meta device and ``allow_meta`` is False (the
             message gives ``module.to_empty(device=...)`` and an initialisation).
     """
-    for name, param in named_params:
-        problem = _dtype_problem(name, param, wrapper)
-        if problem is not None:
-            raise TypeError(problem)
-        if param.is_meta and not allow_meta:
-            raise ValueError(_meta_problem(name, param, wrapper))
+    problem = parameter_problem(wrapper, named_params, allow_meta=allow_meta)
+    if problem is not None:
+        raise problem
 
 
 def _a(noun: str) -> str:

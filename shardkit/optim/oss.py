@@ -50,7 +50,7 @@ from shardkit.distributed import (
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.distributed.failures import collective_context
 from shardkit.distributed.grad_norm import clip_grad_norm_sharded
-from shardkit.distributed.validation import check_parameters
+from shardkit.distributed.validation import parameter_problem
 from shardkit.optim.partition import partition_sizes
 
 __all__ = ["OSS"]
@@ -141,7 +141,9 @@ class OSS(Optimizer):
             has an integer, bool or complex dtype
             (:func:`shardkit.distributed.validation.check_parameters`).
         ValueError: if ``params`` is empty or a parameter is on the meta device.
-        ConsistencyError: if the ranks' parameters or options differ.
+        ConsistencyError: if the ranks' parameters or options differ;
+            ``PeerRejectedError`` (a subclass), at once, if another rank refused its
+            parameters (the TypeError / ValueError above, raised on that rank).
 
     Warning:
         The partition is made from ``requires_grad`` at construction. A change of
@@ -186,8 +188,8 @@ class OSS(Optimizer):
             what="OSS",
             group=group,
             options={"optim": self._optim_class.__name__, "broadcast_fp16": broadcast_fp16},
+            local_error=parameter_problem("OSS", self._named_params()),  # every rank stops
         )
-        check_parameters("OSS", self._named_params())  # after: every rank raises alike
         self.broadcast_buffer_size = (
             DEFAULT_BUCKET_BYTES if broadcast_buffer_size < 0 else broadcast_buffer_size
         )

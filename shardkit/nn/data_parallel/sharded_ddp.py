@@ -26,7 +26,7 @@ from torch import nn
 from shardkit.distributed import broadcast_from_owners, plan_owner_broadcast
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.distributed.failures import collective_context
-from shardkit.distributed.validation import check_not_wrapped, check_parameters
+from shardkit.distributed.validation import check_not_wrapped, parameter_problem
 from shardkit.nn.data_parallel.grad_reducer import GradReducer
 from shardkit.optim import OSS
 
@@ -109,7 +109,9 @@ class ShardedDataParallel(nn.Module):
             parameters or some on the meta device; if an optimizer holds parameters
             that are not the module's, a trainable parameter of the module is in no
             optimizer, two optimizers share a parameter, or the process groups differ.
-        ConsistencyError: if the ranks' modules or options differ.
+        ConsistencyError: if the ranks' modules or options differ;
+            ``PeerRejectedError`` (a subclass), at once, if another rank refused its
+            parameters (an integer, bool, complex or meta parameter there).
     """
 
     def __init__(
@@ -151,8 +153,8 @@ class ShardedDataParallel(nn.Module):
             what="ShardedDataParallel",
             group=process_group,
             options={"reduce_buffer_size": reduce_buffer_size, "reduce_dtype": self.reduce_dtype},
+            local_error=parameter_problem("ShardedDataParallel", module.named_parameters()),
         )
-        check_parameters("ShardedDataParallel", module.named_parameters())
         if sync_models_at_startup:
             self._broadcast_from_first_rank([p.detach() for p in module.parameters()])
             self._broadcast_from_first_rank(list(module.buffers()))

@@ -13,7 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.distributed.linear_partition import balance_bounds
-from shardkit.distributed.validation import check_not_wrapped, check_parameters
+from shardkit.distributed.validation import check_not_wrapped, parameter_problem
 from shardkit.nn.offload.disk import DiskTier
 from shardkit.nn.offload.flat import SliceLayout
 from shardkit.nn.offload.function import SliceFunction, SliceRunner, average_gradients
@@ -149,7 +149,8 @@ class OffloadModel(nn.Module):
         ValueError: if ``model`` is (or contains) an OffloadModel already; for
             ``num_slices`` out of range, ``num_microbatches < 1``, an
             unwritable or mismatching ``offload_dir``, or a ``meta`` model off the disk tier.
-        ConsistencyError: with ``process_group``, the ranks' models or options differ.
+        ConsistencyError: with ``process_group``, the ranks' models or options differ;
+            ``PeerRejectedError`` (a subclass) if another rank refused its parameters.
 
     Warning:
         Buffers (BatchNorm statistics) and shared parameters are not offloaded. With
@@ -174,6 +175,7 @@ class OffloadModel(nn.Module):
     ) -> None:
         super().__init__()
         check_not_wrapped("OffloadModel", model, OffloadModel)
+        problem = parameter_problem("OffloadModel", _named_parameters(model), allow_meta=True)
         if process_group is not None:  # data parallel: every rank must hold the same model
             options = {"num_slices": num_slices, "num_microbatches": num_microbatches}
             verify_consistent(
@@ -181,8 +183,10 @@ class OffloadModel(nn.Module):
                 what="OffloadModel",
                 group=process_group,
                 options={**options, "checkpoint_activation": checkpoint_activation},
+                local_error=problem,  # a bad parameter on one rank stops every rank
             )
-        check_parameters("OffloadModel", _named_parameters(model), allow_meta=True)
+        if problem is not None:
+            raise problem
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1; got {num_microbatches}")
         self.device = torch.device(device)

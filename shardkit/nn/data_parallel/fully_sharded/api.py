@@ -20,6 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.distributed.grad_norm import clip_grad_norm_sharded
+from shardkit.distributed.validation import check_parameters
 from shardkit.nn.data_parallel.fully_sharded import hooks
 from shardkit.nn.data_parallel.fully_sharded import state_dict as sd
 from shardkit.nn.data_parallel.fully_sharded.collectives import (
@@ -130,10 +131,14 @@ class FullyShardedDataParallel(nn.Module):
             current CUDA device, else the CPU). See [Note: deferred initialisation].
 
     Raises:
+        TypeError: a parameter has an integer, bool or complex dtype.
         ValueError: ``module`` is already wrapped (or part of it is sharded already), its
             parameters mix devices or dtypes, an option is invalid, or a meta module has
             no ``reset_parameters()`` and no ``param_init_fn`` was given.
         SharedParameterError: a tied parameter would be split across two units.
+        PeerRejectedError: (a ``ConsistencyError``) another rank of the group raised
+            one of the errors above, or its ``param_init_fn`` failed, while preparing the
+            same unit: every rank stops at once instead of waiting for it.
 
     Warning:
         Build the optimizer after wrapping: one built before holds the replaced
@@ -165,9 +170,6 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(
                 "the module is already a FullyShardedDataParallel unit; wrap each module once"
             )
-        from shardkit.distributed.validation import check_parameters  # integer/complex/meta
-
-        check_parameters("FullyShardedDataParallel", module.named_parameters(), allow_meta=True)
         super().__init__()
         self._config = fairscale_config(
             mixed_precision,
@@ -207,20 +209,22 @@ class FullyShardedDataParallel(nn.Module):
     # construction --------------------------------------------------------------
     def _shard(self, module: nn.Module) -> FlatParamHandle:
         label = f"the FSDP unit wrapping {type(module).__name__}"
-        if has_meta(module, _is_unit):  # deferred init: see the note in .materialize
-            device = self._config.compute_device or meta_init_device()
-            materialize_unit(module, _is_unit, device, self._param_init_fn)
-        infos = collect_params(module, _is_unit, label)
-        check_same_device_and_dtype(infos, module)
-        originals = [_original(info) for info in infos]
+        what = f"FullyShardedDataParallel ({label})"
+        options = {  # not devices: cuda:0 on rank 0 and cuda:1 on rank 1 is normal
+            "reshard_after_forward": self._config.reshard_after_forward,
+            "mixed_precision": self._config.mixed_precision,
+        }
+        group = self._process_group
+        try:
+            infos, originals = self._prepare_unit(module, label)
+        except Exception as error:  # the other ranks hear of it instead of waiting
+            verify_consistent([], what=what, group=group, options=options, local_error=error)
+            raise  # not reached: verify_consistent raises `error` on this rank
         verify_consistent(  # one collective: a mismatch is an error, not a hang
             describe_parameters((info.name, p) for info, p in zip(infos, originals)),
-            what=f"FullyShardedDataParallel ({label})",
-            group=self._process_group,
-            options={  # not devices: cuda:0 on rank 0 and cuda:1 on rank 1 is normal
-                "reshard_after_forward": self._config.reshard_after_forward,
-                "mixed_precision": self._config.mixed_precision,
-            },
+            what=what,
+            group=group,
+            options=options,
         )
         self._placement = _placement(self._config, originals, module)
         _move_buffers(module, self._placement.compute_device)
@@ -236,6 +240,18 @@ class FullyShardedDataParallel(nn.Module):
         for param in originals:  # release the replaced parameters' memory
             param.data = param.data.new_empty(0)
         return handle
+
+    def _prepare_unit(
+        self, module: nn.Module, label: str
+    ) -> tuple[list[ParamInfo], list[nn.Parameter]]:
+        """This rank's own checks and deferred initialisation (no collective)."""
+        check_parameters("FullyShardedDataParallel", module.named_parameters(), allow_meta=True)
+        if has_meta(module, _is_unit):  # deferred init: see the note in .materialize
+            device = self._config.compute_device or meta_init_device()
+            materialize_unit(module, _is_unit, device, self._param_init_fn)
+        infos = collect_params(module, _is_unit, label)
+        check_same_device_and_dtype(infos, module)
+        return infos, [_original(info) for info in infos]
 
     def _register_hooks(self) -> None:
         for index in self._grads_expected:

@@ -1,0 +1,135 @@
+"""A bad parameter on one rank only stops every rank at wrap time, not at the timeout.
+
+Rank 1 gets the bad input, rank 0 a good one. Rank 1 must raise its own error; rank 0
+must raise PeerRejectedError naming rank 1 and its message, well before the group's
+60 s timeout (the bound is half of it: a regression waits the whole timeout in the
+first collective and then fails with CollectiveError).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.distributed.consistency import PeerRejectedError
+from shardkit.nn import FullyShardedDataParallel, ShardedDataParallel
+from shardkit.optim import OSS
+
+_TIMEOUT_S = 60.0
+
+Case = Callable[[dist.ProcessGroup, bool], Callable[[], object]]
+
+
+def _model(extra: torch.Tensor | None = None) -> nn.Module:
+    model = nn.Sequential(nn.Linear(2, 2))
+    if extra is not None:
+        model[0].register_parameter("extra", nn.Parameter(extra, requires_grad=False))
+    return model
+
+
+def _oss_int(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
+    model = _model(torch.zeros(3, dtype=torch.int64) if bad else torch.zeros(3))
+    optimizer = OSS(model.parameters(), lr=0.1, group=group)
+    return optimizer.step  # the first collective rank 0 would wait in
+
+
+def _oss_meta(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
+    model = nn.Linear(2, 2, device="meta" if bad else "cpu")
+    optimizer = OSS(model.parameters(), lr=0.1, group=group)
+    return optimizer.step
+
+
+def _sdp_meta(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
+    """A frozen parameter (in no optimizer) on meta on rank 1: OSS accepts, SDP refuses."""
+    model = _model(torch.zeros(3, device="meta" if bad else "cpu"))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    wrapped = ShardedDataParallel(model, OSS(trainable, lr=0.1, group=group), group)
+    return lambda: wrapped(torch.ones(1, 2)).sum().backward()
+
+
+def _fsdp_int(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
+    model = _model(torch.zeros(3, dtype=torch.int64) if bad else torch.zeros(3))
+    wrapped = FullyShardedDataParallel(model, process_group=group)
+    return lambda: wrapped(torch.ones(1, 2))
+
+
+class _NoInit(nn.Module):
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(2, 2, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def _fsdp_meta_no_init(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
+    """Rank 1's meta module has no reset_parameters (its deferred init fails); the
+    descriptions match, so only the error exchange can stop rank 0."""
+    inner = _NoInit("meta" if bad else "cpu")
+    outer = nn.Sequential(FullyShardedDataParallel(inner, process_group=group), nn.Linear(2, 2))
+    wrapped = FullyShardedDataParallel(outer, process_group=group)
+    return lambda: wrapped(torch.ones(1, 2))
+
+
+Outcome = tuple[str, float, object]  # the error's text, seconds, PeerRejectedError's fields
+
+
+def _outcome(case: Case, group: dist.ProcessGroup) -> Outcome:
+    start = time.monotonic()
+    try:
+        case(group, dist.get_rank(group) == 1)()
+    except PeerRejectedError as err:
+        fields = (err.rank, err.error)
+        return f"{type(err).__name__}: {err}", time.monotonic() - start, fields
+    except Exception as err:
+        return f"{type(err).__name__}: {err}", time.monotonic() - start, None
+    return "ok", time.monotonic() - start, None
+
+
+def _cases() -> dict[str, Outcome]:
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=_TIMEOUT_S))
+    cases: dict[str, Case] = {
+        "oss-int": _oss_int,
+        "oss-meta": _oss_meta,
+        "sdp-meta": _sdp_meta,
+        "fsdp-int": _fsdp_int,
+        "fsdp-meta-no-init": _fsdp_meta_no_init,
+    }
+    return {name: _outcome(case, group) for name, case in cases.items()}
+
+
+def test_a_bad_parameter_on_one_rank_stops_every_rank_at_once(rank_pool: Any) -> None:
+    good, bad = rank_pool(2).run(_cases)
+    own = {
+        "oss-int": "TypeError: OSS: parameter `param_groups[0][2]` (shape (3,)) has the dtype "
+        "torch.int64",
+        "oss-meta": "ValueError: OSS: parameter `param_groups[0][0]` (shape (2, 2)) is on the "
+        "meta device",
+        "sdp-meta": "ValueError: ShardedDataParallel: parameter `0.extra` (shape (3,)) is on "
+        "the meta device",
+        "fsdp-int": "TypeError: FullyShardedDataParallel: parameter `0.extra` (shape (3,)) has "
+        "the dtype torch.int64",
+        "fsdp-meta-no-init": "ValueError: module `_NoInit` (_NoInit) has parameters on the meta "
+        "device and no reset_parameters()",
+    }
+    what = {
+        "oss-int": "OSS",
+        "oss-meta": "OSS",
+        "sdp-meta": "ShardedDataParallel",
+        "fsdp-int": "FullyShardedDataParallel (the FSDP unit wrapping Sequential)",
+        "fsdp-meta-no-init": "FullyShardedDataParallel (the FSDP unit wrapping _NoInit)",
+    }
+    for name, start in own.items():
+        assert bad[name][0].startswith(start), (name, bad[name][0])
+        message, elapsed, fields = good[name]
+        peer = f"PeerRejectedError: {what[name]}: rank 1 rejected its parameters: {start}"
+        assert message.startswith(peer), (name, message)
+        assert "fix the inputs of rank 1" in message, message
+        assert fields == (1, bad[name][0]), (name, fields)  # rank 1's own error, verbatim
+        assert elapsed < _TIMEOUT_S / 2, (name, elapsed)  # a bound, not a speed test
