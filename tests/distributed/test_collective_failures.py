@@ -114,30 +114,48 @@ def test_skipped_collective_names_wrapper_and_operation(rank_pool: Any) -> None:
     assert "receive" in got["pipe"] and "failed on rank 0 of a group of 2" in got["pipe"]
 
 
-def _die_during_fsdp(report: str) -> None:
-    """Rank 1 exits (as if killed) after wrapping; rank 0's forward must not hang."""
-    model = FullyShardedDataParallel(nn.Linear(4, 4))
-    if dist.get_rank() == 1:
+_DEAD_RANK_CASES = {
+    "fsdp": (_fsdp_forward, "FullyShardedDataParallel: all-gather of parameters failed"),
+    "oss": (_oss_step, "OSS: step: broadcast of updated parameters failed"),
+    "sdp": (_sdp_backward, "ShardedDataParallel: backward: reduce of gradients failed"),
+}
+
+
+def _die_after_wrapping(report_dir: str) -> None:
+    """The last rank wraps with each survivor in a group of 2 (rank i: case i), then
+    exits as if killed; each survivor's next collective (FSDP's forward, OSS's step,
+    ShardedDataParallel's backward) must raise, not hang. One spawn for all cases."""
+    dying, rank = dist.get_world_size() - 1, dist.get_rank()
+    groups = [dist.new_group([i, dying]) for i in range(dying)]  # every rank, same order
+    actions = {
+        i: build(groups[i], False)
+        for i, (build, _) in enumerate(_DEAD_RANK_CASES.values())
+        if rank in (i, dying)
+    }
+    if rank == dying:
         os._exit(9)
+    action = actions[rank]
+    assert action is not None
     try:
-        model(torch.ones(2, 4))
+        action()
     except CollectiveError as err:
-        Path(report).write_text(f"{err} | chained {type(err.__cause__).__name__}")
+        report = Path(report_dir) / f"{list(_DEAD_RANK_CASES)[rank]}.txt"
+        report.write_text(f"{err} | chained {type(err.__cause__).__name__}")
         raise
 
 
 def test_dead_rank_ends_the_survivors_collective(tmp_path: Path) -> None:
-    """A rank process that dies: the survivor's all-gather raises a CollectiveError
-    within the 4 s group timeout (its own spawned pair: the dead rank ends the pool)."""
-    report = tmp_path / "rank0.txt"
+    """A rank process that dies: each survivor's collective raises a CollectiveError
+    within the 4 s group timeout (their own spawned ranks: the dead rank ends the pool)."""
+    world_size = len(_DEAD_RANK_CASES) + 1
     with pytest.raises(RankError) as info:
-        run_distributed(_die_during_fsdp, 2, str(report), timeout_s=4.0)
-    assert info.value.rank == 1 and "exited with code 9" in info.value.remote_traceback
-    text = report.read_text()
-    assert text.startswith(
-        "FullyShardedDataParallel: all-gather of parameters failed on rank 0 of a group of 2"
-    ), text
-    assert "a rank died" in text and "| chained " in text
+        run_distributed(_die_after_wrapping, world_size, str(tmp_path), timeout_s=4.0)
+    assert info.value.rank == world_size - 1, info.value
+    assert "exited with code 9" in info.value.remote_traceback
+    for case, (_, start) in _DEAD_RANK_CASES.items():
+        text = (tmp_path / f"{case}.txt").read_text()
+        assert text.startswith(f"{start} on rank 0 of a group of 2"), (case, text)
+        assert "a rank died" in text and "| chained " in text, (case, text)
 
 
 def test_other_errors_pass_unchanged() -> None:
