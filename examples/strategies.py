@@ -421,8 +421,8 @@ def _checkpointing(args: argparse.Namespace) -> bool:
 
 
 def option_error(args: argparse.Namespace) -> str | None:
-    """Why ``--precision`` / ``--activation-checkpointing`` do not apply to
-    ``--strategy``, or None when they do."""
+    """Why ``--precision`` / ``--activation-checkpointing`` / ``--offload-dir`` do not
+    apply to ``--strategy``, or None when they do."""
     precision = getattr(args, "precision", "fp32")
     if precision != "fp32" and args.strategy not in PRECISION_MODE:
         return (
@@ -433,6 +433,12 @@ def option_error(args: argparse.Namespace) -> str | None:
         return (
             f"--activation-checkpointing applies to strategies {list(CHECKPOINTING)}, not "
             f"{args.strategy!r} (offload checkpoints every slice already)"
+        )
+    offload_dir = getattr(args, "offload_dir", None)
+    if offload_dir is not None and args.strategy != "offload":
+        return (
+            f"--offload-dir applies to --strategy offload only (its disk tier), not "
+            f"{args.strategy!r}; drop --offload-dir {offload_dir} or use --strategy offload"
         )
     return None
 

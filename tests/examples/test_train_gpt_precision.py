@@ -62,6 +62,11 @@ def test_precision_and_checkpointing_run_and_resume(rank_pool: Any, tmp_path: Pa
     [
         (["--strategy", "pipe", "--precision", "bf16"], "--precision bf16 applies to strategies"),
         (["--strategy", "offload", "--activation-checkpointing"], "offload checkpoints every"),
+        (
+            ["--strategy", "fsdp", "--offload-dir", "d"],
+            "--offload-dir applies to --strategy "
+            "offload only (its disk tier), not 'fsdp'; drop --offload-dir d or use --strategy",
+        ),
         (["--precision", "fp8"], "invalid choice: 'fp8'"),
     ],
 )
