@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import rendezvous
 
 __all__ = ["Env", "all_gather_ints", "mean_over_ranks", "setup_distributed"]
 
@@ -54,9 +56,9 @@ def _init_from_env(backend: str) -> None:
     ``tests/examples/test_restart.py``). ``TORCHELASTIC_RESTART_COUNT`` numbers the
     attempts, so each one gets its own key prefix.
     """
-    store, rank, world_size = next(dist.rendezvous("env://"))
+    store, rank, world_size = next(rendezvous("env://"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"attempt{attempt}/", store)
+    store = PrefixStore(f"attempt{attempt}/", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 

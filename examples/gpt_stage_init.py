@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ def _replay_constructors(model: GPT) -> None:
             if not own or not hasattr(module, "reset_parameters"):
                 continue
             scratch = copy.deepcopy(module).to_empty(device="cpu")
-            scratch.reset_parameters()
+            cast(Any, scratch).reset_parameters()  # mypy: Module attributes are Tensor | Module
             for name, value in scratch.named_parameters(recurse=False):
                 if not own[name].is_meta:
                     own[name].copy_(value)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -67,8 +68,13 @@ def build_model(args: argparse.Namespace) -> GPT2LMHeadModel:
 
 def wrap(model: GPT2LMHeadModel) -> FSDP:
     with enable_wrap(wrapper_cls=FSDP, reshard_after_forward=True):
-        model = auto_wrap(model, transformer_auto_wrap_policy({GPT2Block}))
-    return FSDP(model)  # the root: tied wte / lm_head, wpe, ln_f
+        with_units = auto_wrap(model, transformer_auto_wrap_policy({GPT2Block}))
+    return FSDP(with_units)  # the root: tied wte / lm_head, wpe, ln_f
+
+
+def hf_model(model: FSDP) -> GPT2LMHeadModel:
+    """The Hugging Face model inside the root unit (``generate``, ``save_pretrained``)."""
+    return cast(GPT2LMHeadModel, model.module)
 
 
 def train(model: FSDP, args: argparse.Namespace, tokens: torch.Tensor) -> list[float]:
@@ -93,7 +99,8 @@ def generate(model: FSDP, prompt: bytes, new_tokens: int = 40) -> bytes:
     ids = torch.tensor([list(prompt)])
     new_tokens = min(new_tokens, model.config.n_positions - len(prompt))  # position table
     with model.summon_full_params(recurse=False), torch.no_grad():  # a collective
-        out = model.module.generate(
+        # transformers annotates generate() with two self parameters (mypy: misc)
+        out = hf_model(model).generate(  # type: ignore[misc]
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False
         )
     return bytes(out[0].tolist())
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if dist.get_rank() == 0:
         print(f"sample: {sample.decode('utf-8', 'replace')!r}")
         # save_pretrained pops the entries of the dict it is given: pass a copy
-        model.module.save_pretrained(args.out_dir, state_dict=dict(state))
+        hf_model(model).save_pretrained(args.out_dir, state_dict=dict(state))
         print(f"saved to {args.out_dir} (GPT2LMHeadModel.from_pretrained loads it)")
     dist.barrier()
     if own_group:

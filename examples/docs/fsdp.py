@@ -9,7 +9,7 @@ from shardkit.testing.models import GPT, Block, gpt_config
 
 def main(steps: int = 10) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = GPT(gpt_config("tiny", block_size=32))  # 0.86M parameters, LM head tied
+    model: torch.nn.Module = GPT(gpt_config("tiny", block_size=32))  # 0.86M params, tied head
     with enable_wrap(wrapper_cls=FSDP, reshard_after_forward=True):
         model = auto_wrap(model, transformer_auto_wrap_policy({Block}))
     model = FSDP(model)  # the root unit: embeddings, tied head, final norm

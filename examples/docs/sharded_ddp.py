@@ -10,7 +10,7 @@ from shardkit.optim import OSS
 
 def main(steps: int = 20) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1))
+    model: nn.Module = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1))
     optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2)
     model = ShardedDataParallel(model, optimizer)  # in place of DDP(model)
     data = torch.Generator().manual_seed(dist.get_rank())
