@@ -1,5 +1,7 @@
-"""Sharded optimizers: :class:`OSS` shards the optimizer state across ranks (ZeRO stage 1)."""
+"""Sharded optimizers: :class:`OSS` shards the optimizer state across ranks (ZeRO stage 1);
+:func:`reduce_to_owner_hook` makes torch DDP reduce each gradient to its OSS owner only."""
 
 from shardkit.optim.oss import OSS
+from shardkit.optim.oss_comm_hook import reduce_to_owner_hook, register_reduce_to_owner_hook
 
-__all__ = ["OSS"]
+__all__ = ["OSS", "reduce_to_owner_hook", "register_reduce_to_owner_hook"]
