@@ -53,6 +53,16 @@ def _sdp_meta(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
     return lambda: wrapped(torch.ones(1, 2)).sum().backward()
 
 
+def _sdp_orphan(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
+    """Rank 1's module has a trainable parameter its OSS does not hold."""
+    model = _model()
+    if bad:
+        model[0].register_parameter("extra", nn.Parameter(torch.zeros(3)))
+    optimizer = OSS([model[0].weight, model[0].bias], lr=0.1, group=group)
+    wrapped = ShardedDataParallel(model, optimizer, group)
+    return lambda: wrapped(torch.ones(1, 2)).sum().backward()
+
+
 def _fsdp_int(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
     model = _model(torch.zeros(3, dtype=torch.int64) if bad else torch.zeros(3))
     wrapped = FullyShardedDataParallel(model, process_group=group)
@@ -98,6 +108,7 @@ def _cases() -> dict[str, Outcome]:
         "oss-int": _oss_int,
         "oss-meta": _oss_meta,
         "sdp-meta": _sdp_meta,
+        "sdp-orphan": _sdp_orphan,
         "fsdp-int": _fsdp_int,
         "fsdp-meta-no-init": _fsdp_meta_no_init,
     }
@@ -113,6 +124,8 @@ def test_a_bad_parameter_on_one_rank_stops_every_rank_at_once(rank_pool: Any) ->
         "meta device",
         "sdp-meta": "ValueError: ShardedDataParallel: parameter `0.extra` (shape (3,)) is on "
         "the meta device",
+        "sdp-orphan": "ValueError: 1 trainable parameters of the module (shapes [(3,)]) are in "
+        "no OSS optimizer",
         "fsdp-int": "TypeError: FullyShardedDataParallel: parameter `0.extra` (shape (3,)) has "
         "the dtype torch.int64",
         "fsdp-meta-no-init": "ValueError: module `_NoInit` (_NoInit) has parameters on the meta "
@@ -122,6 +135,7 @@ def test_a_bad_parameter_on_one_rank_stops_every_rank_at_once(rank_pool: Any) ->
         "oss-int": "OSS",
         "oss-meta": "OSS",
         "sdp-meta": "ShardedDataParallel",
+        "sdp-orphan": "ShardedDataParallel",
         "fsdp-int": "FullyShardedDataParallel (the FSDP unit wrapping Sequential)",
         "fsdp-meta-no-init": "FullyShardedDataParallel (the FSDP unit wrapping _NoInit)",
     }

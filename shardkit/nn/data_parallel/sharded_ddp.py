@@ -26,7 +26,7 @@ from torch import nn
 from shardkit.distributed import broadcast_from_owners, plan_owner_broadcast
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.distributed.failures import collective_context
-from shardkit.distributed.validation import check_not_wrapped, parameter_problem
+from shardkit.distributed.validation import check_not_wrapped, check_parameters
 from shardkit.nn.data_parallel.grad_reducer import GradReducer
 from shardkit.optim import OSS
 
@@ -110,8 +110,8 @@ class ShardedDataParallel(nn.Module):
             that are not the module's, a trainable parameter of the module is in no
             optimizer, two optimizers share a parameter, or the process groups differ.
         ConsistencyError: if the ranks' modules or options differ;
-            ``PeerRejectedError`` (a subclass), at once, if another rank refused its
-            parameters (an integer, bool, complex or meta parameter there).
+            ``PeerRejectedError`` (a subclass), at once, if another rank raised one of
+            the errors above except the process-group and optimizer-type checks.
     """
 
     def __init__(
@@ -128,13 +128,13 @@ class ShardedDataParallel(nn.Module):
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _check_module(module)
         self.module = module
         opts = (
             list(sharded_optimizer)
             if isinstance(sharded_optimizer, (list, tuple))
             else [sharded_optimizer]
         )
+        # before the exchange: a rank on another group would exchange with other peers
         self.sharded_optimizers = _check_optimizers(opts, process_group)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -153,7 +153,7 @@ class ShardedDataParallel(nn.Module):
             what="ShardedDataParallel",
             group=process_group,
             options={"reduce_buffer_size": reduce_buffer_size, "reduce_dtype": self.reduce_dtype},
-            local_error=parameter_problem("ShardedDataParallel", module.named_parameters()),
+            local_error=self._local_problem(),  # a bad input on one rank stops every rank
         )
         if sync_models_at_startup:
             self._broadcast_from_first_rank([p.detach() for p in module.parameters()])
@@ -176,6 +176,17 @@ class ShardedDataParallel(nn.Module):
         return "cpu" if first is None else first.device.type
 
     # set-up --------------------------------------------------------------------------
+    def _local_problem(self) -> TypeError | ValueError | None:
+        """This rank's own checks of the module and optimizers, for the wrap-time
+        exchange (:func:`verify_consistent`'s ``local_error``)."""
+        try:
+            _check_module(self.module)
+            check_parameters("ShardedDataParallel", self.module.named_parameters())
+            self._owners()  # the optimizers hold exactly the module's trainable parameters
+        except (TypeError, ValueError) as error:
+            return error
+        return None
+
     def _owners(self) -> dict[nn.Parameter, int]:
         module_params = set(self.module.parameters())
         owner: dict[nn.Parameter, int] = {}
