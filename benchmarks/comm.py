@@ -261,9 +261,12 @@ _counted_allreduce_hook.__annotations__ = {
 
 def count_ddp(module: nn.Module) -> None:
     """Register the counted all-reduce comm hook on every torch DDP module in ``module``
-    (before its first backward); other modules are left alone."""
+    (before its first backward); other modules are left alone, and so is a DDP that has
+    a Python comm hook already (its collectives go through ``torch.distributed``'s
+    Python functions, so they are counted as they are: e.g. shardkit's
+    ``reduce_to_owner_hook``)."""
     for m in module.modules():
-        if isinstance(m, nn.parallel.DistributedDataParallel):
+        if isinstance(m, nn.parallel.DistributedDataParallel) and not m._comm_hooks:
             m.register_comm_hook(m.process_group, _counted_allreduce_hook)
 
 

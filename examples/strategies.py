@@ -66,7 +66,7 @@ from shardkit.nn.pipe import (
     stage_module,
 )
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
-from shardkit.optim import OSS
+from shardkit.optim import OSS, register_reduce_to_owner_hook
 from shardkit.optim.grad_scaler import ShardedGradScaler
 from shardkit.testing.models import GPT, Block, gpt_stages, gpt_unit_init_fn
 
@@ -159,10 +159,12 @@ class _OSSStrategy(Strategy):
 
 
 def _oss(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
-    """torch DDP + OSS(AdamW): optimizer state sharded across ranks (ZeRO-1)."""
+    """torch DDP + OSS(AdamW): optimizer state sharded across ranks (ZeRO-1); each
+    gradient reduced to its owner only (``reduce_to_owner_hook``: 2 psi per step)."""
     device_ids = [device] if device.type == "cuda" else None
     module = DistributedDataParallel(model, device_ids=device_ids)
     optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, **adamw_kwargs(args))
+    register_reduce_to_owner_hook(module, optimizer)
     return _OSSStrategy(module=module, optimizer=optimizer, model=model)
 
 

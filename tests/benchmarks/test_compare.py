@@ -104,9 +104,14 @@ def test_zero1_optimizer_state_is_sharded_within_the_largest_parameter(
         assert s["parameters"] == s["gradients"] == 4 * PSI
         # greedy partition by whole parameters: at most the largest one (8 bytes each) over
         assert abs(s["optimizer_state"] - formula.optimizer_state) <= 8 * largest
-        # DDP all-reduce (2 psi) + the owners' broadcast of the updated parameters (psi)
-        assert _per_step(r, "all_reduce") == 4 * PSI
+        # torch: DDP all-reduce (2 psi) + the owners' broadcast of the updated parameters
+        # (psi); shardkit: reduce to the owner (psi, reduce_to_owner_hook) + broadcast (psi)
+        reduced = "reduce" if name == "shardkit oss" else "all_reduce"
+        assert _per_step(r, reduced) == 4 * PSI
         assert _per_step(r, "broadcast") == 4 * PSI
+        theory = theory_volume_bytes(PSI, WORLD, 1)
+        ratio = r["comm"]["total_volume_bytes"] / STEPS / theory
+        assert ratio == (1.0 if name == "shardkit oss" else 1.5)
 
 
 def test_sdp_gradients_sharded_and_traffic_is_two_psi(
