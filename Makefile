@@ -36,6 +36,7 @@ lint: $(STAMP) docs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy shardkit
+	$(VENV)/bin/mypy examples
 
 test: lint
 	$(VENV)/bin/pytest -q
