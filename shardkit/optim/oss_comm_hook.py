@@ -38,6 +38,14 @@ The owner map is read when each bucket is reduced, so a re-partition
 changed since the partition, the next :meth:`OSS.step` re-partitions, so the owners
 of this backward's gradients are not known yet: the hook then all-reduces every
 bucket of that backward.
+
+[Note: completion]
+The reduces of a bucket are asynchronous; the hook returns
+``torch.futures.collect_all`` of their futures, continued by a callback that waits on
+each one (re-raising a failed reduce) and then yields the buffer. On gloo the works
+may finish in any order, so every one is waited for. On NCCL, ``wait()`` on a work's
+future makes the calling thread's current stream wait for the NCCL stream; this path
+is written for CUDA but tested only on CPU (gloo) here.
 """
 
 from __future__ import annotations
@@ -225,8 +233,9 @@ def reduce_to_owner_hook(state: OSS, bucket: GradBucket) -> torch.futures.Future
 def _result(
     done: torch.futures.Future[list[torch.futures.Future[Any]]], buffer: torch.Tensor
 ) -> torch.Tensor:
+    """The bucket's result once every reduce is done (see [Note: completion])."""
     for work_future in done.value():
-        work_future.value()  # re-raises the error of a failed reduce
+        work_future.wait()  # re-raises the error of a failed reduce
     return buffer
 
 
