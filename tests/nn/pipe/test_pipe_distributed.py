@@ -1,6 +1,6 @@
 """One stage per rank: parity with the plain model for GPipe and 1F1B on 2 and 4 ranks,
-pipeline x data parallel (2 x 2 with torch DDP or shardkit ShardedDataParallel inside
-each stage), consolidated state."""
+pipeline x data parallel (2 x 2 with torch DDP, shardkit ShardedDataParallel + OSS or
+FullyShardedDataParallel inside each stage), consolidated state."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from shardkit.nn.data_parallel import ShardedDataParallel
+from shardkit.nn.data_parallel import FSDP, ShardedDataParallel
 from shardkit.nn.pipe import (
     PipelineStage,
     Schedule1F1B,
@@ -199,42 +199,84 @@ def test_training_steps_and_consolidated_state(rank_pool: Any) -> None:
     assert set(states[0]) == {f"{i}.{w}" for i in (0, 2, 3) for w in ("weight", "bias")}
 
 
-def run_two_d(steps: int, schedule: str, wrapper: str = "ddp") -> dict[str, torch.Tensor] | None:
-    """2 stages x 2 replicas: ranks (replica r, stage s) = 2r + s; torch DDP (``ddp``) or
-    shardkit ShardedDataParallel + OSS (``sdp``) over {s, s + 2}."""
+def wrap_stage(
+    base: nn.Module, wrapper: str, group: dist.ProcessGroup
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``base`` wrapped for data parallelism over ``group``, and its AdamW: torch DDP
+    (``ddp``), ShardedDataParallel + OSS (``sdp``), FSDP of the whole stage (``fsdp``),
+    FSDP with the stage's first layer a nested unit (``fsdp-nested``; ``fsdp-keep``: the
+    same with ``reshard_after_forward=False``)."""
+    adamw = {"lr": 0.01, "weight_decay": 0.1}
+    if wrapper == "sdp":
+        opt: torch.optim.Optimizer = OSS(
+            base.parameters(), optim=torch.optim.AdamW, group=group, **adamw
+        )
+        return ShardedDataParallel(base, opt, process_group=group), opt
+    part: nn.Module
+    if wrapper == "ddp":
+        part = DistributedDataParallel(base, process_group=group)
+    else:
+        keep = {"reshard_after_forward": wrapper != "fsdp-keep"}
+        if wrapper != "fsdp":
+            base[0] = FSDP(base[0], process_group=group, **keep)
+        part = FSDP(base, process_group=group, **keep)
+    return part, torch.optim.AdamW(part.parameters(), **adamw)
+
+
+def stage_grad_norm(part: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    """The 2-norm of the stage's whole (reduced) gradient, however it is sharded."""
+    if isinstance(opt, OSS):
+        return opt.clip_grad_norm(1e9)
+    if isinstance(part, FSDP):
+        return part.clip_grad_norm_(1e9)
+    return torch.nn.utils.clip_grad_norm_(part.parameters(), 1e9)
+
+
+def run_two_d(configs: list[tuple[str, str]], steps: int) -> list[dict[str, torch.Tensor] | None]:
+    """2 stages x 2 replicas: ranks (replica r, stage s) = 2r + s, each stage wrapped (see
+    :func:`wrap_stage`) over {s, s + 2}; per config (schedule, wrapper) ``steps`` AdamW
+    steps against the plain model on the global batch: each replica's loss, and the
+    consolidated state on stage 0 (returned; None on stage 1)."""
     rank = dist.get_rank()
     replica, s = divmod(rank, 2)
     pp_groups = [dist.new_group([2 * r, 2 * r + 1]) for r in range(2)]
     dp_groups = [dist.new_group([j, j + 2]) for j in range(2)]
-    full, balance = make_model("mlp", 2)
-    reference = copy.deepcopy(full)
-    base = stage_module(full, balance, s)
-    part: nn.Module
-    opt: torch.optim.Optimizer
-    if wrapper == "sdp":
-        opt = OSS(base.parameters(), optim=torch.optim.SGD, group=dp_groups[s], lr=0.1)
-        part = ShardedDataParallel(base, opt, process_group=dp_groups[s])
-    else:
-        part = DistributedDataParallel(base, process_group=dp_groups[s])
-        opt = torch.optim.SGD(part.parameters(), lr=0.1)
-    stage = PipelineStage(part, process_group=pp_groups[replica])
-    runner = SCHEDULES[schedule](stage, 3, loss_fn=F.mse_loss)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(steps):
-        x, y = make_batch("mlp", 12, seed=step)
-        mine = slice(6 * replica, 6 * replica + 6)
-        opt.zero_grad()
-        runner.step(x[mine] if stage.is_first else None, target=y[mine] if stage.is_last else None)
-        opt.step()
-        ref_opt.zero_grad()
-        F.mse_loss(reference(x), y).backward()  # the global batch: DDP averages the replicas
-        ref_opt.step()
-    ref_params = dict(reference.named_parameters())
-    for name, param in base.named_parameters():
-        assert_tensors_close(
-            param, ref_params[name], atol=1e-5, name=f"{wrapper} {schedule} rank {rank} {name}"
-        )
-    return consolidated_state_dict(part, process_group=pp_groups[replica])
+    states = []
+    for schedule, wrapper in configs:
+        label = f"{wrapper} {schedule} rank {rank}"
+        full, balance = make_model("mlp", 2)
+        reference = copy.deepcopy(full)
+        base = stage_module(full, balance, s)
+        ref_params = dict(reference.named_parameters())
+        mine_params = [ref_params[name] for name, _ in base.named_parameters()]
+        part, opt = wrap_stage(base, wrapper, dp_groups[s])
+        stage = PipelineStage(part, process_group=pp_groups[replica])
+        runner = SCHEDULES[schedule](stage, 3, loss_fn=F.mse_loss)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.1)
+        for step in range(steps):
+            x, y = make_batch("mlp", 12, seed=step)
+            mine = slice(6 * replica, 6 * replica + 6)
+            opt.zero_grad()
+            loss = runner.step(
+                x[mine] if stage.is_first else None, target=y[mine] if stage.is_last else None
+            )
+            if stage.is_last:
+                assert loss is not None
+                want = F.mse_loss(reference(x[mine]), y[mine])
+                assert_tensors_close(loss, want, atol=1e-6, name=f"loss step {step} {label}")
+            ref_opt.zero_grad()
+            F.mse_loss(reference(x), y).backward()  # the global batch: replicas averaged
+            # AdamW hides a gradient's scale (sum vs mean over replicas): check the norm
+            want_norm = torch.stack([p.grad.norm() for p in mine_params]).norm()  # type: ignore[union-attr]
+            got_norm = stage_grad_norm(part, opt)
+            assert_tensors_close(got_norm, want_norm, atol=1e-6, name=f"grad norm {label}")
+            opt.step()
+            ref_opt.step()
+        state = consolidated_state_dict(part, process_group=pp_groups[replica])
+        if state is not None:
+            assert_state_dicts_close(state, reference.state_dict(), atol=1e-5)
+        states.append(state)
+    return states
 
 
 def test_four_stages_and_pipeline_times_data_parallel(rank_pool: Any) -> None:
@@ -247,9 +289,12 @@ def test_four_stages_and_pipeline_times_data_parallel(rank_pool: Any) -> None:
     assert [peaks[r][3] for r in range(4)] == [4, 3, 2, 1]  # 1F1B, 5 micro-batches: p - s
     assert [peaks[r][1] for r in range(4)] == [5, 5, 5, 5]  # GPipe: all of them
     reference, _ = make_model("mlp", 2)
-    for schedule, wrapper in (("gpipe", "ddp"), ("1f1b", "ddp"), ("1f1b", "sdp")):
-        states = pool.run(run_two_d, 2, schedule, wrapper)
-        assert states[1] is None and states[3] is None
+    two_d = [("gpipe", "ddp"), ("1f1b", "ddp"), ("1f1b", "sdp")]
+    two_d += [(schedule, "fsdp") for schedule in ("gpipe", "1f1b")]
+    two_d += [("1f1b", "fsdp-nested"), ("gpipe", "fsdp-keep")]
+    states = pool.run(run_two_d, two_d, 3)
+    for i, config in enumerate(two_d):
+        assert states[1][i] is None and states[3][i] is None, config
         for r in (0, 2):  # stage 0 of each replica holds the whole model; replicas agree
-            assert states[r] is not None and set(states[r]) == set(reference.state_dict())
-        assert_state_dicts_close(states[0], states[2], atol=0.0)
+            assert set(states[r][i]) == set(reference.state_dict()), config
+        assert_state_dicts_close(states[0][i], states[2][i], atol=0.0)
