@@ -77,6 +77,27 @@ def _check_optim_class(optim: Any) -> type[Optimizer]:
     )
 
 
+def _no_parameters() -> ValueError:
+    return ValueError(
+        "OSS got an empty parameter list: pass model.parameters() (a generator "
+        "can be consumed only once; pass it to one optimizer only)"
+    )
+
+
+def _param_list(params: Iterable[Any]) -> list[Any]:
+    """``params`` as a list; refuses an optimizer (wrapping twice) and an empty list."""
+    if isinstance(params, Optimizer):
+        raise TypeError(
+            f"OSS got an instance of {type(params).__name__} as its parameters (wrapping an "
+            "optimizer twice); pass the parameters and the optimizer class instead: "
+            "OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)"
+        )
+    param_list = list(params)
+    if not param_list:
+        raise _no_parameters()
+    return param_list
+
+
 def _full_defaults(optim: type[Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
     """Every hyperparameter of ``optim`` with the user's values (as a plain one would have)."""
     try:
@@ -140,10 +161,11 @@ class OSS(Optimizer):
             ``OSS`` itself, ``params`` is an optimizer (wrapping twice), or a parameter
             has an integer, bool or complex dtype
             (:func:`shardkit.distributed.validation.check_parameters`).
-        ValueError: if ``params`` is empty or a parameter is on the meta device.
+        ValueError: if ``params`` is empty (or holds only empty param groups) or a
+            parameter is on the meta device.
         ConsistencyError: if the ranks' parameters or options differ;
-            ``PeerRejectedError`` (a subclass), at once, if another rank refused its
-            parameters (the TypeError / ValueError above, raised on that rank).
+            ``PeerRejectedError`` (a subclass), at once, if another rank raised one of
+            the TypeError / ValueError above (they travel in the wrap-time exchange).
 
     Warning:
         The partition is made from ``requires_grad`` at construction. A change of
@@ -162,23 +184,18 @@ class OSS(Optimizer):
         force_broadcast_object: bool = False,
         **defaults: Any,
     ) -> None:
-        self._optim_class = _check_optim_class(optim)
-        if isinstance(params, Optimizer):
-            raise TypeError(
-                f"OSS got an instance of {type(params).__name__} as its parameters (wrapping an "
-                "optimizer twice); pass the parameters and the optimizer class instead: "
-                "OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)"
-            )
-        param_list = list(params)
-        if not param_list:
-            raise ValueError(
-                "OSS got an empty parameter list: pass model.parameters() (a generator "
-                "can be consumed only once; pass it to one optimizer only)"
-            )
-        self._in_constructor = True
-        self._optim_defaults = dict(defaults)
-        super().__init__(param_list, _full_defaults(self._optim_class, defaults))
-        self._in_constructor = False
+        try:  # this rank's own checks: an error travels in the exchange (no rank waits)
+            self._optim_class = _check_optim_class(optim)
+            self._in_constructor = True
+            self._optim_defaults = dict(defaults)
+            param_list = _param_list(params)
+            super().__init__(param_list, _full_defaults(self._optim_class, defaults))
+            self._in_constructor = False
+            if not self._all_params():  # only empty param groups
+                raise _no_parameters()
+        except (TypeError, ValueError) as error:
+            verify_consistent([], what="OSS", group=group, local_error=error)
+            raise  # not reached: verify_consistent raises `error` on this rank
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0

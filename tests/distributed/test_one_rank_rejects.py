@@ -1,6 +1,7 @@
-"""A bad parameter on one rank only stops every rank at wrap time, not at the timeout.
+"""A bad input on one rank only stops every rank at wrap time, not at the timeout.
 
-Rank 1 gets the bad input, rank 0 a good one. Rank 1 must raise its own error; rank 0
+Bad parameters, a module wrapped twice, an OSS without parameters, an invalid FSDP
+option. Rank 1 gets the bad input, rank 0 a good one. Rank 1 must raise its own error; rank 0
 must raise PeerRejectedError naming rank 1 and its message, well before the group's
 60 s timeout (the bound is half of it: a regression waits the whole timeout in the
 first collective and then fails with CollectiveError).
@@ -87,6 +88,46 @@ def _fsdp_meta_no_init(group: dist.ProcessGroup, bad: bool) -> Callable[[], obje
     return lambda: wrapped(torch.ones(1, 2))
 
 
+def _oss_of_oss(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
+    """Both ranks build an OSS; rank 1 then wraps that OSS again (rank 0 its parameters)."""
+    model = _model()
+    first = OSS(model.parameters(), lr=0.1, group=group)
+    optimizer = OSS(first if bad else model.parameters(), lr=0.1, group=group)
+    return optimizer.step
+
+
+def _oss_optim_oss(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
+    optim = OSS if bad else torch.optim.SGD
+    optimizer = OSS(_model().parameters(), optim=optim, lr=0.1, group=group)
+    return optimizer.step
+
+
+def _oss_empty(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
+    """Rank 1 passes a generator another optimizer consumed already."""
+    params = _model().parameters()
+    if bad:
+        torch.optim.SGD(params, lr=0.1)
+    return OSS(params, lr=0.1, group=group).step
+
+
+def _oss_empty_groups(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
+    """Rank 1's only param group is empty (was an IndexError after the exchange)."""
+    params = [] if bad else list(_model().parameters())
+    return OSS([{"params": params}], lr=0.1, group=group).step
+
+
+def _fsdp_twice(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
+    """Rank 1 wraps a unit itself, rank 0 a Sequential holding it (nesting is fine)."""
+    unit = FullyShardedDataParallel(_model(), process_group=group)
+    wrapped = FullyShardedDataParallel(unit if bad else nn.Sequential(unit), process_group=group)
+    return lambda: wrapped(torch.ones(1, 2))
+
+
+def _fsdp_option(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
+    wrapped = FullyShardedDataParallel(_model(), process_group=group, bucket_cap_mb=0 if bad else 1)
+    return lambda: wrapped(torch.ones(1, 2))
+
+
 Outcome = tuple[str, float, object]  # the error's text, seconds, PeerRejectedError's fields
 
 
@@ -111,6 +152,12 @@ def _cases() -> dict[str, Outcome]:
         "sdp-orphan": _sdp_orphan,
         "fsdp-int": _fsdp_int,
         "fsdp-meta-no-init": _fsdp_meta_no_init,
+        "oss-of-oss": _oss_of_oss,
+        "oss-optim-oss": _oss_optim_oss,
+        "oss-empty": _oss_empty,
+        "oss-empty-groups": _oss_empty_groups,
+        "fsdp-twice": _fsdp_twice,
+        "fsdp-option": _fsdp_option,
     }
     return {name: _outcome(case, group) for name, case in cases.items()}
 
@@ -130,6 +177,12 @@ def test_a_bad_parameter_on_one_rank_stops_every_rank_at_once(rank_pool: Any) ->
         "the dtype torch.int64",
         "fsdp-meta-no-init": "ValueError: module `_NoInit` (_NoInit) has parameters on the meta "
         "device and no reset_parameters()",
+        "oss-of-oss": "TypeError: OSS got an instance of OSS as its parameters",
+        "oss-optim-oss": "TypeError: OSS(optim=OSS) would shard an already sharded optimizer",
+        "oss-empty": "ValueError: OSS got an empty parameter list",
+        "oss-empty-groups": "ValueError: OSS got an empty parameter list",
+        "fsdp-twice": "ValueError: the module is already a FullyShardedDataParallel unit",
+        "fsdp-option": "ValueError: bucket_cap_mb must be > 0 megabytes; got 0",
     }
     what = {
         "oss-int": "OSS",
@@ -138,6 +191,9 @@ def test_a_bad_parameter_on_one_rank_stops_every_rank_at_once(rank_pool: Any) ->
         "sdp-orphan": "ShardedDataParallel",
         "fsdp-int": "FullyShardedDataParallel (the FSDP unit wrapping Sequential)",
         "fsdp-meta-no-init": "FullyShardedDataParallel (the FSDP unit wrapping _NoInit)",
+        **{f"oss-{case}": "OSS" for case in ("of-oss", "optim-oss", "empty", "empty-groups")},
+        "fsdp-twice": "FullyShardedDataParallel (the FSDP unit wrapping Sequential)",
+        "fsdp-option": "FullyShardedDataParallel (the FSDP unit wrapping Sequential)",
     }
     for name, start in own.items():
         assert bad[name][0].startswith(start), (name, bad[name][0])

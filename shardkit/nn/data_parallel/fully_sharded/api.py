@@ -166,28 +166,33 @@ class FullyShardedDataParallel(nn.Module):
         gradient_predivide_factor: float | None = None,
         param_init_fn: ParamInitFn | None = None,
     ) -> None:
-        if isinstance(module, FullyShardedDataParallel):
-            raise ValueError(
-                "the module is already a FullyShardedDataParallel unit; wrap each module once"
+        try:  # this rank's own checks: an error travels in the exchange (no rank waits)
+            if isinstance(module, FullyShardedDataParallel):
+                raise ValueError(
+                    "the module is already a FullyShardedDataParallel unit; wrap each module once"
+                )
+            config = fairscale_config(
+                mixed_precision,
+                fp32_reduce_scatter,
+                compute_dtype,
+                buffer_dtype,
+                move_params_to_cpu,
+                cpu_offload,
+                move_grads_to_cpu,
+                compute_device,
+                state_dict_device,
+                reshard_after_forward=reshard_after_forward,
+                disable_reshard_on_root=disable_reshard_on_root,
+                flatten_parameters=flatten_parameters,
+                bucket_cap_mb=bucket_cap_mb,
+                state_dict_on_rank_0_only=state_dict_on_rank_0_only,
+                gradient_predivide_factor=gradient_predivide_factor,
             )
+        except (TypeError, ValueError) as error:
+            verify_consistent([], what=_what(module), group=process_group, local_error=error)
+            raise  # not reached: verify_consistent raises `error` on this rank
         super().__init__()
-        self._config = fairscale_config(
-            mixed_precision,
-            fp32_reduce_scatter,
-            compute_dtype,
-            buffer_dtype,
-            move_params_to_cpu,
-            cpu_offload,
-            move_grads_to_cpu,
-            compute_device,
-            state_dict_device,
-            reshard_after_forward=reshard_after_forward,
-            disable_reshard_on_root=disable_reshard_on_root,
-            flatten_parameters=flatten_parameters,
-            bucket_cap_mb=bucket_cap_mb,
-            state_dict_on_rank_0_only=state_dict_on_rank_0_only,
-            gradient_predivide_factor=gradient_predivide_factor,
-        )
+        self._config = config
         self._process_group = process_group
         self._param_init_fn = param_init_fn
         self._rank = dist.get_rank(process_group)
@@ -208,8 +213,7 @@ class FullyShardedDataParallel(nn.Module):
 
     # construction --------------------------------------------------------------
     def _shard(self, module: nn.Module) -> FlatParamHandle:
-        label = f"the FSDP unit wrapping {type(module).__name__}"
-        what = f"FullyShardedDataParallel ({label})"
+        label, what = _label(module), _what(module)
         options = {  # not devices: cuda:0 on rank 0 and cuda:1 on rank 1 is normal
             "reshard_after_forward": self._config.reshard_after_forward,
             "mixed_precision": self._config.mixed_precision,
@@ -499,6 +503,15 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def _label(module: nn.Module) -> str:
+    return f"the FSDP unit wrapping {type(module).__name__}"
+
+
+def _what(module: nn.Module) -> str:
+    """The wrapper named in the wrap-time exchange's errors."""
+    return f"FullyShardedDataParallel ({_label(module)})"
 
 
 def _is_unit(module: nn.Module) -> bool:
