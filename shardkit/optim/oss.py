@@ -162,7 +162,7 @@ class OSS(Optimizer):
             has an integer, bool or complex dtype
             (:func:`shardkit.distributed.validation.check_parameters`).
         ValueError: if ``params`` is empty (or holds only empty param groups) or a
-            parameter is on the meta device.
+            parameter is on the meta device; ``optim``'s own errors (e.g. ``lr=-1``).
         ConsistencyError: if the ranks' parameters or options differ;
             ``PeerRejectedError`` (a subclass), at once, if another rank raised one of
             the TypeError / ValueError above (they travel in the wrap-time exchange).
@@ -200,12 +200,19 @@ class OSS(Optimizer):
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.global_rank = global_rank(group, self.rank)
+        self._param_rank: dict[torch.Tensor, int] = {}
+        problem = parameter_problem("OSS", self._named_params())
+        if problem is None:
+            try:  # no collective in the first build; the inner optimizer checks its arguments
+                self.optim: Optimizer = self._build_local_optimizer()
+            except (TypeError, ValueError) as error:  # e.g. lr=-1 on this rank only
+                problem = error
         verify_consistent(
             describe_parameters(self._named_params()),
             what="OSS",
             group=group,
             options={"optim": self._optim_class.__name__, "broadcast_fp16": broadcast_fp16},
-            local_error=parameter_problem("OSS", self._named_params()),  # every rank stops
+            local_error=problem,  # every rank stops
         )
         self.broadcast_buffer_size = (
             DEFAULT_BUCKET_BYTES if broadcast_buffer_size < 0 else broadcast_buffer_size
@@ -213,9 +220,7 @@ class OSS(Optimizer):
         self.broadcast_fp16 = broadcast_fp16
         self.force_broadcast_object = force_broadcast_object
         self._pool = BufferPool(self._all_params()[0].device)
-        self._param_rank: dict[torch.Tensor, int] = {}
         self._consolidated: StateDict | None = None
-        self.optim: Optimizer = self._build_local_optimizer()
 
     # views -------------------------------------------------------------------------
     @property  # type: ignore[override]

@@ -1,7 +1,7 @@
 """A bad input on one rank only stops every rank at wrap time, not at the timeout.
 
-Bad parameters, a module wrapped twice, an OSS without parameters, an invalid FSDP
-option. Rank 1 gets the bad input, rank 0 a good one. Rank 1 must raise its own error; rank 0
+Bad parameters, a module wrapped twice, an OSS without parameters or with a learning
+rate its optimizer refuses, an invalid FSDP option. Rank 1 gets the bad input, rank 0 a good one. Rank 1 must raise its own error; rank 0
 must raise PeerRejectedError naming rank 1 and its message, well before the group's
 60 s timeout (the bound is half of it: a regression waits the whole timeout in the
 first collective and then fails with CollectiveError).
@@ -116,6 +116,12 @@ def _oss_empty_groups(group: dist.ProcessGroup, bad: bool) -> Callable[[], objec
     return OSS([{"params": params}], lr=0.1, group=group).step
 
 
+def _oss_bad_lr(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
+    """The inner optimizer refuses rank 1's learning rate (OSS compares only its class)."""
+    optimizer = OSS(_model().parameters(), lr=-1.0 if bad else 0.1, group=group)
+    return optimizer.step
+
+
 def _fsdp_twice(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
     """Rank 1 wraps a unit itself, rank 0 a Sequential holding it (nesting is fine)."""
     unit = FullyShardedDataParallel(_model(), process_group=group)
@@ -156,6 +162,7 @@ def _cases() -> dict[str, Outcome]:
         "oss-optim-oss": _oss_optim_oss,
         "oss-empty": _oss_empty,
         "oss-empty-groups": _oss_empty_groups,
+        "oss-bad-lr": _oss_bad_lr,
         "fsdp-twice": _fsdp_twice,
         "fsdp-option": _fsdp_option,
     }
@@ -181,6 +188,7 @@ def test_a_bad_parameter_on_one_rank_stops_every_rank_at_once(rank_pool: Any) ->
         "oss-optim-oss": "TypeError: OSS(optim=OSS) would shard an already sharded optimizer",
         "oss-empty": "ValueError: OSS got an empty parameter list",
         "oss-empty-groups": "ValueError: OSS got an empty parameter list",
+        "oss-bad-lr": "ValueError: Invalid learning rate: -1.0",
         "fsdp-twice": "ValueError: the module is already a FullyShardedDataParallel unit",
         "fsdp-option": "ValueError: bucket_cap_mb must be > 0 megabytes; got 0",
     }
@@ -191,7 +199,10 @@ def test_a_bad_parameter_on_one_rank_stops_every_rank_at_once(rank_pool: Any) ->
         "sdp-orphan": "ShardedDataParallel",
         "fsdp-int": "FullyShardedDataParallel (the FSDP unit wrapping Sequential)",
         "fsdp-meta-no-init": "FullyShardedDataParallel (the FSDP unit wrapping _NoInit)",
-        **{f"oss-{case}": "OSS" for case in ("of-oss", "optim-oss", "empty", "empty-groups")},
+        **{
+            f"oss-{case}": "OSS"
+            for case in ("of-oss", "optim-oss", "empty", "empty-groups", "bad-lr")
+        },
         "fsdp-twice": "FullyShardedDataParallel (the FSDP unit wrapping Sequential)",
         "fsdp-option": "FullyShardedDataParallel (the FSDP unit wrapping Sequential)",
     }
