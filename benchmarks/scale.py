@@ -75,7 +75,8 @@ def shape_config(shape: tuple[int, int], seq_len: int) -> GPTConfig:
 
 def predicted_rung(stage: int | None, limit: int, rungs: int, seq_len: int) -> int:
     """The largest rung whose ZeRO formula (fp32 AdamW, N = 2) + baseline fits ``limit``;
-    the top rung for strategies without a formula (offload, pipe)."""
+    the top rung for strategies without a formula (``stage`` None: pipe, and the
+    offload disk tier, whose model state is not resident)."""
     if stage is None:
         return rungs - 1
     best = 0
@@ -140,7 +141,9 @@ def search(name: str, args: argparse.Namespace, limit: int, bar: Any) -> dict[st
     rungs = sum(
         1 for r in range(len(LADDER)) if num_params(rung_config(r, args.seq_len)) <= args.max_params
     )
-    rung = predicted_rung(BY_NAME[name].stage, limit, rungs, args.seq_len)
+    strategy = BY_NAME[name]
+    stage = None if strategy.state_on_disk else strategy.stage
+    rung = predicted_rung(stage, limit, rungs, args.seq_len)
     tries: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
     failed: dict[str, Any] | None = None

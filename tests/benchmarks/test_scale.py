@@ -9,6 +9,7 @@ import torch
 
 from benchmarks.common import MIB, RSS_EXIT_CODE
 from benchmarks.compare import num_params
+from benchmarks.runners import BY_NAME, SLICE_STATE_BYTES, offload_slices
 from benchmarks.scale import (
     LADDER,
     between,
@@ -100,3 +101,18 @@ def test_between_bisects_by_psi_in_depth_and_width() -> None:
     mid = between((3, 192), (4, 256), 128)
     assert mid is not None and low < num_params(shape_config(mid, 128)) < high
     assert between((12, 512), (13, 512), 128) is None  # nothing strictly between
+
+
+def test_offload_disk_slices_bound_the_state_of_one_slice() -> None:
+    with torch.device("meta"):
+        small = GPT(shape_config((6, 512), 128))  # 19.1M: 4 slices (the floor)
+        large = GPT(shape_config((48, 1536), 128))  # 1360.5M
+    assert offload_slices(small, 8) == 4
+    assert offload_slices(small, 3) == 3  # never more slices than stages
+    psi = large.num_parameters()
+    assert psi == 1_360_505_856
+    # 16 bytes per parameter (fp32 weights, gradients, two AdamW moments) / 512 MiB
+    assert offload_slices(large, 50) == 41 == -(-16 * psi // SLICE_STATE_BYTES)
+    assert 16 * psi / 41 <= SLICE_STATE_BYTES
+    assert BY_NAME["shardkit offload (disk)"].state_on_disk
+    assert not BY_NAME["shardkit offload"].state_on_disk  # the CPU tier is resident
