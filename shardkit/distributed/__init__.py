@@ -4,7 +4,7 @@
   buckets of a fixed byte size), :func:`pack` / :func:`unpack` (flat buffers) and
   :class:`BufferPool` (reuse flat buffers across steps).
 - :mod:`shardkit.distributed.collectives`: :func:`global_rank` (a group rank to the
-  global rank collectives take) and :func:`broadcast_from_owners` (bucketed,
+  global rank collectives take), :func:`group_ranks` and :func:`broadcast_from_owners` (bucketed,
   asynchronous broadcasts of each owner's tensors, planned by
   :func:`plan_owner_broadcast`).
 
@@ -23,6 +23,7 @@ from shardkit.distributed.collectives import (
     BroadcastBucket,
     broadcast_from_owners,
     global_rank,
+    group_ranks,
     plan_owner_broadcast,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "broadcast_from_owners",
     "copy_scaled",
     "global_rank",
+    "group_ranks",
     "pack",
     "plan_buckets",
     "plan_owner_broadcast",

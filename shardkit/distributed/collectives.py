@@ -37,6 +37,13 @@ def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group`` (the world group if None), in group-rank order."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
 @dataclass
 class BroadcastBucket:
     """One broadcast: ``tensors`` of owner ``src`` (a group rank), packed unless direct.

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # torch.distributed.GradBucket
 from torch.nn.parallel import DistributedDataParallel
 
-from shardkit.distributed import global_rank
+from shardkit.distributed import global_rank, group_ranks
 from shardkit.distributed.failures import collective_context
 from shardkit.optim.oss import OSS
 
@@ -247,12 +247,6 @@ reduce_to_owner_hook.__annotations__ = {
 }
 
 
-def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
-    if group is None or group is dist.GroupMember.WORLD:
-        return list(range(dist.get_world_size()))
-    return list(dist.get_process_group_ranks(group))
-
-
 def register_reduce_to_owner_hook(module: DistributedDataParallel, optimizer: OSS) -> None:
     """Register :func:`reduce_to_owner_hook` on ``module`` with ``optimizer`` as its
     state, after checking that both use the same ranks.
@@ -273,7 +267,7 @@ def register_reduce_to_owner_hook(module: DistributedDataParallel, optimizer: OS
             f"{type(module).__module__}.{type(module).__name__}"
         )
     _check_state(optimizer)
-    ddp_ranks, oss_ranks = _group_ranks(module.process_group), _group_ranks(optimizer.group)
+    ddp_ranks, oss_ranks = group_ranks(module.process_group), group_ranks(optimizer.group)
     if ddp_ranks != oss_ranks:
         raise ValueError(
             f"DDP reduces over ranks {ddp_ranks} but the OSS shards over ranks {oss_ranks}: "

@@ -28,6 +28,7 @@ def _patterns() -> dict[str, Any]:
 def _count_patterns(counter: comm.CommCounter) -> dict[str, Any]:
     out: dict[str, Any] = {}
     rank, world = dist.get_rank(), dist.get_world_size()
+    counter.reset()  # the counter is per process: an earlier test in this rank may have used it
     t = torch.ones(N)
     dist.all_reduce(t)  # outside counting(): not counted
     out["idle"] = counter.snapshot()

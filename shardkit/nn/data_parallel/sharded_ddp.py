@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.distributed import broadcast_from_owners, plan_owner_broadcast
+from shardkit.distributed import broadcast_from_owners, group_ranks, plan_owner_broadcast
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.distributed.failures import collective_context
 from shardkit.distributed.validation import check_not_wrapped, check_parameters
@@ -35,12 +35,6 @@ __all__ = ["ShardedDDP", "ShardedDataParallel"]
 _WRAPPER = "ShardedDataParallel"
 
 
-def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
-    if group is None or group is dist.GroupMember.WORLD:
-        return list(range(dist.get_world_size()))
-    return list(dist.get_process_group_ranks(group))
-
-
 def _check_optimizers(optimizers: Sequence[Any], group: dist.ProcessGroup | None) -> list[OSS]:
     for opt in optimizers:
         if not isinstance(opt, OSS):
@@ -49,10 +43,10 @@ def _check_optimizers(optimizers: Sequence[Any], group: dist.ProcessGroup | None
                 f"{type(opt).__module__}.{type(opt).__name__}. Shard the optimizer first: "
                 "OSS(model.parameters(), optim=torch.optim.AdamW, lr=...)"
             )
-        if _group_ranks(opt.group) != _group_ranks(group):
+        if group_ranks(opt.group) != group_ranks(group):
             raise ValueError(
-                f"the OSS shards over ranks {_group_ranks(opt.group)} but ShardedDataParallel "
-                f"reduces over ranks {_group_ranks(group)}: pass the same process group to "
+                f"the OSS shards over ranks {group_ranks(opt.group)} but ShardedDataParallel "
+                f"reduces over ranks {group_ranks(group)}: pass the same process group to "
                 "both (OSS(..., group=pg) and ShardedDataParallel(..., process_group=pg))"
             )
     return list(optimizers)
