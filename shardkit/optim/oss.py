@@ -221,6 +221,8 @@ class OSS(Optimizer):
         self.force_broadcast_object = force_broadcast_object
         self._pool = BufferPool(self._all_params()[0].device)
         self._consolidated: StateDict | None = None
+        # DDP bucket indices reduce_to_owner_hook reduced since the last step / zero_grad
+        self.hook_reduced_buckets: set[int] = set()
 
     # views -------------------------------------------------------------------------
     @property  # type: ignore[override]
@@ -355,7 +357,18 @@ class OSS(Optimizer):
         self._sync_hyperparams(self.optim.param_groups, self.param_groups)
         self._broadcast_params()
         self._consolidated = None
+        self.hook_reduced_buckets.clear()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad`` over every parameter (the full view); also
+        ends the accumulation window of :func:`~shardkit.optim.reduce_to_owner_hook`.
+
+        Args:
+            set_to_none: set gradients to None instead of zero (default True).
+        """
+        super().zero_grad(set_to_none)
+        self.hook_reduced_buckets.clear()
 
     @torch.no_grad()
     def _broadcast_params(self) -> int:

@@ -23,14 +23,24 @@ passed to it, or frozen) are all-reduced too, so that nothing is left unreduced.
 
 [Note: what p.grad holds afterwards]
 After backward, ``p.grad`` holds the mean gradient over the ranks *only on the rank
-that owns p* (``optimizer.param_to_rank[p]``). On the other ranks it holds an
-unspecified value (the local gradient or a partial sum, as the backend leaves its
-input). Everything in shardkit that reads gradients after backward reads only owned
-ones: :meth:`OSS.step`, :meth:`OSS.clip_grad_norm`; :class:`ShardedGradScaler` looks
-at every gradient, which stays right (an inf/NaN in any rank's local gradient makes
-the reduced gradient on its owner inf/NaN, and the ranks agree with a MAX). Code
-that reads every gradient on every rank (``torch.nn.utils.clip_grad_norm_`` over all
-parameters, logging gradient norms per rank) must not use the hook.
+that owns p* (``optimizer.param_to_rank[p]``); on the other ranks it is zero (the
+hook zeroes the slices it reduced away, once their reduce is done: a backend leaves
+its input of a reduce as scratch). Everything in shardkit that reads gradients after
+backward reads only owned ones: :meth:`OSS.step`, :meth:`OSS.clip_grad_norm`;
+:class:`ShardedGradScaler` looks at every gradient, which stays right (an inf/NaN in
+any rank's local gradient makes the reduced gradient on its owner inf/NaN, and the
+ranks agree with a MAX). Code that reads every gradient on every rank
+(``torch.nn.utils.clip_grad_norm_`` over all parameters, logging gradient norms per
+rank) must not use the hook.
+
+[Note: one synchronised backward per step]
+Plain DDP can accumulate over two synchronised backwards (its all-reduced mean is on
+every rank, so the second backward adds to the same value everywhere). With the hook
+the first backward's mean lives on the owner only, and the second reduce would divide
+it by N again: a wrong gradient. So a bucket reduced twice before ``OSS.step()`` or
+``OSS.zero_grad()`` (which clear :attr:`OSS.hook_reduced_buckets`) raises; accumulate
+under ``ddp.no_sync()`` for all but the last micro-batch, which is also what saves
+the communication.
 
 [Note: a stale partition]
 The owner map is read when each bucket is reduced, so a re-partition
@@ -211,31 +221,56 @@ def reduce_to_owner_hook(state: OSS, bucket: GradBucket) -> torch.futures.Future
     Returns:
         A Future of the bucket buffer, completed when every reduce is done. After
         backward, ``p.grad`` is the mean gradient on the rank owning ``p`` only;
-        elsewhere it is unspecified (see [Note: what p.grad holds afterwards]).
+        elsewhere it is zero (see [Note: what p.grad holds afterwards]).
 
     Raises:
         TypeError: if ``state`` is not an :class:`OSS` (at the first backward).
+        RuntimeError: on a second synchronised backward before ``optimizer.step()`` or
+            ``optimizer.zero_grad()`` (see [Note: one synchronised backward per step]).
     """
     optimizer = _check_state(state)
     buffer = bucket.buffer()
     if optimizer.world_size > 1:
+        _check_once(optimizer, bucket.index())
         buffer.div_(optimizer.world_size)
+        runs = _plan(optimizer, bucket, buffer)
         with collective_context("OSS", _OPERATION, optimizer.group):
-            works = [_launch(r, buffer, optimizer.group) for r in _plan(optimizer, bucket, buffer)]
+            works = [_launch(r, buffer, optimizer.group) for r in runs]
+        rank = optimizer.rank
+        away = [r for r in runs if r.owner is not None and r.owner != rank]
         return torch.futures.collect_all([w.get_future() for w in works]).then(
-            lambda done: _result(done, buffer)
+            lambda done: _result(done, buffer, away)
         )
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future
 
 
+def _check_once(optimizer: OSS, index: int) -> None:
+    """Record bucket ``index`` as reduced; raise if it already was since the last step
+    (see [Note: one synchronised backward per step])."""
+    if index in optimizer.hook_reduced_buckets:
+        raise RuntimeError(
+            "reduce_to_owner_hook: a second synchronised backward() before "
+            "optimizer.step() / optimizer.zero_grad(): gradient bucket "
+            f"{index} was already reduced to its owners, so accumulating onto it would give "
+            "a wrong gradient. Run all but the last micro-batch under ddp_model.no_sync() "
+            "(gradients accumulate locally and are reduced once), or leave the hook out"
+        )
+    optimizer.hook_reduced_buckets.add(index)
+
+
 def _result(
-    done: torch.futures.Future[list[torch.futures.Future[Any]]], buffer: torch.Tensor
+    done: torch.futures.Future[list[torch.futures.Future[Any]]],
+    buffer: torch.Tensor,
+    away: list[OwnerRun],
 ) -> torch.Tensor:
-    """The bucket's result once every reduce is done (see [Note: completion])."""
+    """The bucket's result once every reduce is done (see [Note: completion]); the
+    slices reduced to other ranks zeroed (see [Note: what p.grad holds afterwards])."""
     for work_future in done.value():
         work_future.wait()  # re-raises the error of a failed reduce
+    for run in away:
+        buffer[run.start : run.end].zero_()
     return buffer
 
 

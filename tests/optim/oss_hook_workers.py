@@ -275,3 +275,39 @@ def run_errors() -> dict[str, tuple[str, str]]:
             )
         ),
     }
+
+
+def _hooked(seed: int) -> tuple[DDP, OSS]:
+    torch.manual_seed(seed)
+    ddp = DDP(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
+    oss = OSS(ddp.parameters(), lr=0.1)
+    register_reduce_to_owner_hook(ddp, oss)
+    return ddp, oss
+
+
+def run_accumulation() -> dict[str, Any]:
+    """Two synchronised backwards in one step (refused), the windows that end with step
+    and zero_grad, and what non-owners' gradients hold after a backward."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    ddp, oss = _hooked(0)
+    ref = DDP(copy.deepcopy(ddp.module))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    ddp(x).sum().backward()
+    ref(x).sum().backward()
+    owner = oss.param_to_rank
+    pairs = list(zip(ddp.parameters(), ref.parameters()))
+    out["owned_gap"] = max(max_abs_diff(p.grad, q.grad) for p, q in pairs if owner[p] == rank)
+    out["unowned_abs_max"] = max(
+        (float(p.grad.abs().max()) for p, _ in pairs if owner[p] != rank), default=-1.0
+    )
+    out["owned"] = sum(owner[p] == rank for p, _ in pairs)
+    out["second"] = _raises(lambda: ddp(x).sum().backward())
+    # a window ends with zero_grad (a skipped step) or step: no error afterwards
+    ddp, oss = _hooked(1)
+    ddp(x).sum().backward()
+    oss.zero_grad()
+    out["after_zero_grad"] = _raises(lambda: ddp(x).sum().backward())
+    oss.step()
+    out["after_step"] = _raises(lambda: ddp(x).sum().backward())
+    return out

@@ -170,3 +170,19 @@ def test_owner_runs_cover_each_element_once_with_its_owner(
     assert [r.owner for r in runs for _ in range(r.start, r.end)] == owner_of_element
     assert [r.start for r in runs] == sorted({r.start for r in runs})
     assert all(a.owner != b.owner for a, b in itertools.pairwise(runs))  # maximal runs
+
+
+def test_one_synchronised_backward_per_step(rank_pool: Callable[[int], RankPool]) -> None:
+    """Regression: a second synchronised backward before step() added onto gradients
+    that live on their owner only and divided them by N again (wrong by ~1e-2 after one
+    SGD step); it is refused now. Non-owners' gradients are exactly zero."""
+    for rank, out in enumerate(rank_pool(2).run(workers.run_accumulation)):
+        assert out["owned"] >= 1, rank  # 4 tensors over 2 ranks: each owns some
+        assert out["owned_gap"] <= 1e-6, rank  # the owner holds DDP's mean
+        assert out["unowned_abs_max"] == 0.0, rank
+        kind, message = out["second"]
+        assert kind == "RuntimeError", (rank, out["second"])
+        assert "second synchronised backward()" in message
+        assert "no_sync()" in message
+        assert out["after_zero_grad"] == ("none", ""), rank
+        assert out["after_step"] == ("none", ""), rank
