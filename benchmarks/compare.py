@@ -285,6 +285,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.warmup < 1:
         p.error(f"--warmup must be >= 1 (the first step measures the state); got {args.warmup}")
+    for flag, value in (("--steps", args.steps), ("--rounds", args.rounds)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1 (a median needs timed steps); got {value}")
     if args.steps * args.rounds < 10:
         print(
             f"note: {args.steps} x {args.rounds} = {args.steps * args.rounds} timed steps per "

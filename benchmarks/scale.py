@@ -180,6 +180,15 @@ def search(name: str, args: argparse.Namespace, limit: int, bar: Any) -> dict[st
     return {"strategy": name, "best": best, "first_failure": failed, "tries": tries}
 
 
+def _why(fail: dict[str, Any]) -> str:
+    """The table's reason for a failed run: the watchdog's exit code named, else the error."""
+    error = str(fail.get("error", ""))
+    if f"code {RSS_EXIT_CODE}" in error:
+        rank = error.split(":", 1)[0]  # "rank 0"
+        return f"memory: {rank} passed the limit (the RSS watchdog ended it)"
+    return fail["verdict"] + (f": {error}" if error else "")
+
+
 def _shape(record: dict[str, Any] | None) -> str:
     if record is None:
         return "-"
@@ -212,11 +221,7 @@ def render(doc: dict[str, Any]) -> str:
         ratio = f"{best['psi'] / ddp['best']['psi']:.2f}" if best and ddp else "-"
         if best and fail is None:
             ratio += " (at least: the cap)"
-        why = (
-            "-"
-            if fail is None
-            else fail["verdict"] + (f": {fail['error']}" if "error" in fail else "")
-        )
+        why = "-" if fail is None else _why(fail)
         lines.append(
             f"| {r['strategy']} | {_shape(best)} | {rss} | {ratio} | {_shape(fail)} "
             f"| {why} | {len(r['tries'])} |"
@@ -227,11 +232,16 @@ def render(doc: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the search for every strategy; write JSON and Markdown; return the JSON."""
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.scale", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.scale", description=" ".join(__doc__.split("\n\n")[0].split())
     )
     add = p.add_argument
     add(
-        "--strategies", nargs="+", default=DEFAULT_STRATEGIES, choices=list(BY_NAME), metavar="NAME"
+        "--strategies",
+        nargs="+",
+        default=DEFAULT_STRATEGIES,
+        choices=list(BY_NAME),
+        metavar="NAME",
+        help=f"strategies to search, by table name (default: {', '.join(DEFAULT_STRATEGIES)})",
     )
     add("--limit-gb", type=float, default=1.0, help="resident GiB per rank (default 1)")
     add("--max-params", type=float, default=8e7, help="largest psi tried (default 8e7)")

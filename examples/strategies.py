@@ -442,6 +442,10 @@ def option_error(args: argparse.Namespace) -> str | None:
             f"--offload-dir applies to --strategy offload only (its disk tier), not "
             f"{args.strategy!r}; drop --offload-dir {offload_dir} or use --strategy offload"
         )
+    if offload_dir is not None and not str(offload_dir).strip():
+        return (
+            "--offload-dir needs a directory (got an empty string), e.g. --offload-dir /tmp/offload"
+        )
     return None
 
 

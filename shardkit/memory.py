@@ -210,7 +210,7 @@ optimizer state can exceed 8 psi / N by up to the largest parameter's 8 bytes pe
 element; FSDP pads each flat parameter to a multiple of N (at most N - 1 elements,
 16 bytes each with AdamW); torch DDP keeps its gradient buckets as a second copy of the
 gradients (+4 psi bytes, not model state, so not in this table); activations and the
-process (about 220-350 MB per rank with torch and gloo) come on top."""
+process (about 220-400 MiB per rank with torch and gloo) come on top."""
 
 
 def main(argv: list[str] | None = None) -> None:

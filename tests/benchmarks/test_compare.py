@@ -16,6 +16,7 @@ from benchmarks.compare import (
     error_line,
     model_config,
     num_params,
+    parse_args,
     rotated,
     run_config,
     write_outputs,
@@ -237,3 +238,21 @@ def test_helpers() -> None:
     err = RankError(1, "Traceback ...\n  File x\nValueError: bad thing\n\n(ranks [0] also failed)")
     assert error_line(err) == "rank 1: ValueError: bad thing"
     assert all(available(BY_NAME[n]) for n in BUILT_IN)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--rounds", "0"], "--rounds must be >= 1"),
+        (["--warmup", "0"], "--warmup must be >= 1"),
+    ],
+)
+def test_bad_run_counts_are_refused_before_any_run(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: --steps 0 ran every strategy, then failed in statistics.median."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

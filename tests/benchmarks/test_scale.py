@@ -88,7 +88,12 @@ def test_render_names_largest_and_ratio() -> None:
             },
         ],
     }
+    watchdog = {**rec(6, "memory"), "error": f"rank 1: process exited with code {RSS_EXIT_CODE}"}
+    doc["results"].append(
+        {"strategy": "torch FSDP2", "best": None, "first_failure": watchdog, "tries": [1]}
+    )
     page = render(doc)
+    assert "| memory: rank 1 passed the limit (the RSS watchdog ended it) |" in page
     ratio = num_params(rung_config(6, 128)) / num_params(rung_config(4, 128))
     assert f"| {ratio:.2f} (at least: the cap) |" in page
     assert "| torch DDP | 4 x 320" in page and "| memory |" in page

@@ -68,6 +68,8 @@ def test_precision_and_checkpointing_run_and_resume(rank_pool: Any, tmp_path: Pa
             "offload only (its disk tier), not 'fsdp'; drop --offload-dir d or use --strategy",
         ),
         (["--precision", "fp8"], "invalid choice: 'fp8'"),
+        # regression: "" became the path "/rank0", at the filesystem root
+        (["--strategy", "offload", "--offload-dir", ""], "--offload-dir needs a directory"),
     ],
 )
 def test_options_that_do_not_apply_exit_2(
