@@ -22,14 +22,21 @@ naming that rank and its message. No extra collective.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ConsistencyError", "PeerRejectedError", "describe_parameters", "verify_consistent"]
+__all__ = [
+    "ConsistencyError",
+    "PeerRejectedError",
+    "describe_parameters",
+    "local_checks",
+    "verify_consistent",
+]
 
 
 class ConsistencyError(ValueError):
@@ -142,3 +149,34 @@ def verify_consistent(
         "Every rank must build the same model (same parameters, shapes, dtypes, order) "
         "and pass the same options before wrapping."
     )
+
+
+@contextlib.contextmanager
+def local_checks(
+    what: str,
+    group: dist.ProcessGroup | None,
+    catch: tuple[type[Exception], ...] = (TypeError, ValueError),
+) -> Iterator[None]:
+    """Run this rank's own checks (no collective inside) so that an error raised in
+    the block stops every rank of ``group`` at once (see [Note: a local error travels in
+    the same exchange]).
+
+    On success nothing is exchanged: the wrapper's own :func:`verify_consistent` call
+    comes next. On an error of a type in ``catch``, this rank takes part in that
+    exchange now, in its place, with the error as ``local_error``: it re-raises the
+    error here and every other rank raises :class:`PeerRejectedError` from its own
+    :func:`verify_consistent`.
+
+    Args:
+        what: the wrapper named in the other ranks' errors.
+        group: the process group of the wrapper's exchange (None: the world group).
+        catch: the error types that travel; default ``(TypeError, ValueError)``.
+
+    Raises:
+        Exception: the error raised in the block.
+    """
+    try:
+        yield
+    except catch as error:
+        verify_consistent([], what=what, group=group, local_error=error)
+        raise  # not reached: verify_consistent raises `error` on this rank

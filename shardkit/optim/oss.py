@@ -47,7 +47,11 @@ from shardkit.distributed import (
     global_rank,
     plan_owner_broadcast,
 )
-from shardkit.distributed.consistency import describe_parameters, verify_consistent
+from shardkit.distributed.consistency import (
+    describe_parameters,
+    local_checks,
+    verify_consistent,
+)
 from shardkit.distributed.failures import collective_context
 from shardkit.distributed.grad_norm import clip_grad_norm_sharded
 from shardkit.distributed.validation import parameter_problem
@@ -184,7 +188,7 @@ class OSS(Optimizer):
         force_broadcast_object: bool = False,
         **defaults: Any,
     ) -> None:
-        try:  # this rank's own checks: an error travels in the exchange (no rank waits)
+        with local_checks("OSS", group):  # an error here stops every rank (no rank waits)
             self._optim_class = _check_optim_class(optim)
             self._in_constructor = True
             self._optim_defaults = dict(defaults)
@@ -193,9 +197,6 @@ class OSS(Optimizer):
             self._in_constructor = False
             if not self._all_params():  # only empty param groups
                 raise _no_parameters()
-        except (TypeError, ValueError) as error:
-            verify_consistent([], what="OSS", group=group, local_error=error)
-            raise  # not reached: verify_consistent raises `error` on this rank
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -335,6 +336,11 @@ class OSS(Optimizer):
                 if key != "params":
                     dst[key] = value
 
+    def trainable_changed(self) -> bool:
+        """Whether ``requires_grad`` of some parameter changed since the partition was
+        made (the next :meth:`step` re-partitions; see :meth:`refresh_trainable`)."""
+        return tuple(p.requires_grad for p in self._all_params()) != self._signature
+
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Step this rank's shard, then broadcast the updated parameters (a collective).
 
@@ -345,7 +351,7 @@ class OSS(Optimizer):
         Returns:
             What the wrapped optimizer's ``step`` returns (the closure's loss or None).
         """
-        if tuple(p.requires_grad for p in self._all_params()) != self._signature:
+        if self.trainable_changed():
             warnings.warn(
                 "OSS: requires_grad of some parameters changed since the partition; "
                 "re-partitioning (call optimizer.refresh_trainable() to do it explicitly)",

@@ -161,17 +161,10 @@ def _plan(optimizer: OSS, bucket: GradBucket, buffer: torch.Tensor) -> list[Owne
     owner_of: Mapping[torch.Tensor, int] = optimizer.param_to_rank
     gradients = bucket.gradients()
     offsets = bucket_layout(buffer, gradients)
-    if offsets is None or _is_stale(optimizer, owner_of):
+    if offsets is None or optimizer.trainable_changed():
         return whole
     owners = [owner_of.get(p) for p in bucket.parameters()]
     return owner_runs(offsets, [g.numel() for g in gradients], owners)
-
-
-def _is_stale(optimizer: OSS, owner_of: Mapping[torch.Tensor, int]) -> bool:
-    """Whether ``requires_grad`` changed since the partition (owned = trainable then)."""
-    return any(
-        (p in owner_of) != p.requires_grad for g in optimizer.param_groups for p in g["params"]
-    )
 
 
 def _launch(run: OwnerRun, buffer: torch.Tensor, group: dist.ProcessGroup | None) -> Any:

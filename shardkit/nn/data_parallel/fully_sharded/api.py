@@ -18,7 +18,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from shardkit.distributed.consistency import describe_parameters, verify_consistent
+from shardkit.distributed.consistency import (
+    describe_parameters,
+    local_checks,
+    verify_consistent,
+)
 from shardkit.distributed.grad_norm import clip_grad_norm_sharded
 from shardkit.distributed.validation import check_parameters
 from shardkit.nn.data_parallel.fully_sharded import hooks
@@ -166,7 +170,7 @@ class FullyShardedDataParallel(nn.Module):
         gradient_predivide_factor: float | None = None,
         param_init_fn: ParamInitFn | None = None,
     ) -> None:
-        try:  # this rank's own checks: an error travels in the exchange (no rank waits)
+        with local_checks(_what(module), process_group):  # an error here stops every rank
             if isinstance(module, FullyShardedDataParallel):
                 raise ValueError(
                     "the module is already a FullyShardedDataParallel unit; wrap each module once"
@@ -188,9 +192,6 @@ class FullyShardedDataParallel(nn.Module):
                 state_dict_on_rank_0_only=state_dict_on_rank_0_only,
                 gradient_predivide_factor=gradient_predivide_factor,
             )
-        except (TypeError, ValueError) as error:
-            verify_consistent([], what=_what(module), group=process_group, local_error=error)
-            raise  # not reached: verify_consistent raises `error` on this rank
         super().__init__()
         self._config = config
         self._process_group = process_group
@@ -219,11 +220,8 @@ class FullyShardedDataParallel(nn.Module):
             "mixed_precision": self._config.mixed_precision,
         }
         group = self._process_group
-        try:
+        with local_checks(what, group, catch=(Exception,)):  # incl. a failing param_init_fn
             infos, originals = self._prepare_unit(module, label)
-        except Exception as error:  # the other ranks hear of it instead of waiting
-            verify_consistent([], what=what, group=group, options=options, local_error=error)
-            raise  # not reached: verify_consistent raises `error` on this rank
         verify_consistent(  # one collective: a mismatch is an error, not a hang
             describe_parameters((info.name, p) for info, p in zip(infos, originals)),
             what=what,
