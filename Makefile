@@ -32,11 +32,14 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.compare $(BENCH_ARGS)
 
+# lint-imports: the import contracts of docs/architecture.md ([tool.importlinter] in
+# pyproject.toml); a lower layer importing an upper one fails here.
 lint: $(STAMP) docs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy shardkit
 	$(VENV)/bin/mypy examples
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 
 test: lint
 	$(VENV)/bin/pytest -q

@@ -23,7 +23,7 @@ setup(
     install_requires=["torch>=2.4", "typing-extensions", "tqdm"],
     extras_require={
         "test": ["pytest", "hypothesis", "pytest-timeout", "numpy"],
-        "dev": ["ruff", "mypy"],
+        "dev": ["ruff", "mypy", "import-linter==2.16"],
         "docs": ["mkdocs", "mkdocstrings", "mkdocstrings-python"],
         # The anchors of benchmarks.compare, pinned to the versions measured (CPU, gloo,
         # torch 2.13); DeepSpeed's own dependencies pinned with it. Not installed by
