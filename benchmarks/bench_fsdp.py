@@ -41,8 +41,8 @@ from benchmarks.common import (
     slowest,
 )
 from shardkit.memory import zero_memory_estimate
+from shardkit.models import GPT
 from shardkit.testing import run_distributed
-from shardkit.testing.models import GPT
 
 CONFIGS = ["torch DDP", "torch FSDP2 fully_shard", "shardkit FSDP"]
 

@@ -47,8 +47,8 @@ import torch
 from torch import nn
 
 from benchmarks.common import ADAMW, RESULTS, peak_rss_bytes
+from shardkit.models import GPT, GPTConfig, gpt_init_fn, gpt_stages
 from shardkit.nn.offload import MemoryTier, OffloadModel
-from shardkit.testing.models import GPT, GPTConfig, gpt_init_fn, gpt_stages
 
 MB = 2**20
 

@@ -37,9 +37,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.common import ADAMW, RESULTS, add_gpt_args, gpt_config_from, slowest
 from shardkit.memory import model_state_bytes, zero_memory_estimate
+from shardkit.models import GPT
 from shardkit.optim import OSS
 from shardkit.testing import RankPool
-from shardkit.testing.models import GPT
 
 
 @dataclass

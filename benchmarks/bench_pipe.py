@@ -6,7 +6,7 @@ Run (gloo, one thread per rank)::
     python -m benchmarks.bench_pipe --n-layer 4 --steps 2 --rounds 1   # quick
 
 The model is the main job's GPT as ``nn.Sequential(embed, *blocks, head)``
-(``shardkit.testing.models.gpt_stages``), split in two equal halves of blocks. One training step
+(``shardkit.models.gpt_stages``), split in two equal halves of blocks. One training step
 (forward, loss, backward; no optimizer) on the same mini-batch runs
 
 - in one process (rank 0 alone, the plain module, no micro-batches),
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.common import MIB, RESULTS, peak_rss_bytes, status_bytes
+from shardkit.models import GPT, GPTConfig, gpt_stages
 from shardkit.nn.pipe import (
     PipelineStage,
     Schedule1F1B,
@@ -50,7 +51,6 @@ from shardkit.nn.pipe import (
     stage_module,
 )
 from shardkit.testing import RankPool, run_distributed
-from shardkit.testing.models import GPT, GPTConfig, gpt_stages
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 STAGES = 2

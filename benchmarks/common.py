@@ -1,6 +1,6 @@
 """Pieces shared by the benchmarks: GPT flags, rank-side measurements, machine description.
 
-Every benchmark in this folder trains the GPT of :mod:`shardkit.testing.models` on
+Every benchmark in this folder trains the GPT of :mod:`shardkit.models` on
 spawned gloo ranks and reports step time, peak RSS and model-state bytes. What they
 share lives here, so that a number means the same thing in every table:
 
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.memory import model_state_bytes
-from shardkit.testing.models import GPT, Block, GPTConfig
+from shardkit.models import GPT, Block, GPTConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 """Where every benchmark writes its JSON / Markdown / PNG files."""

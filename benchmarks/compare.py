@@ -66,8 +66,8 @@ from benchmarks.common import (
 )
 from benchmarks.report import render_markdown, summarize, write_plots
 from benchmarks.runners import BY_NAME, STRATEGIES, Runner, available
+from shardkit.models import MODEL_SIZES, GPTConfig
 from shardkit.testing import RankError, RankTimeoutError, run_distributed
-from shardkit.testing.models import MODEL_SIZES, GPTConfig
 
 SIZES: dict[str, dict[str, int]] = {
     **{name: {**shape, "vocab_size": 256} for name, shape in MODEL_SIZES.items()},

@@ -34,7 +34,7 @@ from torch import nn
 from benchmarks.comm import count_ddp
 from benchmarks.common import ADAMW, MIB, build_torch_fsdp2
 from shardkit.memory import _count_new  # the storage-dedup rule of model_state_bytes
-from shardkit.testing.models import GPT, GPTConfig, gpt_init_fn, gpt_stages
+from shardkit.models import GPT, GPTConfig, gpt_init_fn, gpt_stages
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 if str(EXAMPLES_DIR) not in sys.path:  # the main job's registry is a script, not a package

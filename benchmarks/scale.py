@@ -37,7 +37,7 @@ from benchmarks.common import MIB, RSS_EXIT_CODE, add_run_args, command, machine
 from benchmarks.compare import num_params, run_once
 from benchmarks.runners import BY_NAME
 from shardkit.memory import zero_memory_estimate
-from shardkit.testing.models import GPTConfig
+from shardkit.models import GPTConfig
 
 LADDER: list[tuple[int, int]] = [
     (2, 128), (2, 192), (3, 192), (4, 256), (4, 320), (6, 320), (6, 384), (8, 448),

@@ -27,7 +27,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from shardkit.testing.models import GPT
+from shardkit.models import GPT
 
 __all__ = ["materialize_stage"]
 

@@ -53,6 +53,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.memory import ModelStateBytes, model_state_bytes
+from shardkit.models import GPT, Block, gpt_stages, gpt_unit_init_fn
 from shardkit.nn.checkpoint import CheckpointWrapper, checkpoint_wrapper
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel, MixedPrecision
@@ -68,7 +69,6 @@ from shardkit.nn.pipe import (
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 from shardkit.optim import OSS, register_reduce_to_owner_hook
 from shardkit.optim.grad_scaler import ShardedGradScaler
-from shardkit.testing.models import GPT, Block, gpt_stages, gpt_unit_init_fn
 
 __all__ = [
     "STRATEGIES",

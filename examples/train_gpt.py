@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from shardkit.checkpoint.atomic import atomic_save, atomic_write
 from shardkit.memory import ModelStateBytes
-from shardkit.testing.models import GPT, MODEL_SIZES, gpt_config
+from shardkit.models import GPT, MODEL_SIZES, gpt_config
 
 PROG = "train_gpt.py"
 

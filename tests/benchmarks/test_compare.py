@@ -24,8 +24,8 @@ from benchmarks.compare import (
 from benchmarks.report import render_markdown, summarize, write_plots
 from benchmarks.runners import BY_NAME, STRATEGIES, available
 from shardkit.memory import zero_memory_estimate
+from shardkit.models import GPTConfig
 from shardkit.testing import RankError, RankPool
-from shardkit.testing.models import GPTConfig
 
 CONFIG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
 PSI = num_params(CONFIG)  # 0.12M: tied embedding 256 x 64 is the largest tensor

@@ -19,7 +19,7 @@ from benchmarks.scale import (
     shape_config,
     verdict,
 )
-from shardkit.testing.models import GPT
+from shardkit.models import GPT
 
 
 def test_ladder_grows_in_depth_and_width() -> None:

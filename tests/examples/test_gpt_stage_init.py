@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardkit.models import GPT, GPTConfig, gpt_stages
 from shardkit.nn.pipe import balance_by_size, stage_module
 from shardkit.testing import assert_state_dicts_close
-from shardkit.testing.models import GPT, GPTConfig, gpt_stages
 from tests.examples import EXAMPLES_DIR
 
 assert EXAMPLES_DIR.is_dir()  # puts the examples on sys.path

@@ -15,7 +15,7 @@ import torch
 import train_gpt
 
 from shardkit.checkpoint.manifest import save_checkpoint
-from shardkit.testing.models import GPT, gpt_config
+from shardkit.models import GPT, gpt_config
 from tests.examples import EXAMPLES_DIR
 
 TINY = ["--model-size", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 import train_gpt
 
-from shardkit.testing.models import GPT, gpt_config
+from shardkit.models import GPT, gpt_config
 
 TINY = ["--model-size", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1"]
 COMMON = [*TINY, "--steps", "2", "--eval-every", "0", "--save-every", "0"]

@@ -1,11 +1,12 @@
-"""The shared GPT: shapes, tied head, parameter counts of the named sizes."""
+"""The GPT of ``shardkit.models``: shapes, tied head, parameter counts of the named sizes;
+the deprecated alias ``shardkit.testing.models``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shardkit.testing.models import GPT, GPTConfig, gpt_config
+from shardkit.models import GPT, GPTConfig, gpt_config
 
 
 def test_forward_shapes_and_loss() -> None:
@@ -34,3 +35,12 @@ def test_bad_input() -> None:
         GPTConfig(n_embd=10, n_head=3)
     with pytest.raises(ValueError, match="sequence length 20 exceeds block_size 16"):
         GPT(GPTConfig(block_size=16))(torch.zeros(1, 20, dtype=torch.long))
+
+
+def test_deprecated_alias_is_the_same_module_contents() -> None:
+    import shardkit.models
+    import shardkit.testing.models as alias
+
+    assert sorted(alias.__all__) == sorted(shardkit.models.__all__)
+    for name in shardkit.models.__all__:
+        assert getattr(alias, name) is getattr(shardkit.models, name), name
