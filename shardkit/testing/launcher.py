@@ -104,6 +104,26 @@ def _set_collective_timeout(seconds: float) -> None:
         setter(timedelta(seconds=seconds))
 
 
+def _bind_device(backend: str, rank: int) -> torch.device | None:
+    """With NCCL, make ``cuda:(rank % device count)`` this rank's current device (NCCL
+    needs one device per rank, chosen before the group's first collective); with other
+    backends change nothing. Returns the device bound, or None.
+
+    Raises:
+        RuntimeError: NCCL was asked for where CUDA is not available.
+    """
+    if "nccl" not in backend.lower():
+        return None
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"backend {backend!r} needs CUDA, which is not available on this machine; "
+            'use backend="gloo" (CPU)'
+        )
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -120,6 +140,7 @@ def _worker_main(
         torch.set_num_threads(num_threads)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     try:
+        _bind_device(backend, rank)
         dist.init_process_group(
             backend,
             init_method=init_method,
@@ -166,7 +187,9 @@ class RankPool:
 
     Args:
         world_size: number of ranks (>= 1).
-        backend: process-group backend; default ``"gloo"`` (CPU).
+        backend: process-group backend; default ``"gloo"`` (CPU). With ``"nccl"``
+            (CUDA), rank r's current device is ``cuda:(r % torch.cuda.device_count())``
+            before the group starts; NCCL needs as many GPUs as ranks.
         timeout_s: the process group's collective timeout, in seconds: a collective
             that waits longer fails on its rank with an error naming the operation. A
             :meth:`run` still silent after ``timeout_s + grace_s`` is declared a hang and

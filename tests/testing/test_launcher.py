@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.testing import RankError, RankPool, RankTimeoutError, run_distributed
+from shardkit.testing.launcher import _bind_device
 
 
 def _sum_of_ranks(offset: float) -> tuple[int, int, float, int]:
@@ -136,3 +137,22 @@ def test_bad_arguments() -> None:
         RankPool(0)
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         RankPool(2, timeout_s=0)
+
+
+def test_gloo_binds_no_device() -> None:
+    assert _bind_device("gloo", 1) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
+def test_nccl_without_cuda_fails_at_start_up_naming_the_cause() -> None:
+    with pytest.raises(RuntimeError, match=r"backend 'nccl' needs CUDA.*gloo"):
+        _bind_device("nccl", 0)
+    with pytest.raises(RankError, match="process-group start-up") as err:
+        run_distributed(_pid, 1, backend="nccl", timeout_s=30)
+    assert "needs CUDA" in err.value.remote_traceback
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device")
+def test_nccl_binds_one_device_per_rank() -> None:
+    device = _bind_device("nccl", 0)
+    assert device == torch.device("cuda", 0) and torch.cuda.current_device() == 0
