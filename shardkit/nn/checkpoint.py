@@ -12,11 +12,21 @@ non-tensor outputs, inputs that do not require grad, and nesting all work.
 [Note: BatchNorm and recomputation]
 A BatchNorm in training mode updates its running statistics on every forward, so
 the recomputation in backward would update them a second time (FairScale patches
-momentum to 0 for this). Here the recompute pass runs inside a context that
-snapshots every normalization buffer of the wrapped module on entry and restores it
-on exit: the statistics are updated exactly once, whatever the momentum mode
-(including ``momentum=None``, the cumulative average, which a zero-momentum patch
-would get wrong through ``num_batches_tracked``).
+momentum to 0 for this). Here the recompute pass runs inside :func:`recomputing`,
+which snapshots the buffers of every training-mode BatchNorm (any ``_BatchNorm``
+subclass, so Pipe's ``DeferredBatchNorm`` too) on entry and restores them on exit: the
+statistics are updated exactly once, whatever the momentum mode (including
+``momentum=None``, the cumulative average, which a zero-momentum patch would get
+wrong through ``num_batches_tracked``). :func:`is_recomputing` is True meanwhile, for
+layers with bookkeeping of their own.
+
+[Note: one primitive]
+:func:`run_checkpointed` is the only activation recomputation in shardkit:
+:class:`CheckpointWrapper`, Pipe's checkpointed micro-batches
+(``shardkit.nn.pipe.checkpoint``) and ``OffloadModel(checkpoint_activation=True)``
+(``shardkit.nn.offload.function``) all call it. The random number generators (CPU and
+the inputs' device) are replayed by ``torch.utils.checkpoint`` (``preserve_rng_state``),
+so dropout draws the same mask twice.
 
 [Note: offload_to_cpu]
 With ``offload_to_cpu=True`` the tensors the checkpoint keeps (the region's inputs)
@@ -27,33 +37,93 @@ CPU-only machine the copy is a no-op and the code path is the same.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["CheckpointWrapper", "checkpoint_wrapper"]
+__all__ = [
+    "CheckpointWrapper",
+    "checkpoint_wrapper",
+    "is_recomputing",
+    "recomputing",
+    "run_checkpointed",
+]
 
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm,)
+_state = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed region runs its second (backward-time) forward."""
+    return bool(getattr(_state, "recomputing", False))
 
 
 @contextlib.contextmanager
-def _frozen_norm_statistics(module: nn.Module) -> Iterator[None]:
-    """Restore the buffers of every BatchNorm in ``module`` when the block exits."""
+def recomputing(module: nn.Module) -> Iterator[None]:
+    """The context of a recompute pass over ``module``: side effects undone on exit.
+
+    Snapshots the buffers of every training-mode BatchNorm in ``module`` (running mean
+    and variance, ``num_batches_tracked``, any extra buffers of a subclass) and restores
+    them when the block exits; :func:`is_recomputing` is True inside (this thread).
+    """
     saved = [
         (buf, buf.detach().clone())
         for sub in module.modules()
-        if isinstance(sub, _NORM_TYPES)
-        for buf in sub.buffers()
+        if isinstance(sub, _NORM_TYPES) and sub.training
+        for buf in sub.buffers(recurse=False)
     ]
+    previous, _state.recomputing = is_recomputing(), True
     try:
         yield
     finally:
+        _state.recomputing = previous
         with torch.no_grad():
             for buf, value in saved:
                 buf.copy_(value)
+
+
+def run_checkpointed(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    fn: Callable[..., Any] | None = None,
+) -> Any:
+    """``fn(*args, **kwargs)`` (default ``module``) keeping only its inputs for backward.
+
+    The one activation-recompute primitive (see the module notes): non-reentrant
+    ``torch.utils.checkpoint``, so keyword arguments, non-tensor outputs, inputs that do
+    not require grad and nesting work; the recomputation autograd runs in backward
+    happens inside :func:`recomputing` (``module``'s BatchNorm statistics restored) with
+    the forward's random number generator states.
+
+    Args:
+        module: the module whose state the call may change (its BatchNorm statistics
+            are protected during the recompute).
+        args: positional arguments of the call.
+        kwargs: keyword arguments of the call; default none.
+        fn: what to call; default ``module`` itself.
+
+    Returns:
+        The call's result; tensors in it require grad where the call's would.
+    """
+
+    def contexts() -> tuple[
+        contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]
+    ]:
+        return contextlib.nullcontext(), recomputing(module)
+
+    return checkpoint(
+        module if fn is None else fn,
+        *args,
+        use_reentrant=False,
+        context_fn=contexts,
+        **(kwargs or {}),
+    )
 
 
 class CheckpointWrapper(nn.Module):
@@ -74,23 +144,13 @@ class CheckpointWrapper(nn.Module):
         self.register_state_dict_post_hook(_strip_prefix_hook)
         self.register_load_state_dict_pre_hook(_add_prefix_hook)
 
-    def _context_fns(self) -> tuple[contextlib.AbstractContextManager[None], Any]:
-        return contextlib.nullcontext(), _frozen_norm_statistics(self.module)
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
         devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
         if self.offload_to_cpu:
             args = tuple(a.to("cpu") if isinstance(a, torch.Tensor) else a for a in args)
-        return checkpoint(
-            self._run,
-            devices,
-            *args,
-            use_reentrant=False,
-            context_fn=self._context_fns,
-            **kwargs,
-        )
+        return run_checkpointed(self.module, (devices, *args), kwargs, fn=self._run)
 
     def _run(self, devices: list[torch.device | None], *args: Any, **kwargs: Any) -> Any:
         moved = tuple(

@@ -2,27 +2,15 @@
 
 Everything else in the package is device-agnostic: it runs on CPU (tests, CPU-only
 machines) and on CUDA alike. CUDA adds page-locked host buffers (fast, asynchronous
-host-to-device copies) and a per-device random number generator that activation
-recomputation must replay.
+host-to-device copies). (Activation recomputation, with its random number generator
+replay, is :func:`shardkit.nn.checkpoint.run_checkpointed`.)
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
-
 import torch
 
-__all__ = ["DeviceOps", "RngState"]
-
-
-@dataclass(frozen=True)
-class RngState:
-    """Random number generator states captured before a forward, replayed on recompute."""
-
-    cpu: torch.Tensor
-    device: torch.Tensor | None
+__all__ = ["DeviceOps"]
 
 
 class DeviceOps:
@@ -39,20 +27,6 @@ class DeviceOps:
     def pin_host_memory(self, offload_device: torch.device) -> bool:
         """Whether host buffers should be page-locked (CPU tier feeding a CUDA device)."""
         return self.is_cuda and offload_device.type == "cpu"
-
-    def rng_state(self) -> RngState:
-        """The CPU (and CUDA) generator states, to replay dropout on recompute."""
-        cuda = torch.cuda.get_rng_state(self.device) if self.is_cuda else None
-        return RngState(cpu=torch.get_rng_state(), device=cuda)
-
-    @contextlib.contextmanager
-    def replay_rng(self, state: RngState) -> Iterator[None]:
-        """Run the body with the generators set to ``state``; restore them afterwards."""
-        with torch.random.fork_rng(devices=[self.device] if self.is_cuda else []):
-            torch.set_rng_state(state.cpu)
-            if state.device is not None:
-                torch.cuda.set_rng_state(state.device, self.device)
-            yield
 
     def synchronize(self) -> None:
         """Wait for pending copies to the host (no-op on CPU)."""

@@ -11,9 +11,12 @@ so each slice is loaded exactly once in forward and once in backward, whatever
 
 [Note: a slice's backward inside the node's backward]
 Forward runs the slice's layers on a *detached* copy of each input, building a local
-autograd graph (or, with activation checkpointing, no graph: only the input and the
-random number generator state are kept). ``backward`` loads the slice, rebuilds the
-local graph if it was not kept, and runs ``torch.autograd.backward`` on it: when that
+autograd graph (with activation checkpointing, through shardkit's one recompute
+primitive, :func:`shardkit.nn.checkpoint.run_checkpointed`: the graph keeps only the
+input). ``backward`` loads the slice and runs ``torch.autograd.backward`` on the local
+graph (which recomputes the activations there, while the slice is resident, with the
+forward's random number generator states and BatchNorm statistics left as the forward
+set them): when that
 call returns, every gradient of the slice's parameters has been accumulated, so the
 slice's gradients can be averaged across ranks and offloaded right there. (Relying on
 autograd hooks firing before the next node would depend on engine scheduling.)
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardkit.nn.offload.device import RngState
+from shardkit.nn.checkpoint import run_checkpointed
 from shardkit.nn.offload.slices import Slice
 from shardkit.nn.offload.tiers import Tier
 
@@ -42,7 +45,6 @@ class _Saved:
 
     inputs: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
-    rng: list[RngState] = field(default_factory=list)
 
 
 @dataclass
@@ -83,14 +85,9 @@ class SliceRunner:
             for chunk, grad in zip(chunks, needs_grad, strict=True):
                 x = chunk.detach().requires_grad_(grad)
                 saved.inputs.append(x)
-                if self.checkpoint:
-                    saved.rng.append(self.tier.ops.rng_state())
-                    with torch.no_grad():
-                        y = module(x)
-                else:
-                    with torch.enable_grad():
-                        y = module(x)
-                    saved.outputs.append(y)
+                with torch.enable_grad():
+                    y = run_checkpointed(module, (x,)) if self.checkpoint else module(x)
+                saved.outputs.append(y)
                 outputs.append(y.detach())
         finally:
             self.tier.offload(self.slice)
@@ -101,7 +98,7 @@ class SliceRunner:
         self.tier.load(self.slice)
         try:
             for j in reversed(range(len(saved.inputs))):
-                y = self._output(saved, j)
+                y = saved.outputs[j]
                 if y.requires_grad:
                     torch.autograd.backward(y, grads[j])
             if self.after_backward is not None:
@@ -109,14 +106,6 @@ class SliceRunner:
         finally:
             self.tier.offload(self.slice)
         return [x.grad if x.requires_grad else None for x in saved.inputs]
-
-    def _output(self, saved: _Saved, j: int) -> torch.Tensor:
-        if not self.checkpoint:
-            return saved.outputs[j]
-        assert self.slice.module is not None
-        with self.tier.ops.replay_rng(saved.rng[j]), torch.enable_grad():
-            out: torch.Tensor = self.slice.module(saved.inputs[j])
-            return out
 
 
 class SliceFunction(torch.autograd.Function):
