@@ -19,7 +19,13 @@ __all__ = ["clip_grad_norm_sharded"]
 
 
 def _local_partial(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """``max |g|`` (inf norm) or ``sum |g|^p`` over this rank's gradients, as fp32."""
+    """``max |g|`` (inf norm) or ``sum |g|^p`` over this rank's gradients, as fp32.
+
+    Empty gradients (a rank holding no element of a parameter) contribute nothing: the
+    inf norm of an empty tensor is undefined in torch (no identity for max), and 0 is
+    the identity of both reductions over non-negative values.
+    """
+    grads = [g for g in grads if g.numel() > 0]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in grads])
