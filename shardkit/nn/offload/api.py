@@ -12,13 +12,12 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
-from shardkit.distributed.linear_partition import balance_bounds
+from shardkit.distributed.linear_partition import balance_bounds, solve_balance
 from shardkit.distributed.validation import check_not_wrapped, parameter_problem
 from shardkit.nn.offload.disk import DiskTier
 from shardkit.nn.offload.flat import SliceLayout
 from shardkit.nn.offload.function import SliceFunction, SliceRunner, average_gradients
 from shardkit.nn.offload.optim import SlicedOptimizer
-from shardkit.nn.offload.partition import balance_by_size
 from shardkit.nn.offload.slices import Slice, SliceState, shared_parameter_ids
 from shardkit.nn.offload.tiers import MemoryTier, ResidentTier, Tier
 
@@ -62,7 +61,7 @@ def _split(
         return [m if isinstance(m, nn.Sequential) else nn.Sequential(m) for m in layers]
     shared = shared_parameter_ids(layers) if shared is None else shared
     sizes = [sum(p.numel() for p in m.parameters() if id(p) not in shared) for m in layers]
-    bounds = balance_bounds(balance_by_size(sizes, num_slices))
+    bounds = balance_bounds(solve_balance(sizes, num_slices, name="num_slices"))
     return [nn.Sequential(*layers[a:b]) for a, b in bounds]
 
 
@@ -145,9 +144,9 @@ class OffloadModel(nn.Module):
 
     Raises:
         TypeError: if ``model`` is not an ``nn.Sequential`` or a list of modules, or a
-            parameter has an integer, bool or complex dtype.
+            parameter has an integer, bool or complex dtype, or ``num_slices`` is not an int.
         ValueError: if ``model`` is (or contains) an OffloadModel already; for
-            ``num_slices`` out of range, ``num_microbatches < 1``, an
+            ``num_slices`` out of range (``BalanceError``), ``num_microbatches < 1``, an
             unwritable or mismatching ``offload_dir``, or a ``meta`` model off the disk tier.
         ConsistencyError: with ``process_group``, the ranks' models or options differ;
             ``PeerRejectedError`` (a subclass) if another rank refused its parameters.

@@ -1,8 +1,9 @@
 """Balancing: choose how many layers each partition gets, by parameter size or by time.
 
 Both helpers reduce a model to one cost per layer and then solve the contiguous
-partition problem with the exact solver shared with OffloadModel
-(:mod:`shardkit.distributed.linear_partition`): cut the list of costs into
+partition problem with the one validated solver shared with OffloadModel,
+:func:`solve_balance` (re-exported from :mod:`shardkit.distributed.linear_partition`):
+cut the list of costs into
 ``partitions`` non-empty runs so that the largest run sum is as small as possible
 (the slowest stage sets the pipeline's pace; GPipe, Huang et al. 2019, section 2.2).
 """
@@ -10,38 +11,15 @@ partition problem with the exact solver shared with OffloadModel
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from shardkit.distributed.linear_partition import linear_partition
+from shardkit.distributed.linear_partition import solve_balance
 from shardkit.nn.pipe.microbatch import Batch, TensorOrTensors, check_value
-from shardkit.nn.pipe.partition import BalanceError, verify_module
+from shardkit.nn.pipe.partition import verify_module
 
 __all__ = ["balance_by_size", "balance_by_time", "layer_sizes", "layer_times", "solve_balance"]
-
-
-def solve_balance(costs: Sequence[float], partitions: int) -> list[int]:
-    """Layers per partition minimising the largest partition cost (contiguous runs).
-
-    Args:
-        costs: one non-negative cost per layer (any unit).
-        partitions: number of partitions, ``1 <= partitions <= len(costs)``.
-
-    Returns:
-        The balance: ``partitions`` integers >= 1 summing to ``len(costs)``. Among
-        optimal balances, the one whose earlier partitions are largest.
-
-    Raises:
-        BalanceError: ``partitions`` out of range, or a negative cost.
-    """
-    n = len(costs)
-    if not 1 <= partitions <= n:
-        raise BalanceError(f"cannot split {n} layers into {partitions} partitions (need 1..{n})")
-    if any(c < 0 for c in costs):
-        raise BalanceError(f"layer costs must be >= 0; got {list(costs)}")
-    return linear_partition(costs, partitions)
 
 
 def layer_sizes(module: nn.Sequential) -> list[int]:

@@ -14,13 +14,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from shardkit.distributed.linear_partition import balance_bounds
+from shardkit.distributed.linear_partition import BalanceError, balance_bounds
 
 __all__ = ["BalanceError", "split_module", "stage_module", "verify_module"]
-
-
-class BalanceError(ValueError):
-    """A balance that does not fit the module or the devices."""
 
 
 def verify_module(module: object) -> nn.Sequential:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from shardkit.distributed.linear_partition import BalanceError, solve_balance
 from shardkit.nn.offload import balance_by_size
 
 
@@ -17,3 +18,14 @@ def test_balance_example_and_determinism() -> None:
 def test_balance_rejects_bad_num_slices(num_slices: int) -> None:
     with pytest.raises(ValueError, match="num_slices"):
         balance_by_size([1, 2, 3, 4], num_slices)
+
+
+def test_balance_by_size_is_a_deprecated_alias_of_the_one_solver() -> None:
+    with pytest.warns(DeprecationWarning, match=r"use shardkit.distributed.linear_partition"):
+        assert balance_by_size([5, 1, 1, 1, 5], 3) == solve_balance([5, 1, 1, 1, 5], 3)
+    with pytest.warns(DeprecationWarning), pytest.raises(BalanceError) as info:
+        balance_by_size([1, 2, 3], 4)
+    assert str(info.value).startswith(
+        "cannot split 3 layers into 4 partitions: num_slices (4) is larger than the number "
+        "of layers (3)"
+    )

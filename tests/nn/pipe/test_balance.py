@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from shardkit.distributed import linear_partition
 from shardkit.nn.pipe import BalanceError, balance_by_size, balance_by_time, solve_balance
 from shardkit.nn.pipe.balance import layer_sizes
 
@@ -19,6 +20,11 @@ def test_solver_errors() -> None:
         solve_balance([1, 2], 3)
     with pytest.raises(BalanceError, match="costs must be >= 0"):
         solve_balance([1, -2], 1)
+
+
+def test_one_solver_and_one_error_class_for_pipe_and_offload() -> None:
+    assert solve_balance is linear_partition.solve_balance
+    assert BalanceError is linear_partition.BalanceError and issubclass(BalanceError, ValueError)
 
 
 def test_balance_by_size_counts_bytes_and_shared_tensors_once() -> None:
