@@ -10,7 +10,7 @@ STRATEGY ?= fsdp
 TRAIN_ARGS ?=
 SITE_DIR ?= /tmp/shardkit-site
 
-.PHONY: train test lint docs venv clean bench
+.PHONY: train test lint docs venv clean bench test-gpu
 
 venv: $(STAMP)
 
@@ -43,6 +43,18 @@ lint: $(STAMP) docs
 
 test: lint
 	$(VENV)/bin/pytest -q
+
+# On a GPU machine: the CUDA tests (NCCL groups, FSDP prefetch / reduce-scatter on CUDA,
+# pinned-memory offload, the fp16 scaler; tests/gpu, marker `cuda`), then a short
+# benchmarks.compare run. benchmarks.compare runs its strategies on CPU ranks over gloo
+# (it has no CUDA mode), so that part checks the benchmark still runs on the GPU
+# machine's CPUs, not GPU speed. Without CUDA the tests are reported as skipped.
+GPU_BENCH_OUT ?= /tmp/shardkit-gpu-bench
+test-gpu: $(STAMP)
+	$(PY) -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count())"
+	$(VENV)/bin/pytest -m cuda tests/gpu -rs
+	$(PY) -m benchmarks.compare --steps 2 --rounds 1 --strategies "torch DDP" "shardkit fsdp" \
+		--out $(GPU_BENCH_OUT)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache .hypothesis
