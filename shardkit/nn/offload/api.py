@@ -9,10 +9,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.distributed.linear_partition import balance_bounds, solve_balance
+from shardkit.distributed.optim_guard import mark_replaced
 from shardkit.distributed.validation import check_not_wrapped, parameter_problem
 from shardkit.nn.offload.disk import DiskTier
 from shardkit.nn.offload.flat import SliceLayout
@@ -25,6 +25,8 @@ __all__ = ["OffloadModel"]
 
 OffloadTarget = torch.device | str | os.PathLike[str] | Tier
 _CPU = torch.device("cpu")
+_DISK_WRAPPER = "an OffloadModel on the disk tier (an empty placeholder between uses)"
+_DISK_FIX = "Step with model.sliced_optimizer(optimizer_class, **kwargs) instead"
 
 
 def _layers(model: nn.Sequential | Sequence[nn.Module]) -> tuple[list[nn.Module], bool]:
@@ -154,8 +156,9 @@ class OffloadModel(nn.Module):
     Warning:
         Buffers (BatchNorm statistics) and shared parameters are not offloaded. With
         the disk tier, ``model.parameters()`` hold empty placeholders between uses:
-        step with :meth:`sliced_optimizer` (a torch optimizer given them raises) and read
-        values with :meth:`state_dict`. ``retain_graph=True`` is not supported.
+        step with :meth:`sliced_optimizer` (a torch optimizer given them raises
+        ``shardkit.distributed.optim_guard.ReplacedParameterError``, naming the
+        parameter) and read values with :meth:`state_dict`. ``retain_graph=True`` is not supported.
     """
 
     def __init__(
@@ -243,9 +246,8 @@ class OffloadModel(nn.Module):
         if isinstance(self.tier, DiskTier):
             init = getattr(self, "_init_fn", None)
             self.tier.attach_model(self.slices, dict(self.named_buffers()), init)
-            _guard_torch_optimizers()
-            for p in self.parameters():
-                p._offload_disk_tier = True  # type: ignore[attr-defined]
+            for name, p in self.named_parameters():
+                mark_replaced(p, name=f"`{name}`", wrapper=_DISK_WRAPPER, fix=_DISK_FIX)
         else:
             self.tier.attach(self.slices)
 
@@ -370,25 +372,3 @@ def _replace_parameter(
             if p is old:
                 module._parameters[key] = new
     return new
-
-
-_GUARD: list[Any] = []
-
-
-def _guard_torch_optimizers() -> None:
-    """Make a torch optimizer over disk-tier parameters fail loudly instead of doing nothing."""
-    if _GUARD:
-        return
-
-    def pre_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        if getattr(optimizer, "_shardkit_sliced", False):
-            return
-        for group in optimizer.param_groups:
-            if any(getattr(p, "_offload_disk_tier", False) for p in group["params"]):
-                raise RuntimeError(
-                    "this optimizer holds parameters of an OffloadModel on the disk tier; "
-                    "they are empty placeholders between uses. Step with "
-                    "model.sliced_optimizer(optimizer_class, **kwargs) instead"
-                )
-
-    _GUARD.append(register_optimizer_step_pre_hook(pre_step))

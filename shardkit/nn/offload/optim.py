@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardkit.distributed.optim_guard import exempt_optimizer
 from shardkit.nn.offload.slices import Slice
 
 if TYPE_CHECKING:
@@ -68,8 +69,7 @@ class SlicedOptimizer(torch.optim.Optimizer):
         self.optimizer_class = optimizer_class
         self.class_name = name
         self._hyper_keys = set(defaults)
-
-    _shardkit_sliced = True  # lets OffloadModel's guard on torch optimizers through
+        exempt_optimizer(self)  # it steps the disk tier's placeholders by design
 
     def _hyperparameters(self) -> dict[str, Any]:
         group = self.param_groups[0]
@@ -109,7 +109,7 @@ class SlicedOptimizer(torch.optim.Optimizer):
             self.tier.open_grads(s)
             hyper = self._hyperparameters()
             optimizer = self.optimizer_class(s.parameters, **hyper)
-            optimizer._shardkit_sliced = True  # type: ignore[attr-defined]
+            exempt_optimizer(optimizer)
             state = self.tier.load_optim_state(s)
             if state is not None:
                 optimizer.load_state_dict(state)

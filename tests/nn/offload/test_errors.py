@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from shardkit.distributed.optim_guard import ReplacedParameterError, is_replaced
 from shardkit.nn.offload import OffloadModel
 from shardkit.testing.models import GPT, GPTConfig
 from tests.nn.offload.common import X, Y, optimizer_for, tiny
@@ -93,3 +94,18 @@ def test_second_backward_is_refused() -> None:
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph=True is not supported"):
         loss.backward()
+
+
+def test_plain_optimizer_on_disk_tier_names_the_parameter(tmp_path: Path) -> None:
+    on_disk = OffloadModel(tiny(), "cpu", offload_dir=tmp_path)
+    first = next(iter(on_disk.parameters()))
+    plain_optimizer = torch.optim.AdamW([first], lr=0.1)
+    with pytest.raises(ReplacedParameterError) as info:
+        plain_optimizer.step()
+    assert str(info.value) == (
+        "AdamW holds the parameter `model_slices.0.0.weight`, which an OffloadModel on the "
+        "disk tier (an empty placeholder between uses) replaced: Step with "
+        "model.sliced_optimizer(optimizer_class, **kwargs) instead"
+    )
+    memory = OffloadModel(tiny(), "cpu")  # the memory tiers replace nothing
+    assert not any(is_replaced(p) for p in memory.parameters())
