@@ -81,6 +81,22 @@ def _check_optim_class(optim: Any) -> type[Optimizer]:
     )
 
 
+def _one_group(
+    process_group: dist.ProcessGroup | None, group: dist.ProcessGroup | None
+) -> dist.ProcessGroup | None:
+    """The process group given as ``process_group`` or by its alias ``group``.
+
+    Raises:
+        ValueError: both are given and are not the same group object.
+    """
+    if process_group is not None and group is not None and process_group is not group:
+        raise ValueError(
+            f"OSS got process_group={process_group!r} and group={group!r}: group is "
+            "FairScale's name for process_group; pass one of them"
+        )
+    return group if process_group is None else process_group
+
+
 def _no_parameters() -> ValueError:
     return ValueError(
         "OSS got an empty parameter list: pass model.parameters() (a generator "
@@ -146,7 +162,7 @@ class OSS(Optimizer):
         params: an iterable of parameters or of param-group dicts (own lr, weight
             decay, ...), as for any torch optimizer.
         optim: the optimizer class to shard; default ``torch.optim.SGD``.
-        group: the process group to shard over; default None (the world group).
+        group: FairScale's name of ``process_group`` (an alias; give either).
         broadcast_buffer_size: bucket size for the parameter broadcasts after a step,
             in bytes (of the wire dtype). ``-1`` (default) means 16 MiB; ``0`` sends
             each parameter alone. Parameters of at least ``min(this, 1 MiB)`` are
@@ -158,6 +174,8 @@ class OSS(Optimizer):
             Default False.
         force_broadcast_object: accepted for FairScale compatibility; state is always
             exchanged with object collectives (pickle). Default False.
+        process_group: the process group to shard over (keyword only, the name every
+            shardkit wrapper uses); default None (the world group).
         **defaults: arguments of ``optim`` (``lr``, ``weight_decay``, ...).
 
     Raises:
@@ -165,8 +183,10 @@ class OSS(Optimizer):
             ``OSS`` itself, ``params`` is an optimizer (wrapping twice), or a parameter
             has an integer, bool or complex dtype
             (:func:`shardkit.distributed.validation.check_parameters`).
-        ValueError: if ``params`` is empty (or holds only empty param groups) or a
-            parameter is on the meta device; ``optim``'s own errors (e.g. ``lr=-1``).
+        ValueError: if ``process_group`` and ``group`` are both given and differ
+            (raised before any collective); if ``params`` is empty (or holds only empty
+            param groups) or a parameter is on the meta device; ``optim``'s own errors
+            (e.g. ``lr=-1``).
         ConsistencyError: if the ranks' parameters or options differ;
             ``PeerRejectedError`` (a subclass), at once, if another rank raised one of
             the TypeError / ValueError above (they travel in the wrap-time exchange).
@@ -186,8 +206,11 @@ class OSS(Optimizer):
         broadcast_buffer_size: int = -1,
         broadcast_fp16: bool = False,
         force_broadcast_object: bool = False,
+        *,
+        process_group: dist.ProcessGroup | None = None,
         **defaults: Any,
     ) -> None:
+        group = _one_group(process_group, group)
         with local_checks("OSS", group):  # an error here stops every rank (no rank waits)
             self._optim_class = _check_optim_class(optim)
             self._in_constructor = True
@@ -197,7 +220,7 @@ class OSS(Optimizer):
             self._in_constructor = False
             if not self._all_params():  # only empty param groups
                 raise _no_parameters()
-        self.group = group
+        self.process_group = self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.global_rank = global_rank(group, self.rank)

@@ -244,3 +244,34 @@ def test_bad_input_errors_name_the_fix(rank_pool) -> None:
     with pytest.raises(ValueError, match="empty parameter list"):
         OSS([], lr=0.1)
     assert rank_pool(2).run(_state_dict_needs_consolidation) == ["1", "raised"]
+
+
+def _process_group_keyword() -> dict[str, Any]:
+    pair = dist.new_group([0, 1])  # collective on every rank; rank 2 is not in it
+    if dist.get_rank() == 2:
+        return {}
+    torch.manual_seed(0)
+    model = Net()
+    by_alias = copy.deepcopy(model)
+    opt = OSS(model.parameters(), lr=0.1, process_group=pair)
+    alias = OSS(by_alias.parameters(), group=pair, lr=0.1)
+    same = OSS(nn.Linear(2, 2).parameters(), lr=0.1, process_group=pair, group=pair)
+    for o, m in ((opt, model), (alias, by_alias)):
+        loss_fn(m, *batch(0, 0)).backward()
+        o.step()
+    assert_state_dicts_close(model, by_alias, atol=0.0)
+    with pytest.raises(ValueError, match="group is FairScale's name for process_group"):
+        OSS(Net().parameters(), lr=0.1, process_group=pair, group=dist.group.WORLD)
+    return {
+        "sizes": (opt.world_size, alias.world_size, same.world_size),
+        "groups": (opt.process_group is pair, opt.group is pair, alias.process_group is pair),
+        "owned": sorted(opt.param_to_rank.values()),
+    }
+
+
+def test_process_group_keyword_with_group_as_alias(rank_pool) -> None:
+    results = rank_pool(3).run(_process_group_keyword)
+    assert results[2] == {}
+    assert results[0] == results[1]
+    assert results[0]["sizes"] == (2, 2, 2) and results[0]["groups"] == (True, True, True)
+    assert set(results[0]["owned"]) == {0, 1}  # ranks of the pair, not of the world
