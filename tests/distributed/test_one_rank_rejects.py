@@ -123,9 +123,11 @@ def _oss_bad_lr(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
 
 
 def _fsdp_twice(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
-    """Rank 1 wraps a unit itself, rank 0 a Sequential holding it (nesting is fine)."""
-    unit = FullyShardedDataParallel(_model(), process_group=group)
-    wrapped = FullyShardedDataParallel(unit if bad else nn.Sequential(unit), process_group=group)
+    """Rank 1 wraps a module whose parameters a unit already shards, rank 0 a fresh one
+    (wrapping the unit itself is fine: FairScale's auto_wrap-then-FSDP pattern)."""
+    model = _model()
+    FullyShardedDataParallel(model, process_group=group)
+    wrapped = FullyShardedDataParallel(model if bad else _model(), process_group=group)
     return lambda: wrapped(torch.ones(1, 2))
 
 
@@ -189,7 +191,8 @@ def test_a_bad_parameter_on_one_rank_stops_every_rank_at_once(rank_pool: Any) ->
         "oss-empty": "ValueError: OSS got an empty parameter list",
         "oss-empty-groups": "ValueError: OSS got an empty parameter list",
         "oss-bad-lr": "ValueError: Invalid learning rate: -1.0",
-        "fsdp-twice": "ValueError: the module is already a FullyShardedDataParallel unit",
+        "fsdp-twice": "ValueError: parameter `0.weight` of the FSDP unit wrapping Sequential "
+        "is already sharded by an FSDP unit",
         "fsdp-option": "ValueError: bucket_cap_mb must be > 0 megabytes; got 0",
     }
     what = {

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+from shardkit.nn.data_parallel.fully_sharded.unit import runtime_of
 from shardkit.nn.wrap import (
     auto_wrap,
     enable_wrap,
@@ -239,7 +240,7 @@ def memory_and_unsharded_count() -> dict[str, Any]:
     seen: list[int] = []
 
     def count(*_: Any) -> None:
-        seen.append(sum(u._sharded_state.name != "SHARDED" for u in model.units()))
+        seen.append(sum(runtime_of(u).sharded_state.name != "SHARDED" for u in model.units()))
 
     for block in model.blocks:
         block.module.register_forward_pre_hook(count)
@@ -247,7 +248,7 @@ def memory_and_unsharded_count() -> dict[str, Any]:
     x, y = global_batch(1, 1)
     model(x, y)[1].backward()
     opt.step()  # measured with gradients held, as at the end of a step
-    shard_elems = sum(u._handle.layout.shard_numel for u in model.units())
+    shard_elems = sum(runtime_of(u).handle.layout.shard_numel for u in model.units())
     return {
         "bytes": model_state_bytes(model, opt).as_dict(),
         "shard_elems": shard_elems,
@@ -269,7 +270,10 @@ def _raises(fn: Callable[[], Any]) -> str:
 def bad_inputs() -> dict[str, str]:
     out = {}
     wrapped = FSDP(nn.Linear(2, 2))
-    out["double"] = _raises(lambda: FSDP(wrapped))
+    outer = FSDP(wrapped)  # FairScale's pattern: a unit around a unit, no own parameters
+    out["double"] = (
+        f"{len(runtime_of(outer).handle.infos)} own, {len(list(outer.parameters()))} total"
+    )
     inner = nn.Linear(2, 2)
     FSDP(inner)
     out["twice"] = _raises(lambda: FSDP(inner))
@@ -328,7 +332,7 @@ def edge_cases() -> dict[str, Any]:
     model.eval()
     with torch.no_grad():
         eval_out = model(x)
-    states = [u._sharded_state.name for u in model.units()]
+    states = [runtime_of(u).sharded_state.name for u in model.units()]
     return {
         "state": model.state_dict(),
         "ref_state": ref.state_dict(),
@@ -370,7 +374,7 @@ def shard_gather_identity(shape_lists: list[list[list[int]]]) -> list[dict[str, 
                 "original": original,
                 "gathered": gathered,
                 "owned": counts[:-1].tolist(),
-                "shard_numel": wrapped._handle.layout.shard_numel,
+                "shard_numel": runtime_of(wrapped).handle.layout.shard_numel,
             }
         )
     return results

@@ -19,8 +19,8 @@ from torch import nn
 from shardkit.nn.checkpoint import CheckpointWrapper, checkpoint_wrapper
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
-from shardkit.nn.data_parallel.fully_sharded import api as fsdp_api
-from shardkit.nn.data_parallel.fully_sharded import hooks as fsdp_hooks
+from shardkit.nn.data_parallel.fully_sharded import unit as fsdp_unit
+from shardkit.nn.data_parallel.fully_sharded.unit import runtime_of
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 from shardkit.optim import OSS
 from shardkit.optim.grad_scaler import ShardedGradScaler
@@ -63,7 +63,7 @@ def wrap_fsdp(model: nn.Module, cfg: dict[str, Any]) -> FSDP:
 @contextlib.contextmanager
 def spy_collectives(seen: dict[str, set[str]]) -> Iterator[None]:
     """Record the dtypes FSDP all-gathers and reduce-scatters while inside."""
-    gather, scatter = fsdp_api.all_gather_flat, fsdp_hooks.reduce_scatter_flat
+    gather, scatter = fsdp_unit.all_gather_flat, fsdp_unit.reduce_scatter_flat
 
     def spy_gather(full: torch.Tensor, shard: torch.Tensor, *a: Any, **k: Any) -> Any:
         seen["all_gather"].add(str(full.dtype))
@@ -73,11 +73,11 @@ def spy_collectives(seen: dict[str, set[str]]) -> Iterator[None]:
         seen["reduce_scatter"].add(str(flat.dtype))
         return scatter(out, flat, *a, **k)
 
-    fsdp_api.all_gather_flat, fsdp_hooks.reduce_scatter_flat = spy_gather, spy_scatter  # type: ignore[assignment]
+    fsdp_unit.all_gather_flat, fsdp_unit.reduce_scatter_flat = spy_gather, spy_scatter  # type: ignore[assignment]
     try:
         yield
     finally:
-        fsdp_api.all_gather_flat, fsdp_hooks.reduce_scatter_flat = gather, scatter
+        fsdp_unit.all_gather_flat, fsdp_unit.reduce_scatter_flat = gather, scatter
 
 
 def watch_forward(module: nn.Module, seen: dict[str, set[str]]) -> None:
@@ -150,15 +150,15 @@ def reference(cfg: dict[str, Any]) -> dict[str, Any]:
 def _dtypes(model: FSDP, opt: torch.optim.Optimizer) -> dict[str, Any]:
     units = model.units()
     return {
-        "master": {str(u._handle.local_shard.dtype) for u in units},
-        "shard_device": {str(u._handle.local_shard.device) for u in units},
+        "master": {str(runtime_of(u).handle.local_shard.dtype) for u in units},
+        "shard_device": {str(runtime_of(u).handle.local_shard.device) for u in units},
         "param": {str(p.dtype) for p in model.parameters()},
         "param_device": {str(p.device) for p in model.parameters()},
-        "pinned": any(u._handle.local_shard.is_pinned() for u in units),
+        "pinned": any(runtime_of(u).handle.local_shard.is_pinned() for u in units),
         "optim_state": {
             str(v.dtype) for s in opt.state.values() for v in s.values() if v.dim() > 0
         },
-        "sharded": {u._sharded_state.name for u in units},
+        "sharded": {runtime_of(u).sharded_state.name for u in units},
     }
 
 

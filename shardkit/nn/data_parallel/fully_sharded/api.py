@@ -2,21 +2,21 @@
 
 Parameter -> group -> module state -> API, as in torch's FSDP2: ``flat_param`` (one
 unit's flat parameter and its views), ``collectives`` (all-gather, reduce-scatter),
-``hooks`` (the phases of a step), ``state_dict`` and ``optim_state`` (checkpoints),
-and this class, which owns the state transitions.
+``unit`` (the runtime that owns a unit's state and runs its phase hooks), ``root``
+(what the units under one root share), ``state_dict`` and ``optim_state``
+(checkpoints), and this class: the thin ``nn.Module`` front.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardkit.distributed.consistency import (
     describe_parameters,
@@ -25,14 +25,13 @@ from shardkit.distributed.consistency import (
 )
 from shardkit.distributed.grad_norm import clip_grad_norm_sharded
 from shardkit.distributed.validation import check_parameters
-from shardkit.nn.data_parallel.fully_sharded import hooks
 from shardkit.nn.data_parallel.fully_sharded import state_dict as sd
-from shardkit.nn.data_parallel.fully_sharded.collectives import (
-    Pending,
-    all_gather_flat,
-    broadcast_tensors,
-)
+from shardkit.nn.data_parallel.fully_sharded.collectives import broadcast_tensors
 from shardkit.nn.data_parallel.fully_sharded.config import FSDPConfig, fairscale_config
+from shardkit.nn.data_parallel.fully_sharded.consolidate import (
+    consolidate_shard_weights,
+    local_metadata,
+)
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle, ParamInfo
 from shardkit.nn.data_parallel.fully_sharded.materialize import (
     ParamInitFn,
@@ -51,26 +50,22 @@ from shardkit.nn.data_parallel.fully_sharded.precision import (
     cast_floating,
 )
 from shardkit.nn.data_parallel.fully_sharded.sharing import (
-    check_optimizer_built_after_wrapping,
     check_same_device_and_dtype,
     collect_params,
     mark_taken,
     walk_unit,
 )
-from shardkit.nn.data_parallel.fully_sharded.state import ShardedState, TrainingState
+from shardkit.nn.data_parallel.fully_sharded.state import TrainingState
+from shardkit.nn.data_parallel.fully_sharded.unit import (
+    WRAPPED,
+    UnitRuntime,
+    clean_name,
+    is_unit,
+    named_units,
+    summon,
+)
 
 __all__ = ["FSDP", "FullyShardedDataParallel"]
-
-WRAPPED = "_fsdp_wrapped_module"
-
-
-def _clean(name: str) -> str:
-    return name.replace(f"{WRAPPED}.", "")
-
-
-@functools.cache
-def _register_optimizer_guard() -> None:
-    register_optimizer_step_pre_hook(check_optimizer_built_after_wrapping)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -108,7 +103,8 @@ class FullyShardedDataParallel(nn.Module):
             Default False.
         fp32_reduce_scatter: with ``mixed_precision=True``, reduce-scatter gradients in
             fp32 instead of the compute dtype. Default False.
-        flatten_parameters: must be True (kept for FairScale compatibility).
+        flatten_parameters: accepted for FairScale compatibility, True or False: a unit
+            always communicates one flat buffer and exposes the original parameters.
         move_params_to_cpu: keep master shards, gradients and optimizer state in CPU
             memory (pinned when computing on CUDA); the optimizer steps on CPU. Default False.
         compute_dtype: with ``mixed_precision=True``, the dtype of forward and backward
@@ -133,21 +129,38 @@ class FullyShardedDataParallel(nn.Module):
             recurse=False)`` then an init). Default None: ``to_empty`` and the module's
             ``reset_parameters()``. The tensors go to ``compute_device`` (default: the
             current CUDA device, else the CPU). See [Note: deferred initialisation].
+        broadcast_buffers: as torch DDP's: the root broadcasts the group's first rank's
+            buffers before each forward that follows a synchronised training forward
+            (one broadcast per buffer per step; BatchNorm statistics stay equal on every
+            rank). Default True.
 
     Raises:
         TypeError: a parameter has an integer, bool or complex dtype.
-        ValueError: ``module`` is already wrapped (or part of it is sharded already), its
-            parameters mix devices or dtypes, an option is invalid, or a meta module has
+        ValueError: part of ``module`` is sharded already (a submodule of an FSDP unit
+            wrapped again), its parameters mix devices or dtypes, an option is invalid, or a meta module has
             no ``reset_parameters()`` and no ``param_init_fn`` was given.
         SharedParameterError: a tied parameter would be split across two units.
         PeerRejectedError: (a ``ConsistencyError``) another rank of the group raised
             one of the errors above, or its ``param_init_fn`` failed, while preparing the
             same unit: every rank stops at once instead of waiting for it.
 
+    Note:
+        ``module`` may itself be an FSDP unit (FairScale's ``auto_wrap`` wraps the root
+        when the policy says so, and scripts then wrap the result again): the new unit
+        holds no parameters of its own and becomes the root.
+
+        The trainable set follows ``requires_grad`` after wrapping: freezing or
+        unfreezing parameters (from ``named_parameters()``) takes effect at the next
+        forward with grad enabled, on every rank (checked: ranks that disagree raise
+        ``TrainableMismatchError`` naming the parameters).
+
     Warning:
         Build the optimizer after wrapping: one built before holds the replaced
-        parameters; its ``step()`` raises ``ValueError``.
+        parameters; its ``step()`` raises ``ValueError``. Loading or stepping between a
+        forward and its backward raises ``ParametersChangedError`` in the backward.
     """
+
+    _shardkit_wrapper_unit = True  # shardkit.nn.wrap: already a wrapper unit
 
     def __init__(
         self,
@@ -169,12 +182,9 @@ class FullyShardedDataParallel(nn.Module):
         state_dict_on_rank_0_only: bool = False,
         gradient_predivide_factor: float | None = None,
         param_init_fn: ParamInitFn | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         with local_checks(_what(module), process_group):  # an error here stops every rank
-            if isinstance(module, FullyShardedDataParallel):
-                raise ValueError(
-                    "the module is already a FullyShardedDataParallel unit; wrap each module once"
-                )
             config = fairscale_config(
                 mixed_precision,
                 fp32_reduce_scatter,
@@ -191,33 +201,27 @@ class FullyShardedDataParallel(nn.Module):
                 bucket_cap_mb=bucket_cap_mb,
                 state_dict_on_rank_0_only=state_dict_on_rank_0_only,
                 gradient_predivide_factor=gradient_predivide_factor,
+                broadcast_buffers=broadcast_buffers,
             )
         super().__init__()
         self._config = config
         self._process_group = process_group
         self._param_init_fn = param_init_fn
-        self._rank = dist.get_rank(process_group)
-        self._world_size = dist.get_world_size(process_group)
         self._fsdp_wrapped_module = module
-        self._handle = self._shard(module)
-        self._training_state = TrainingState.IDLE
-        self._sharded_state = ShardedState.SHARDED
-        self._pending_unshard: Pending | None = None
-        self._is_root: bool | None = None
-        self._root_state: hooks.RootState | None = None
-        self._sync_gradients = True
-        self._gathering_state_dict = False
-        self._grads_ready: set[int] = set()
-        self._grads_expected = {i for i in self._handle.trainable if self._handle.infos[i].numel}
-        self._register_hooks()
-        _register_optimizer_guard()
+        self._unit = self._build_unit(module)
+        self._register_state_dict_hooks(module)
 
     # construction --------------------------------------------------------------
-    def _shard(self, module: nn.Module) -> FlatParamHandle:
+    def _build_unit(self, module: nn.Module) -> UnitRuntime:
+        rank, world_size = (
+            dist.get_rank(self._process_group),
+            dist.get_world_size(self._process_group),
+        )
         label, what = _label(module), _what(module)
         options = {  # not devices: cuda:0 on rank 0 and cuda:1 on rank 1 is normal
             "reshard_after_forward": self._config.reshard_after_forward,
             "mixed_precision": self._config.mixed_precision,
+            "broadcast_buffers": self._config.broadcast_buffers,
         }
         group = self._process_group
         with local_checks(what, group, catch=(Exception,)):  # incl. a failing param_init_fn
@@ -228,46 +232,50 @@ class FullyShardedDataParallel(nn.Module):
             group=group,
             options=options,
         )
-        self._placement = _placement(self._config, originals, module)
-        _move_buffers(module, self._placement.compute_device)
+        placement = _placement(self._config, originals, module)
+        _move_buffers(module, placement.compute_device)
         mp = self._config.mixed_precision
-        buffers = [(m, a) for _, m in walk_unit(module, _is_unit) for a in m._buffers]
-        self._buffer_casts = (
-            cast_buffers(buffers, mp.buffer_dtype) if mp and mp.buffer_dtype else []
-        )
-        flat = _flatten(originals, module).to(self._placement.compute_device)
-        broadcast_tensors([flat], self._process_group)  # rank 0's initialisation wins
-        handle = FlatParamHandle(infos, flat, self._rank, self._world_size, self._placement)
+        buffers = [(m, a) for _, m in _own_modules(module) for a in m._buffers]
+        casts = cast_buffers(buffers, mp.buffer_dtype) if mp and mp.buffer_dtype else []
+        flat = _flatten(originals, module).to(placement.compute_device)
+        broadcast_tensors([flat], group)  # rank 0's initialisation wins
+        handle = FlatParamHandle(infos, flat, rank, world_size, placement)
         mark_taken(originals, infos, label, handle.sharded_params)
         for param in originals:  # release the replaced parameters' memory
             param.data = param.data.new_empty(0)
-        return handle
+        return UnitRuntime(self, handle, self._config, group, casts, label)
 
     def _prepare_unit(
         self, module: nn.Module, label: str
     ) -> tuple[list[ParamInfo], list[nn.Parameter]]:
         """This rank's own checks and deferred initialisation (no collective)."""
+        if is_unit(module):  # FairScale's auto_wrap-then-FSDP: an outer unit, no parameters
+            return [], []
         check_parameters("FullyShardedDataParallel", module.named_parameters(), allow_meta=True)
-        if has_meta(module, _is_unit):  # deferred init: see the note in .materialize
+        if has_meta(module, is_unit):  # deferred init: see the note in .materialize
             device = self._config.compute_device or meta_init_device()
-            materialize_unit(module, _is_unit, device, self._param_init_fn)
-        infos = collect_params(module, _is_unit, label)
+            materialize_unit(module, is_unit, device, self._param_init_fn)
+        infos = collect_params(module, is_unit, label)
         check_same_device_and_dtype(infos, module)
         return infos, [_original(info) for info in infos]
 
-    def _register_hooks(self) -> None:
-        for index in self._grads_expected:
-            param = self._handle.unsharded_params[index]
-            param.register_post_accumulate_grad_hook(
-                functools.partial(_post_accumulate_hook, self, index)
-            )
+    def _register_state_dict_hooks(self, module: nn.Module) -> None:
         self._register_load_state_dict_pre_hook(sd.insert_wrapper_prefix)
         self.register_load_state_dict_post_hook(sd.strip_wrapper_prefix)
+        for _, mod in _own_modules(module):
+            mod.register_state_dict_pre_hook(
+                functools.partial(sd.refuse_direct_state_dict, self._unit)
+            )
 
     @property
     def module(self) -> nn.Module:
         """The wrapped module."""
         return self._fsdp_wrapped_module
+
+    @property
+    def flatten_parameters(self) -> bool:
+        """FairScale's flag, as given (every unit communicates one flat buffer anyway)."""
+        return self._config.flatten_parameters
 
     def __getattr__(self, name: str) -> Any:
         """Attributes of the wrapped module (e.g. ``model.config``) are reachable here."""
@@ -278,88 +286,58 @@ class FullyShardedDataParallel(nn.Module):
                 raise
             return getattr(self._fsdp_wrapped_module, name)
 
-    # state transitions ---------------------------------------------------------
-    def _root(self) -> hooks.RootState:
-        if self._root_state is None:
-            self._lazy_init()
-        assert self._root_state is not None
-        return self._root_state
-
     def _lazy_init(self) -> None:
         """First call on a unit with no root: it becomes the root of its subtree."""
-        if self._root_state is not None:
-            return
-        units = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
-        root = hooks.RootState(units)
-        for unit in units:
-            unit._is_root, unit._root_state = unit is self, root
-        broadcast_tensors(list(self.module.buffers()), self._process_group)
-
-    def _unshard(self, async_op: bool = False) -> None:
-        """SHARDED -> UNSHARDING (all-gather issued) -> UNSHARDED (waited, views installed)."""
-        if self._sharded_state is ShardedState.UNSHARDED:
-            return
-        handle = self._handle
-        if self._sharded_state is ShardedState.SHARDED:
-            handle.alloc_full()
-            self._pending_unshard = (
-                all_gather_flat(
-                    handle.full_flat,
-                    handle.gather_source(),
-                    self._process_group,
-                    async_op=async_op,
-                )
-                if handle.owns_full_flat
-                else Pending(done=True)
-            )
-            self._sharded_state = ShardedState.UNSHARDING
-            if async_op:
-                return
-        assert self._pending_unshard is not None
-        self._pending_unshard.wait()
-        handle.use_unsharded()
-        self._sharded_state = ShardedState.UNSHARDED
-
-    def _reshard(self) -> None:
-        """Any state -> SHARDED: the sharded parameters installed, the full buffer freed."""
-        if self._sharded_state is ShardedState.SHARDED:
-            return
-        if self._pending_unshard is not None:
-            self._pending_unshard.wait()
-        self._handle.use_sharded()
-        self._handle.free_full()
-        self._sharded_state = ShardedState.SHARDED
+        if self._unit.root is None:
+            units = list(named_units(self).values())
+            self._unit.become_root(units, self._config.broadcast_buffers)
 
     # forward -------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module with its full parameters (see the class docstring)."""
-        if self._training_state is TrainingState.SUMMON_FULL_PARAMS:
+        unit = self._unit
+        if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
             # Inside summon_full_params (e.g. generate()): the parameters are already
             # full; the forward hooks would reshard them under the context's feet.
             return self.module(*args, **kwargs)
         self._lazy_init()
-        hooks.pre_forward(self)
+        unit.pre_forward()
         mp = self._config.mixed_precision
         if mp is not None and mp.cast_forward_inputs:
-            args, kwargs = cast_floating((args, kwargs), self._placement.compute_dtype)
+            args, kwargs = cast_floating((args, kwargs), unit.handle.placement.compute_dtype)
         output = self.module(*args, **kwargs)
-        hooks.post_forward(self, output)
+        unit.post_forward(output)
         return output
 
     # names ---------------------------------------------------------------------
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The parameters under their original names (no wrapper prefixes)."""
-        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
-            yield _clean(name), param
+        """The parameters under their original names (no wrapper prefixes).
+
+        Between steps these are the sharded parameters (1-D pieces), also while a unit
+        still holds its full parameters after a forward whose backward has not run:
+        an optimizer built then steps the shards, the one current copy. Inside
+        ``summon_full_params`` (and during forward and backward) they are the full ones.
+        """
+        units = list(named_units(self).values()) if recurse else [self._unit]
+        runtimes = [unit for unit in units if unit.has_leftover_full]
+        seen: set[int] = set()
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate=False):
+            for runtime in runtimes:
+                param = runtime.handle.as_sharded(param)
+            if remove_duplicate:
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+            yield clean_name(name), param
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The buffers under their original names (no wrapper prefixes)."""
         for name, buf in super().named_buffers(prefix, recurse, remove_duplicate):
-            yield _clean(name), buf
+            yield clean_name(name), buf
 
     def units(self) -> list[FullyShardedDataParallel]:
         """This unit and every unit nested in it, in module order."""
@@ -370,6 +348,9 @@ class FullyShardedDataParallel(nn.Module):
     def summon_full_params(self, recurse: bool = True, writeback: bool = True) -> Iterator[None]:
         """A context in which the module holds its full parameters (original shapes).
 
+        The full parameters are gathered afresh from the shards (the one current copy),
+        in the master dtype.
+
         Args:
             recurse: also unshard every nested unit. Default True.
             writeback: copy changes of this rank's slice back into its shard on exit
@@ -379,49 +360,8 @@ class FullyShardedDataParallel(nn.Module):
             RuntimeError: called during forward or backward, or nested in another
                 ``summon_full_params()`` (``state_dict()`` inside one, too).
         """
-        units = self.units() if recurse else [self]
-        busy = [
-            u._training_state.name for u in units if u._training_state is not TrainingState.IDLE
-        ]
-        if busy:
-            where = (
-                "inside another summon_full_params() (state_dict() summons too: call it "
-                "after leaving the context)"
-                if "SUMMON_FULL_PARAMS" in busy
-                else "during forward or backward (call it after optimizer.step(), before "
-                "the next forward)"
-            )
-            raise RuntimeError(
-                f"summon_full_params needs idle units, found states {busy}: it was called {where}"
-            )
-        saved = [u._handle.local_shard.clone() if not writeback else None for u in units]
-        for unit in units:
-            unit._unshard_full_precision()
-            unit._training_state = TrainingState.SUMMON_FULL_PARAMS
-        try:
+        with summon(list(named_units(self).values()) if recurse else [self._unit], writeback):
             yield
-        finally:
-            for unit, copy in zip(units, saved):
-                unit._end_summon(copy)
-
-    @torch.no_grad()
-    def _end_summon(self, saved_shard: torch.Tensor | None) -> None:
-        handle = self._handle
-        if saved_shard is not None:
-            handle.local_shard.copy_(saved_shard)
-        elif handle.owns_full_flat:
-            handle.local_shard.copy_(handle.full_shard_slice())
-        self._training_state = TrainingState.IDLE
-        self._reshard()
-        handle.use_full_precision(False)
-
-    def _unshard_full_precision(self) -> None:
-        """Unshard in the master dtype: a root kept unsharded in the compute dtype after
-        a forward is resharded first (its values are the same)."""
-        if self._placement.compute_dtype != self._placement.master_dtype:
-            self._reshard()
-            self._handle.use_full_precision(True)
-        self._unshard()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -429,16 +369,17 @@ class FullyShardedDataParallel(nn.Module):
 
         Inside, backward keeps every unit's full gradient (psi elements per rank); the
         first backward outside reduce-scatters the accumulated sum. Without ``no_sync``
-        accumulation is also correct and keeps only sharded gradients.
+        accumulation is also correct and keeps only sharded gradients. As DDP's
+        ``no_sync``, the forward after one inside does not broadcast buffers.
         """
-        units = self.units()
+        units = list(named_units(self).values())
         for unit in units:
-            unit._sync_gradients = False
+            unit.sync_gradients = False
         try:
             yield
         finally:
             for unit in units:
-                unit._sync_gradients = True
+                unit.sync_gradients = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their global norm; same result as torch's on the unwrapped model.
@@ -462,7 +403,7 @@ class FullyShardedDataParallel(nn.Module):
         Every rank gathers; with ``state_dict_on_rank_0_only`` other ranks get ``{}``.
         Tensors are copies on ``state_dict_device``.
         """
-        return sd.full_state_dict(self, destination, prefix, keep_vars)
+        return sd.full_state_dict(self, self._unit, destination, prefix, keep_vars)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -478,6 +419,27 @@ class FullyShardedDataParallel(nn.Module):
     def load_local_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load what :meth:`local_state_dict` returned (same world size and wrapping)."""
         sd.load_local_state_dict(self, state)
+
+    def local_metadata_dict(self) -> dict[str, Any]:
+        """What :meth:`consolidate_shard_weights` needs to merge this rank's
+        :meth:`local_state_dict` offline (FairScale's layout; plain JSON-able data)."""
+        units = {key: (u.handle.infos, u.handle.layout) for key, u in named_units(self).items()}
+        return local_metadata(units, [n for n, _ in self.named_buffers()], self._unit.rank)
+
+    @staticmethod
+    def consolidate_shard_weights(
+        shard_weights: Sequence[Mapping[str, torch.Tensor]],
+        shard_metadata: Sequence[Mapping[str, Any]],
+        with_module_buffers: bool = True,
+        strict: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """Merge every rank's :meth:`local_state_dict` (with its
+        :meth:`local_metadata_dict`) into the unwrapped model's full state dict, offline
+        (fairseq's workflow; no process group). See
+        :func:`~.consolidate.consolidate_shard_weights`."""
+        return consolidate_shard_weights(
+            shard_weights, shard_metadata, with_module_buffers=with_module_buffers, strict=strict
+        )
 
     # optimizer state -----------------------------------------------------------
     def gather_full_optim_state_dict(
@@ -512,12 +474,10 @@ def _what(module: nn.Module) -> str:
     return f"FullyShardedDataParallel ({_label(module)})"
 
 
-def _is_unit(module: nn.Module) -> bool:
-    return isinstance(module, FullyShardedDataParallel)
-
-
-def _post_accumulate_hook(unit: FullyShardedDataParallel, index: int, _: torch.Tensor) -> None:
-    hooks.post_accumulate_grad(unit, index)
+def _own_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules whose parameters and buffers the unit wrapping ``module`` takes
+    (none when ``module`` is itself a unit)."""
+    return [] if is_unit(module) else list(walk_unit(module, is_unit))
 
 
 def _original(info: ParamInfo) -> nn.Parameter:
@@ -546,7 +506,7 @@ def _placement(config: FSDPConfig, originals: list[nn.Parameter], module: nn.Mod
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     """The unit's own buffers (not nested units') to ``device``; the parameters move
     as one flat buffer (nested units' shards stay where their unit put them)."""
-    for _, mod in walk_unit(module, _is_unit):
+    for _, mod in _own_modules(module):
         for attr, buf in mod._buffers.items():
             if buf is not None:
                 mod._buffers[attr] = buf.to(device)

@@ -24,8 +24,9 @@ class FSDPConfig:
             forward to backward: one all-gather less per step, more memory. Default True.
         disable_reshard_on_root: keep the root unit's full parameters after forward
             (it is the first unit needed in backward). Default True.
-        flatten_parameters: must be True: each unit communicates one flat buffer; the
-            original parameters are exposed regardless. Default True.
+        flatten_parameters: FairScale's flag, accepted either way: each unit
+            communicates one flat buffer and exposes the original parameters (names and
+            shapes) regardless, so False changes nothing but this attribute. Default True.
         bucket_cap_mb: most megabytes (2**20 bytes) of gradient reduce-scatters in
             flight before the oldest is waited for. Default 25.
         compute_device: device of the full parameters during forward and backward;
@@ -42,6 +43,11 @@ class FSDPConfig:
         move_params_to_cpu: keep the master shard, its gradient and the optimizer state
             in CPU memory; the shard is copied to ``compute_device`` per unit before its
             all-gather (see :mod:`.placement`). Default False.
+        broadcast_buffers: as torch DDP's: before a forward that follows a forward with
+            grad enabled outside ``no_sync`` (and before the first), the root broadcasts
+            its group's first rank's buffers (BatchNorm statistics) to every rank, one
+            broadcast per buffer. False: buffers are broadcast once, at the first forward,
+            and may then drift apart across ranks. Default True.
     """
 
     reshard_after_forward: bool = True
@@ -54,14 +60,9 @@ class FSDPConfig:
     gradient_predivide_factor: float | None = None
     mixed_precision: MixedPrecision | None = None
     move_params_to_cpu: bool = False
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
-        if not self.flatten_parameters:
-            raise ValueError(
-                "flatten_parameters=False is not supported: each unit communicates one "
-                "flat buffer, and the original parameters (names and shapes) are exposed "
-                "anyway; drop the argument"
-            )
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0 megabytes; got {self.bucket_cap_mb}")
         factor = self.gradient_predivide_factor

@@ -218,6 +218,7 @@ class FlatParamHandle:
             flat.device, flat.device, flat.dtype, flat.dtype, flat.dtype
         )
         self.local_shard = self._new_local_shard(flat)
+        self._full_index: dict[int, int] = {}  # id of an unsharded parameter -> its index
         self.compute_full = self._new_full(self.placement.compute_dtype)
         self._precise_full: FullFlat | None = None
         self.full = self.compute_full  # the active one: compute_full, or full precision
@@ -239,12 +240,29 @@ class FlatParamHandle:
             self.layout.world_size == 1 and dtype == p.master_dtype and not p.offloaded
         )  # the shard is the full buffer: nothing to gather
         alias = self.local_shard if is_shard else None
-        return FullFlat(self.infos, self.layout, dtype, p.compute_device, alias)
+        full = FullFlat(self.infos, self.layout, dtype, p.compute_device, alias)
+        self._full_index.update({id(view): i for i, view in enumerate(full.views)})
+        return full
 
     def _sharded_view(self, index: int) -> nn.Parameter:
         a, b = self.layout.piece(index, self.rank)
         info = self.infos[index]
         return nn.Parameter(self.local_shard[a:b], requires_grad=info.requires_grad)
+
+    def set_requires_grad(self, index: int, requires_grad: bool) -> None:
+        """Make parameter ``index`` trainable or frozen in every form (sharded, unsharded)."""
+        self.infos[index].requires_grad = requires_grad
+        forms = [self.sharded_params, self.compute_full.views]
+        if self._precise_full is not None:
+            forms.append(self._precise_full.views)
+        for params in forms:
+            params[index].requires_grad_(requires_grad)
+
+    def as_sharded(self, param: nn.Parameter) -> nn.Parameter:
+        """The sharded parameter of ``param`` if it is one of the unit's unsharded
+        (full-shape) parameters, else ``param`` itself."""
+        index = self._full_index.get(id(param))
+        return param if index is None else self.sharded_params[index]
 
     @property
     def unsharded_params(self) -> list[nn.Parameter]:
@@ -285,6 +303,8 @@ class FlatParamHandle:
             return
         if self._precise_full is None:
             self._precise_full = self._new_full(self.placement.master_dtype)
+            for view, info in zip(self._precise_full.views, self.infos):
+                view.requires_grad_(info.requires_grad)
         self.full = self._precise_full
 
     def gather_source(self) -> torch.Tensor:

@@ -15,16 +15,13 @@ A state tensor counts as sharded when it has the sharded parameter's shape (1-D)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardkit.nn.data_parallel.fully_sharded.collectives import all_gather_flat
-
-if TYPE_CHECKING:
-    from shardkit.nn.data_parallel.fully_sharded.api import FullyShardedDataParallel
+from shardkit.nn.data_parallel.fully_sharded.unit import UnitRuntime, named_units
 
 __all__ = ["flat_optim_state", "gather_full", "load_flat_optim_state", "shard_full"]
 
@@ -32,13 +29,7 @@ __all__ = ["flat_optim_state", "gather_full", "load_flat_optim_state", "shard_fu
 FlatState = dict[str, dict[str, torch.Tensor]]
 
 
-def _unit_keys(root: FullyShardedDataParallel) -> dict[str, FullyShardedDataParallel]:
-    from shardkit.nn.data_parallel.fully_sharded.state_dict import unit_names
-
-    return unit_names(root)
-
-
-def _names(root: FullyShardedDataParallel) -> dict[int, str]:
+def _names(root: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in root.named_parameters()}
 
 
@@ -47,7 +38,7 @@ def _is_sharded(value: Any, param: nn.Parameter) -> bool:
 
 
 def flat_optim_state(
-    root: FullyShardedDataParallel, optim: torch.optim.Optimizer
+    root: nn.Module, optim: torch.optim.Optimizer
 ) -> tuple[FlatState, dict[str, dict[str, Any]]]:
     """This rank's optimizer state as (flat shards per unit and key, scalars per name).
 
@@ -58,8 +49,8 @@ def flat_optim_state(
     names = _names(root)
     flat: FlatState = {}
     scalars: dict[str, dict[str, Any]] = {}
-    for key, unit in _unit_keys(root).items():
-        handle, per_key = unit._handle, {}
+    for key, unit in named_units(root).items():
+        handle, per_key = unit.handle, {}
         for index, param in enumerate(handle.sharded_params):
             a, b = handle.layout.piece(index, handle.rank)
             param_state = optim.state.get(param, {})
@@ -77,7 +68,7 @@ def flat_optim_state(
 
 
 def load_flat_optim_state(
-    root: FullyShardedDataParallel,
+    root: nn.Module,
     optim: torch.optim.Optimizer,
     flat: FlatState,
     scalars: Mapping[str, Mapping[str, Any]],
@@ -90,8 +81,8 @@ def load_flat_optim_state(
     names, local = _names(root), optim.state_dict()
     index = {id(p): i for i, p in enumerate(p for g in optim.param_groups for p in g["params"])}
     state: dict[int, dict[str, Any]] = {}
-    for key, unit in _unit_keys(root).items():
-        handle = unit._handle
+    for key, unit in named_units(root).items():
+        handle = unit.handle
         for i, param in enumerate(handle.sharded_params):
             if id(param) not in index:
                 continue
@@ -109,7 +100,7 @@ def load_flat_optim_state(
 
 
 def gather_full(
-    root: FullyShardedDataParallel, optim: torch.optim.Optimizer, recipient_rank: int = 0
+    root: nn.Module, optim: torch.optim.Optimizer, recipient_rank: int = 0
 ) -> dict[str, Any] | None:
     """All-gather ``optim``'s state into the optimizer state dict of the unwrapped model.
 
@@ -123,12 +114,12 @@ def gather_full(
     position = {id(p): i for i, p in enumerate(order)}
     names = _names(root)
     full: dict[int, dict[str, Any]] = {}
-    for key, unit in _unit_keys(root).items():
-        handle = unit._handle
+    for key, unit in named_units(root).items():
+        handle = unit.handle
         gathered = {}
         for state_key in sorted(flat[key]):
             out = handle.local_shard.new_empty(handle.layout.padded)
-            all_gather_flat(out, flat[key][state_key], unit._process_group).wait()
+            all_gather_flat(out, flat[key][state_key], unit.process_group).wait()
             gathered[state_key] = out
         for i, (param, offset) in enumerate(zip(handle.sharded_params, handle.layout.offsets)):
             name, info = names[id(param)], handle.infos[i]
@@ -138,13 +129,13 @@ def gather_full(
             for state_key, out in gathered.items():
                 entry[state_key] = out[offset : offset + info.numel].view(info.shape).clone()
             full[position[id(param)]] = entry
-    if dist.get_rank(root._process_group) != recipient_rank:
+    if next(iter(named_units(root).values())).rank != recipient_rank:  # the root's
         return None
     return {"state": full, "param_groups": local["param_groups"]}
 
 
 def shard_full(
-    root: FullyShardedDataParallel,
+    root: nn.Module,
     full: Mapping[str, Any],
     optim: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
@@ -161,7 +152,7 @@ def shard_full(
     state: dict[int, dict[str, Any]] = {}
     for k, entry in full["state"].items():
         unit, i = _owner(root, params[int(k)])
-        handle, info = unit._handle, unit._handle.infos[i]
+        handle, info = unit.handle, unit.handle.infos[i]
         lo, _ = handle.layout.shard_range(handle.rank)
         a, b = handle.layout.piece(i, handle.rank)
         start = lo + a - handle.layout.offsets[i] if b > a else 0
@@ -192,7 +183,7 @@ def _cut(value: torch.Tensor, shape: torch.Size, start: int, length: int, key: s
 
 
 def _params_in_order(
-    root: FullyShardedDataParallel, full: Mapping[str, Any], optim: torch.optim.Optimizer | None
+    root: nn.Module, full: Mapping[str, Any], optim: torch.optim.Optimizer | None
 ) -> list[nn.Parameter]:
     if optim is not None:
         return [p for g in optim.param_groups for p in g["params"]]
@@ -203,9 +194,9 @@ def _params_in_order(
     return list(root.parameters())
 
 
-def _owner(root: FullyShardedDataParallel, param: nn.Parameter) -> tuple[Any, int]:
-    for unit in root.units():
-        for i, sharded in enumerate(unit._handle.sharded_params):
+def _owner(root: nn.Module, param: nn.Parameter) -> tuple[UnitRuntime, int]:
+    for unit in named_units(root).values():
+        for i, sharded in enumerate(unit.handle.sharded_params):
             if sharded is param:
                 return unit, i
     raise ValueError("a parameter of the optimizer state dict is not a sharded parameter of root")

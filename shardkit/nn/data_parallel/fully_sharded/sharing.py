@@ -9,16 +9,23 @@ must lie in one unit: a wrapping that puts its locations in two units raises
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardkit.distributed.optim_guard import mark_replaced
 from shardkit.nn.data_parallel.fully_sharded.flat_param import ParamInfo, ParamLocation
+from shardkit.nn.module_tree import walk_unit
 
-__all__ = ["SharedParameterError", "collect_params", "mark_taken", "shared_parameter_names"]
+__all__ = [
+    "SharedParameterError",
+    "collect_params",
+    "mark_taken",
+    "shared_parameter_names",
+    "walk_unit",
+]
 
 # original parameter -> "<where it is>" of the unit that took it (for error messages)
 _TAKEN = WeakIdKeyDictionary()
@@ -28,24 +35,6 @@ _SHARDED = WeakIdKeyDictionary()
 
 class SharedParameterError(ValueError):
     """A parameter shared by two modules would be split across two FSDP units."""
-
-
-def walk_unit(
-    module: nn.Module, is_unit: Callable[[nn.Module], bool], prefix: str = ""
-) -> Iterator[tuple[str, nn.Module]]:
-    """``(dotted name, module)`` of ``module``'s tree, not entering nested units."""
-    seen: set[int] = set()
-    stack = [(prefix, module)]
-    while stack:
-        name, mod = stack.pop()
-        if id(mod) in seen:
-            continue
-        seen.add(id(mod))
-        yield name, mod
-        children = [(n, c) for n, c in mod._modules.items() if c is not None]
-        for child_name, child in reversed(children):
-            if not is_unit(child):
-                stack.append((f"{name}{child_name}.", child))
 
 
 def collect_params(
@@ -90,34 +79,15 @@ def mark_taken(
     """Record that a unit took ``originals`` (described by ``infos``) and made ``sharded``."""
     for param, info in zip(originals, infos):
         _TAKEN[param] = f"`{info.name}` of {unit_label}"
+        mark_replaced(  # an optimizer built before wrapping would step nothing
+            param,
+            name=_TAKEN[param],
+            wrapper="FullyShardedDataParallel",
+            fix="the optimizer was built before wrapping and would step nothing. Build it "
+            "after wrapping, from the wrapped model's parameters() or named_parameters()",
+        )
     for param in sharded:
         _SHARDED[param] = None
-
-
-def is_replaced_original(param: torch.Tensor) -> bool:
-    """True for an original parameter a unit replaced by sharded parameters."""
-    return param in _TAKEN
-
-
-def check_optimizer_built_after_wrapping(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-    """Optimizer step pre-hook: refuse to step parameters an FSDP unit replaced.
-
-    Raises:
-        ValueError: the optimizer was built before wrapping; it names a parameter and the fix.
-    """
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if getattr(optimizer, "_shardkit_fsdp_checked", None) == count:
-        return
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if is_replaced_original(param):
-                raise ValueError(
-                    f"{type(optimizer).__name__} holds the original parameter {_TAKEN[param]}, "
-                    "which FullyShardedDataParallel replaced by its shard: the optimizer was "
-                    "built before wrapping and would step nothing. Build it after wrapping, "
-                    "from the wrapped model's parameters() or named_parameters()"
-                )
-    optimizer._shardkit_fsdp_checked = count  # type: ignore[attr-defined]
 
 
 def check_same_device_and_dtype(infos: list[ParamInfo], module: nn.Module) -> None:

@@ -1,9 +1,9 @@
 """Runtime state machines of one FSDP unit: what it is doing, and whether it is sharded.
 
-Transitions happen only in the small named methods of
-:class:`~shardkit.nn.data_parallel.fully_sharded.api.FullyShardedDataParallel`
-(``_unshard``, ``_reshard``) and in the phase hooks of
-:mod:`~shardkit.nn.data_parallel.fully_sharded.hooks`.
+Both are owned by the unit's runtime,
+:class:`~shardkit.nn.data_parallel.fully_sharded.unit.UnitRuntime`; transitions happen
+only in its small named methods (``unshard``, ``reshard``, ``begin_summon`` /
+``end_summon``) and its phase hooks (``pre_forward`` ... ``end_backward``).
 """
 
 from __future__ import annotations

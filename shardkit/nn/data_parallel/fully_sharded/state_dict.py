@@ -14,49 +14,74 @@ unwrapped names.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from shardkit.nn.data_parallel.fully_sharded.precision import original_buffer_dtypes
-
-if TYPE_CHECKING:
-    from shardkit.nn.data_parallel.fully_sharded.api import FullyShardedDataParallel
+from shardkit.nn.data_parallel.fully_sharded.unit import (
+    WRAPPED as _WRAPPED,
+)
+from shardkit.nn.data_parallel.fully_sharded.unit import (
+    UnitRuntime,
+    named_units,
+    summon,
+)
 
 __all__ = [
     "full_state_dict",
     "insert_wrapper_prefix",
     "load_local_state_dict",
     "local_state_dict",
+    "refuse_direct_state_dict",
     "strip_wrapper_prefix",
 ]
 
-WRAPPED = "_fsdp_wrapped_module."
+WRAPPED = _WRAPPED + "."
 
 
 def full_state_dict(
-    unit: FullyShardedDataParallel, destination: Any, prefix: str, keep_vars: bool
+    root: nn.Module, unit: UnitRuntime, destination: Any, prefix: str, keep_vars: bool
 ) -> dict[str, Any]:
-    """The state dict of ``unit``'s module with full tensors (see the module note)."""
-    if unit._gathering_state_dict:  # nested: the root gathered already
-        return unit.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-    units = unit.units()
-    casts = [cast for other in units for cast in other._buffer_casts]
-    with unit.summon_full_params(recurse=True, writeback=True), original_buffer_dtypes(casts):
+    """The state dict of the FSDP module ``root`` (whose runtime is ``unit``) with
+    full tensors (see the module note)."""
+    wrapped = getattr(root, _WRAPPED)
+    if unit.gathering_state_dict:  # nested: the root gathered already
+        return wrapped.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+    units = list(named_units(root).values())
+    casts = [cast for other in units for cast in other.buffer_casts]
+    with summon(units, writeback=False), original_buffer_dtypes(casts):
         for other in units:
-            other._gathering_state_dict = True
+            other.gathering_state_dict = True
         try:
-            raw = unit.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+            raw = wrapped.state_dict(prefix=prefix, keep_vars=keep_vars)
         finally:
             for other in units:
-                other._gathering_state_dict = False
-        copies = _copy_tensors(raw, unit._config.state_dict_device)
+                other.gathering_state_dict = False
+        copies = _copy_tensors(raw, unit.config.state_dict_device)
     out: dict[str, Any] = {} if destination is None else destination
-    if unit._config.state_dict_on_rank_0_only and unit._rank != 0:
+    if unit.config.state_dict_on_rank_0_only and unit.rank != 0:
         return out
     out.update(copies)
     return out
+
+
+def refuse_direct_state_dict(unit: UnitRuntime, module: nn.Module, *_: Any) -> None:
+    """State-dict pre-hook on the modules a unit wraps: their own ``state_dict()`` would
+    return 1-D shard pieces under the full parameters' keys (DDP's ``model.module``
+    habit), so it is refused unless the unit's full state dict is being built.
+
+    Raises:
+        RuntimeError: naming the calls that give the full or the sharded state.
+    """
+    if not unit.gathering_state_dict:
+        raise RuntimeError(
+            f"state_dict() of {type(module).__name__}, a module inside {unit.label}, would "
+            "return this rank's 1-D shard pieces under the full parameters' names. Call "
+            "model.state_dict() on the FullyShardedDataParallel model for the full state "
+            "(or model.local_state_dict() for this rank's shards)"
+        )
 
 
 def _copy_tensors(raw: Mapping[str, Any], device: torch.device | None) -> dict[str, Any]:
@@ -85,30 +110,18 @@ def strip_wrapper_prefix(module: nn.Module, incompatible: Any) -> None:
         keys[:] = [k.replace(WRAPPED, "") for k in keys]
 
 
-def unit_names(root: FullyShardedDataParallel) -> dict[str, FullyShardedDataParallel]:
-    from shardkit.nn.data_parallel.fully_sharded.api import FullyShardedDataParallel as FSDP
-
-    found = {}
-    for name, module in root.named_modules():
-        if isinstance(module, FSDP):
-            clean = name.replace(WRAPPED, "")
-            found[f"{clean}.flat_param" if clean else "flat_param"] = module
-    return found
-
-
-def local_state_dict(root: FullyShardedDataParallel) -> dict[str, torch.Tensor]:
+def local_state_dict(root: nn.Module) -> dict[str, torch.Tensor]:
     """Copies of this rank's local shards (``"<unit name>.flat_param"``, master dtype) and
-    buffers (their original dtypes)."""
-    out = {key: unit._handle.local_shard.detach().clone() for key, unit in unit_names(root).items()}
-    with original_buffer_dtypes([cast for unit in root.units() for cast in unit._buffer_casts]):
+    buffers (their original dtypes) of the FSDP module ``root``."""
+    units = named_units(root)
+    out = {key: unit.handle.local_shard.detach().clone() for key, unit in units.items()}
+    with original_buffer_dtypes([cast for unit in units.values() for cast in unit.buffer_casts]):
         out.update({name: buf.detach().clone() for name, buf in root.named_buffers()})
     return out
 
 
 @torch.no_grad()
-def load_local_state_dict(
-    root: FullyShardedDataParallel, state: Mapping[str, torch.Tensor]
-) -> None:
+def load_local_state_dict(root: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Copy shards and buffers from :func:`local_state_dict`'s output into ``root``.
 
     Raises:
@@ -116,7 +129,7 @@ def load_local_state_dict(
         ValueError: a shard's length differs (another world size or wrapping).
     """
     targets: dict[str, torch.Tensor] = {
-        key: unit._handle.local_shard for key, unit in unit_names(root).items()
+        key: unit.handle.local_shard for key, unit in named_units(root).items()
     }
     targets.update(dict(root.named_buffers()))
     missing, unexpected = sorted(set(targets) - set(state)), sorted(set(state) - set(targets))

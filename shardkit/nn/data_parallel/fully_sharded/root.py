@@ -1,0 +1,196 @@
+"""What every unit under one root shares: the units, their order, pending reductions.
+
+The root is the outermost unit a forward pass enters; it owns the per-step work that
+concerns all units at once (see :class:`RootState`): putting leftover full parameters
+away, agreeing on the trainable set, broadcasting buffers, and ending the backward
+pass. The per-unit work lives in :class:`~.unit.UnitRuntime`.
+
+[Note: one forward, one current copy]
+A unit's local shard is the one current copy of its parameters; a full flat buffer is
+a cache made from it. The root keeps its full parameters after forward for the
+backward that usually follows, but a forward with no backward (a sanity check, an
+eval pass without ``no_grad``, generation) leaves them behind. Loads and optimizer
+steps then write the shards, not that cache, so :meth:`RootState.begin_forward` puts
+every leftover away before the next forward (every rank runs the same forwards, so
+they agree), and ``summon_full_params`` does the same before gathering. A backward
+still pending from the old forward re-gathers its parameters; if the shard changed
+since that forward, it raises instead of mixing two sets of weights (see
+``UnitRuntime.pre_backward``), as plain torch refuses a backward through a
+parameter modified in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.profiler import record_function
+
+from shardkit.nn.data_parallel.fully_sharded.collectives import Pending, broadcast_tensors
+
+__all__ = ["PhaseUnit", "RootState", "TrainableMismatchError"]
+
+
+class TrainableMismatchError(ValueError):
+    """Ranks disagree on which parameters of the model require a gradient."""
+
+
+class PhaseUnit(Protocol):
+    """What the root needs of a unit (:class:`~.unit.UnitRuntime` implements it)."""
+
+    label: str
+
+    @property
+    def has_leftover_full(self) -> bool: ...
+
+    @property
+    def has_ready_grads(self) -> bool: ...
+
+    @property
+    def is_prefetching(self) -> bool: ...
+
+    def reshard(self) -> None: ...
+
+    def prefetch(self) -> None: ...
+
+    def refresh_trainable(self) -> bool: ...
+
+    def trainable_names(self) -> list[str]: ...
+
+    def post_backward(self) -> None: ...
+
+    def end_backward(self) -> None: ...
+
+
+@dataclass
+class RootState:
+    """Shared by every unit under one root.
+
+    Attributes:
+        module: the root's ``nn.Module`` (its buffers are broadcast before forward).
+        units: every unit, root first, in module order.
+        process_group: the root's process group.
+        broadcast_buffers: broadcast the group's first rank's buffers before a forward
+            that follows a synchronised training forward (DDP's rule).
+        forward_order: units in the order their first forward ran (recorded once).
+        order_frozen: True after the root's first forward: prefetching uses the order.
+        pending: issued gradient reduce-scatters, oldest first.
+        finalize_queued: a ``finalize_backward`` callback waits on the engine.
+        sync_buffers: the next forward broadcasts buffers (DDP's
+            ``require_forward_param_sync``: True at first, then whether the last
+            forward ran with grad enabled outside ``no_sync``).
+    """
+
+    module: nn.Module
+    units: Sequence[PhaseUnit]
+    process_group: dist.ProcessGroup | None
+    broadcast_buffers: bool = True
+    forward_order: list[PhaseUnit] = field(default_factory=list)
+    order_frozen: bool = False
+    pending: deque[Pending] = field(default_factory=deque)
+    finalize_queued: bool = False
+    sync_buffers: bool = True
+
+    def neighbour(self, unit: PhaseUnit, step: int) -> PhaseUnit | None:
+        """The unit ``step`` places after ``unit`` in forward order, or None."""
+        if not self.order_frozen or unit not in self.forward_order:
+            return None
+        index = self.forward_order.index(unit) + step
+        return self.forward_order[index] if 0 <= index < len(self.forward_order) else None
+
+    def record_forward(self, unit: PhaseUnit) -> None:
+        """Note ``unit``'s first forward (the prefetch order), until the order freezes."""
+        if not self.order_frozen and unit not in self.forward_order:
+            self.forward_order.append(unit)
+
+    # the root's forward ----------------------------------------------------------
+    def begin_forward(self) -> None:
+        """Before the root's forward: leftovers away, trainable set agreed, buffers synced."""
+        with record_function("FSDP::root_pre_forward"):
+            for unit in self.units:
+                if unit.has_leftover_full:  # see [Note: one forward, one current copy]
+                    unit.reshard()
+            if torch.is_grad_enabled():
+                self._refresh_trainable()
+            if self.broadcast_buffers and self.sync_buffers:
+                buffers = list(self.module.buffers())
+                if buffers:
+                    with torch.no_grad():
+                        broadcast_tensors(buffers, self.process_group)
+
+    def end_forward(self, backward_expected: bool, synchronised: bool) -> None:
+        """After the root's forward: freeze the order, drop what backward will not use."""
+        self.order_frozen = True
+        self.sync_buffers = torch.is_grad_enabled() and synchronised
+        for unit in self.units:
+            if unit.is_prefetching or not backward_expected:
+                unit.reshard()  # an unused prefetch, or inference: nothing to keep
+
+    def _refresh_trainable(self) -> None:
+        """Adopt ``requires_grad`` changes made since the last forward (every unit), and
+        check that all ranks agree (one all-reduce of two integers).
+
+        Raises:
+            TrainableMismatchError: ranks differ; names the parameters and their ranks.
+        """
+        for unit in self.units:
+            unit.refresh_trainable()
+        if not dist.is_initialized() or dist.get_world_size(self.process_group) == 1:
+            return
+        names = [name for unit in self.units for name in unit.trainable_names()]
+        digest = int.from_bytes(
+            hashlib.blake2b("\n".join(names).encode(), digest_size=7).digest(), "little"
+        )
+        both = torch.tensor([digest, -digest], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
+        if int(both[0]) != digest or int(both[1]) != -digest:
+            self._raise_mismatch(names)
+
+    def _raise_mismatch(self, names: list[str]) -> None:
+        world = dist.get_world_size(self.process_group)
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, names, group=self.process_group)
+        sets = [set(found) for found in every]
+        union = set().union(*sets)
+        differing = sorted(n for n in union if any(n not in s for s in sets))[:5]
+        where = "; ".join(
+            f"`{n}` trainable on ranks {[r for r, s in enumerate(sets) if n in s]}"
+            for n in differing
+        )
+        raise TrainableMismatchError(
+            f"ranks disagree on which parameters require a gradient: {where} (of {world} "
+            "ranks). Change requires_grad the same way on every rank before the forward"
+        )
+
+    # the end of backward ---------------------------------------------------------
+    def queue_finalize(self) -> None:
+        """Queue :meth:`finalize_backward` on autograd's engine (once per backward)."""
+        if not self.finalize_queued:
+            self.finalize_queued = True
+            Variable._execution_engine.queue_callback(self.finalize_backward)
+
+    def add_pending(self, pending: Pending, cap_bytes: float) -> None:
+        """Track an issued reduction; wait for the oldest while more than ``cap_bytes``
+        bytes are in flight."""
+        self.pending.append(pending)
+        while len(self.pending) > 1 and sum(p.nbytes for p in self.pending) > cap_bytes:
+            self.pending.popleft().wait()
+
+    def finalize_backward(self) -> None:
+        """End of the backward pass: reduce what is left, wait for every reduction, reshard."""
+        with record_function("FSDP::finalize_backward"):
+            for unit in self.units:
+                if unit.has_ready_grads:
+                    unit.post_backward()  # some trainable parameters got no gradient
+            while self.pending:
+                self.pending.popleft().wait()
+            for unit in self.units:
+                unit.end_backward()
+            self.finalize_queued = False

@@ -1,0 +1,225 @@
+"""Sharded FSDP checkpoints: one file per rank, loadable at any world size.
+
+The format belongs to FSDP and is built on :mod:`shardkit.checkpoint.manifest`
+(atomic files, checksums) and :func:`shardkit.checkpoint.flat.read_flat_range`.
+
+Each rank writes only its own shards (no gather), atomically, through the manifest
+(:mod:`shardkit.checkpoint.manifest`): ``<directory>/ckpt-<step>/`` holds the files
+and ``manifest.json`` (size and sha256 of each), ``<directory>/latest`` the newest
+committed step. Loading verifies the checksums (the ranks share the work) and falls
+back to the previous checkpoint when a file is damaged. A plain directory of shard
+files (written before the manifest existed) still loads, unchecked::
+
+    fsdp-shard-<rank>-of-<world_size>.pt  holds
+    {"format": "shardkit.fsdp_sharded/1", "rank": r, "world_size": N,
+     "units": {unit key: {"total": T, "shard_numel": S, "names": [...],
+                          "shapes": [...], "flat": (S,) tensor}},
+     "buffers": {name: tensor},
+     "optim": None | {"param_groups": [...], "scalars": {param name: {...}},
+                      "flat": {unit key: {state key: (S,) tensor}}}}
+
+A unit's flat parameter is the concatenation of its parameters padded to N * S
+elements; rank r's file holds elements ``[r * S, (r + 1) * S)``. Loading at another
+world size M reads, for each unit, the elements of the new rank's range from the old
+files it overlaps (memory-mapped, so only those bytes are read) and pads the rest.
+Optimizer state is stored the same way (flat shards per state key, see
+``shardkit.nn.data_parallel.fully_sharded.optim_state``), so it re-shards too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardkit.checkpoint.flat import read_flat_range
+from shardkit.checkpoint.manifest import save_checkpoint
+from shardkit.checkpoint.sharded_optim import resolve_shard_directory
+from shardkit.nn.data_parallel.fully_sharded.optim_state import (
+    flat_optim_state,
+    load_flat_optim_state,
+)
+from shardkit.nn.data_parallel.fully_sharded.unit import UnitRuntime, named_units
+
+__all__ = [
+    "FSDP_SHARD_FORMAT",
+    "fsdp_shard_path",
+    "load_fsdp_sharded",
+    "save_fsdp_sharded",
+]
+
+FSDP_SHARD_FORMAT = "shardkit.fsdp_sharded/1"
+PathLike = str | os.PathLike[str]
+_NAME = re.compile(r"fsdp-shard-(\d+)-of-(\d+)\.pt")
+
+
+def fsdp_shard_path(directory: PathLike, rank: int, world_size: int) -> Path:
+    """The file of rank ``rank`` in a checkpoint saved at ``world_size`` ranks."""
+    return Path(directory) / f"fsdp-shard-{rank}-of-{world_size}.pt"
+
+
+def _unit_record(unit: UnitRuntime) -> dict[str, Any]:
+    handle = unit.handle
+    return {
+        "total": handle.layout.total,
+        "shard_numel": handle.layout.shard_numel,
+        "names": [info.name for info in handle.infos],
+        "shapes": [list(info.shape) for info in handle.infos],
+        "flat": handle.local_shard.detach().clone(),
+    }
+
+
+def save_fsdp_sharded(
+    model: nn.Module,
+    directory: PathLike,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    step: int = 0,
+    keep: int = 0,
+) -> Path:
+    """Write this rank's shards (and ``optim``'s) under ``directory`` (a collective).
+
+    Every rank of the model's process group calls it with the same ``directory``
+    (created if missing). The files go to ``directory/ckpt-<step>/``; rank 0 then
+    writes the manifest and ``directory/latest``
+    (:func:`shardkit.checkpoint.manifest.save_checkpoint`).
+
+    Args:
+        step: the training step; default 0. Saving a step again overwrites it: pass
+            the step so that a crash mid-save leaves the previous one usable.
+        keep: committed checkpoints to keep (the newest); default 0: all.
+
+    Returns:
+        The path this rank wrote.
+
+    Raises:
+        CheckpointError: on every rank, if a rank could not write its file.
+    """
+    runtimes = named_units(model)
+    root = _root(runtimes)
+    units = {key: _unit_record(unit) for key, unit in runtimes.items()}
+    record: dict[str, Any] = {
+        "format": FSDP_SHARD_FORMAT,
+        "rank": root.rank,
+        "world_size": root.world_size,
+        "units": units,
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "optim": None,
+    }
+    if optim is not None:
+        flat, scalars = flat_optim_state(model, optim)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
+        record["optim"] = {"param_groups": groups, "scalars": scalars, "flat": flat}
+    name = fsdp_shard_path(".", root.rank, root.world_size).name
+    layout = {"format": FSDP_SHARD_FORMAT, "reshardable": True}
+    group = root.process_group
+    ckpt = save_checkpoint(directory, step, {name: record}, layout=layout, keep=keep, group=group)
+    return ckpt / name
+
+
+def _open_all(directory: PathLike) -> list[dict[str, Any]]:
+    found = {}
+    for entry in Path(directory).iterdir():
+        match = _NAME.fullmatch(entry.name)
+        if match:
+            found[(int(match.group(1)), int(match.group(2)))] = entry
+    sizes = {n for _, n in found}
+    if len(sizes) != 1:
+        raise FileNotFoundError(
+            f"{directory}: expected the files of one sharded FSDP checkpoint, found world "
+            f"sizes {sorted(sizes)}; save each checkpoint to its own directory"
+        )
+    (n,) = sizes
+    missing = [r for r in range(n) if (r, n) not in found]
+    if missing:
+        raise FileNotFoundError(f"{directory}: shard files of ranks {missing} (of {n}) missing")
+    return [torch.load(found[(r, n)], mmap=True, weights_only=True) for r in range(n)]
+
+
+def _dig(record: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for part in path:
+        record = record[part]
+    return record
+
+
+def _root(runtimes: dict[str, UnitRuntime]) -> UnitRuntime:
+    if "flat_param" not in runtimes:
+        raise TypeError("expected a FullyShardedDataParallel model (the root unit)")
+    return runtimes["flat_param"]
+
+
+def _resharded(
+    records: list[dict[str, Any]], unit: UnitRuntime, key: str, path: tuple[str, ...]
+) -> torch.Tensor:
+    """This rank's shard of the flat tensor at ``path`` in every record, zero-padded."""
+    lo, hi = unit.handle.layout.shard_range(unit.rank)
+    total = records[0]["units"][key]["total"]
+    shards = [_dig(rec, path) for rec in records]
+    end = min(hi, total)
+    part = read_flat_range(shards, records[0]["units"][key]["shard_numel"], min(lo, end), end)
+    out = shards[0].new_zeros(hi - lo)
+    out[: part.numel()].copy_(part)
+    return out
+
+
+@torch.no_grad()
+def load_fsdp_sharded(
+    model: nn.Module,
+    directory: PathLike,
+    optim: torch.optim.Optimizer | None = None,
+) -> None:
+    """Load the newest intact checkpoint written by :func:`save_fsdp_sharded`, at any
+    world size (a collective over the model's process group).
+
+    The model must be wrapped the same way (same units, same parameters); the world
+    size may differ. ``optim`` (built after wrapping) gets the saved state. A damaged
+    file makes every rank use the previous checkpoint, with a warning.
+
+    Raises:
+        CheckpointCorruptError: every committed checkpoint is damaged.
+        FileNotFoundError: shard files missing, or nothing committed.
+        ValueError: the units or their parameters differ from the saved ones, or
+            ``optim`` is given and the checkpoint has no optimizer state.
+    """
+    units = named_units(model)
+    group = _root(units).process_group
+    found = resolve_shard_directory(directory, collective=True, group=group)
+    records = _open_all(found)
+    _check_units(records[0]["units"], units)
+    for key, unit in units.items():
+        unit.handle.local_shard.copy_(_resharded(records, unit, key, ("units", key, "flat")))
+    for name, buf in model.named_buffers():
+        buf.copy_(records[0]["buffers"][name])
+    if optim is None:
+        return
+    saved = records[0]["optim"]
+    if saved is None:
+        raise ValueError(f"{directory}: the checkpoint has no optimizer state")
+    flat = {
+        key: {
+            sk: _resharded(records, unit, key, ("optim", "flat", key, sk))
+            for sk in saved["flat"][key]
+        }
+        for key, unit in units.items()
+    }
+    load_flat_optim_state(model, optim, flat, saved["scalars"], saved["param_groups"])
+
+
+def _check_units(saved: dict[str, Any], units: dict[str, UnitRuntime]) -> None:
+    if set(saved) != set(units):
+        raise ValueError(
+            f"the checkpoint's units {sorted(saved)} differ from the model's {sorted(units)}; "
+            "wrap the model as it was wrapped when saved"
+        )
+    for key, unit in units.items():
+        names = [info.name for info in unit.handle.infos]
+        shapes = [list(info.shape) for info in unit.handle.infos]
+        if saved[key]["names"] != names or saved[key]["shapes"] != shapes:
+            raise ValueError(
+                f"unit {key!r}: saved parameters {list(zip(saved[key]['names'], saved[key]['shapes']))} "
+                f"differ from the model's {list(zip(names, shapes))}"
+            )

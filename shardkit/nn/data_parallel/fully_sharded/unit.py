@@ -1,0 +1,447 @@
+"""The runtime of one FSDP unit: it owns the unit's state and runs its phase hooks.
+
+One :class:`UnitRuntime` per unit (as torch FSDP2's parameter group) owns the flat
+parameter handle, both state enums, the trainable set, the pending all-gather and the
+gradient bookkeeping. Every state change goes through its small named methods; the
+``nn.Module`` front (``api.py``) and the state-dict, optimizer-state and checkpoint
+code reach a unit only through :func:`runtime_of` / :func:`named_units`.
+
+One training step of a root unit R with nested units U1, U2 (forward order), with
+``reshard_after_forward=True`` (``ag`` = all-gather, ``rs`` = reduce-scatter)::
+
+    phase           R            U1               U2
+    forward         ag, run ...  ag (prefetched   ag (prefetched in U1's pre_forward),
+                                 in R's),  run,   run, free
+                                 free
+    backward        (kept)                        ag in pre_backward (U1 prefetched),
+                                                  grads -> rs, free
+                                 ag, grads -> rs,
+                                 free
+                    grads -> rs, free
+    finalize        wait every rs; every unit sharded, IDLE
+
+[Note: when is a unit's backward done]
+Its pre-backward hook is a tensor hook on each forward output: it fires when the
+gradient of an output is computed, before the unit's own backward ops run. Its
+post-backward is driven by ``register_post_accumulate_grad_hook`` on every trainable
+unsharded parameter: autograd accumulates a leaf's gradient once per backward, after
+every use of it (several forwards, a unit used twice), so when all of a unit's
+trainable parameters have reported, its gradient is complete. Parameters that receive
+no gradient (unused) are handled by ``finalize_backward``, a callback queued on
+autograd's engine that runs when the whole backward pass ends.
+
+[Note: frozen parameters]
+A frozen parameter has no gradient to report, yet a later backward op may read it (a
+frozen ``Linear`` early in the unit needs its weight for the input's gradient after
+every trainable parameter of the unit is done). A unit holding frozen parameters
+therefore reduce-scatters on time but stays unsharded until ``finalize_backward``.
+
+[Note: the trainable set follows requires_grad]
+Which parameters train is read at every forward with grad enabled, not once at
+wrapping: a user freezes or unfreezes through the parameters ``named_parameters()``
+returns (the sharded ones) or, between forward and backward, the module's attributes
+(the unsharded ones). :meth:`UnitRuntime.refresh_trainable` adopts a change on
+either, and the root checks that every rank made the same one (see ``root``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from shardkit.nn.data_parallel.fully_sharded.collectives import (
+    Pending,
+    all_gather_flat,
+    broadcast_tensors,
+    reduce_scatter_flat,
+)
+from shardkit.nn.data_parallel.fully_sharded.config import FSDPConfig
+from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
+from shardkit.nn.data_parallel.fully_sharded.precision import BufferCast
+from shardkit.nn.data_parallel.fully_sharded.root import RootState
+from shardkit.nn.data_parallel.fully_sharded.state import ShardedState, TrainingState
+
+__all__ = [
+    "WRAPPED",
+    "ParametersChangedError",
+    "UnitRuntime",
+    "clean_name",
+    "is_unit",
+    "named_units",
+    "runtime_of",
+    "summon",
+]
+
+WRAPPED = "_fsdp_wrapped_module"
+_RUNTIMES: Any = WeakIdKeyDictionary()  # the FSDP nn.Module -> its UnitRuntime
+
+
+class ParametersChangedError(RuntimeError):
+    """A unit's parameters were written between a forward and its backward."""
+
+
+def runtime_of(module: nn.Module) -> UnitRuntime | None:
+    """The runtime of ``module`` if it is an FSDP unit, else None."""
+    return _RUNTIMES.get(module)
+
+
+def is_unit(module: nn.Module) -> bool:
+    """True if ``module`` is an FSDP unit."""
+    return module in _RUNTIMES
+
+
+def clean_name(name: str) -> str:
+    """``name`` without wrapper prefixes (``a._fsdp_wrapped_module.b`` -> ``a.b``)."""
+    return name.replace(f"{WRAPPED}.", "")
+
+
+def named_units(module: nn.Module) -> dict[str, UnitRuntime]:
+    """Every unit in ``module``'s tree (itself included), keyed ``"<path>.flat_param"``
+    (``"flat_param"`` for the top), in module order."""
+    found: dict[str, UnitRuntime] = {}
+    for name, mod in module.named_modules():
+        runtime = runtime_of(mod)
+        if runtime is not None:
+            clean = clean_name(name + ".").rstrip(".")
+            found[f"{clean}.flat_param" if clean else "flat_param"] = runtime
+    return found
+
+
+class UnitRuntime:
+    """Owns one unit's flat parameter handle, state enums, trainable set and gradients.
+
+    Args:
+        module: the unit's ``nn.Module`` (registered: :func:`runtime_of` finds this).
+        handle: the unit's flat parameter (see :mod:`.flat_param`).
+        config: the unit's options.
+        process_group: the ranks sharing the unit (None: world).
+        buffer_casts: buffers cast to the mixed-precision buffer dtype (for state dicts).
+        label: "the FSDP unit wrapping <class>", for messages.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        handle: FlatParamHandle,
+        config: FSDPConfig,
+        process_group: dist.ProcessGroup | None,
+        buffer_casts: list[BufferCast],
+        label: str,
+    ) -> None:
+        self.module = module
+        self.handle = handle
+        self.config = config
+        self.process_group = process_group
+        self.rank = handle.rank
+        self.world_size = handle.layout.world_size
+        self.buffer_casts = buffer_casts
+        self.label = label
+        self.training_state = TrainingState.IDLE
+        self.sharded_state = ShardedState.SHARDED
+        self.pending_unshard: Pending | None = None
+        self.root: RootState | None = None
+        self.is_root = False
+        self.sync_gradients = True
+        self.gathering_state_dict = False  # the root's full state dict is being built
+        self.grads_ready: set[int] = set()
+        self.grads_expected: set[int] = set()
+        self._hooked: set[int] = set()
+        self._kept_after_forward = False
+        self._full_version = 0
+        self._saved_shard: torch.Tensor | None = None
+        self._update_trainable()
+        _RUNTIMES[module] = self
+
+    # properties the root reads ---------------------------------------------------
+    @property
+    def has_leftover_full(self) -> bool:
+        """Full parameters kept after a forward whose backward did not run (yet)."""
+        return self._kept_after_forward and self.sharded_state is not ShardedState.SHARDED
+
+    @property
+    def has_ready_grads(self) -> bool:
+        """Some trainable parameter reported its gradient; the reduction is not issued."""
+        return bool(self.grads_ready)
+
+    @property
+    def is_prefetching(self) -> bool:
+        """An asynchronous all-gather into the full buffer is in flight."""
+        return self.sharded_state is ShardedState.UNSHARDING
+
+    @property
+    def shard_version(self) -> int:
+        """The local shard's version counter (bumped by every in-place write to it)."""
+        return int(self.handle.local_shard._version)
+
+    # state transitions -----------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """SHARDED -> UNSHARDING (all-gather issued) -> UNSHARDED (waited, views installed)."""
+        if self.sharded_state is ShardedState.UNSHARDED:
+            return
+        handle = self.handle
+        if self.sharded_state is ShardedState.SHARDED:
+            handle.alloc_full()
+            self.pending_unshard = (
+                all_gather_flat(
+                    handle.full_flat, handle.gather_source(), self.process_group, async_op=async_op
+                )
+                if handle.owns_full_flat
+                else Pending(done=True)
+            )
+            self.sharded_state = ShardedState.UNSHARDING
+            if async_op:
+                return
+        assert self.pending_unshard is not None
+        self.pending_unshard.wait()
+        handle.use_unsharded()
+        self._full_version = int(handle.full_flat._version)
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def prefetch(self) -> None:
+        """Issue the all-gather without waiting (a no-op unless SHARDED)."""
+        if self.sharded_state is ShardedState.SHARDED:
+            self.unshard(async_op=True)
+
+    def reshard(self) -> None:
+        """Any state -> SHARDED: the sharded parameters installed, the full buffer freed."""
+        self._kept_after_forward = False
+        if self.sharded_state is ShardedState.SHARDED:
+            return
+        if self.pending_unshard is not None:
+            self.pending_unshard.wait()
+        self.handle.use_sharded()
+        self.handle.free_full()
+        self.sharded_state = ShardedState.SHARDED
+
+    def become_root(self, units: list[UnitRuntime], broadcast_buffers: bool) -> None:
+        """Make this unit the root of ``units`` (itself first), sharing one RootState."""
+        root = RootState(self.module, units, self.process_group, broadcast_buffers)
+        for unit in units:
+            unit.root, unit.is_root = root, unit is self
+        if not broadcast_buffers:  # else the first forward broadcasts them
+            broadcast_tensors(list(self.module.buffers()), self.process_group)
+
+    def _root(self) -> RootState:
+        assert self.root is not None, "a unit runs only under a root (lazy init)"
+        return self.root
+
+    # forward ---------------------------------------------------------------------
+    def pre_forward(self) -> None:
+        """Before the wrapped module's forward: all-gather (or wait for the prefetch)."""
+        with record_function("FSDP::pre_forward"):
+            root = self._root()
+            if self.is_root:
+                root.begin_forward()
+            self.training_state = TrainingState.FORWARD
+            self.unshard()
+            root.record_forward(self)
+            following = root.neighbour(self, +1)
+            if following is not None:
+                following.prefetch()
+
+    def post_forward(self, output: Any) -> None:
+        """After the forward: reshard (unless kept) and hook the outputs for backward."""
+        with record_function("FSDP::post_forward"):
+            needing_grad = _tensors_needing_grad(output) if torch.is_grad_enabled() else []
+            keep = self.is_root and self.config.disable_reshard_on_root
+            if not needing_grad or (self.config.reshard_after_forward and not keep):
+                self.reshard()
+            else:
+                self._kept_after_forward = True
+            hook = functools.partial(_pre_backward_hook, self, self.shard_version)
+            for tensor in needing_grad:
+                tensor.register_hook(hook)
+            self.training_state = TrainingState.IDLE
+            if self.is_root:
+                self._root().end_forward(bool(needing_grad), self.sync_gradients)
+
+    # backward --------------------------------------------------------------------
+    def pre_backward(self, forward_version: int) -> None:
+        """An output's gradient arrived: all-gather the parameters for the unit's backward.
+
+        Raises:
+            ParametersChangedError: the local shard was written (a load, an optimizer
+                step) since the forward whose backward this is.
+        """
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return
+        if self.shard_version != forward_version:
+            raise ParametersChangedError(
+                f"{self.label}: its parameters were changed (loaded, stepped or written in "
+                "place) between the forward and this backward, so the gradient would match "
+                "neither set of weights. Run backward before loading or stepping, or run the "
+                "forward again after the change"
+            )
+        with record_function("FSDP::pre_backward"):
+            root = self._root()
+            root.queue_finalize()
+            self.training_state = TrainingState.PRE_BACKWARD
+            self._kept_after_forward = False
+            self.unshard()
+            previous = root.neighbour(self, -1)
+            if previous is not None:
+                previous.prefetch()
+
+    def post_accumulate_grad(self, index: int) -> None:
+        """Autograd accumulated parameter ``index``; the last trainable one ends the backward."""
+        if index not in self.grads_expected:
+            return  # frozen since the hook was registered
+        self._root().queue_finalize()
+        self.grads_ready.add(index)
+        if self.grads_ready >= self.grads_expected:
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """The unit's gradient is complete: reduce-scatter it (unless in no_sync), reshard."""
+        with record_function("FSDP::post_backward"):
+            self.training_state = TrainingState.POST_BACKWARD
+            if self.sync_gradients and self.grads_ready:
+                self._reduce_grads()
+            self.grads_ready.clear()
+            if not self.handle.has_frozen:  # see [Note: frozen parameters]
+                self.reshard()
+
+    def end_backward(self) -> None:
+        """From ``finalize_backward``: every reduction is done; shard and go idle."""
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    def _reduce_grads(self) -> None:
+        """Reduce-scatter the flat gradient in the reduce dtype; the reduced shard is
+        cast to the master dtype, moved to the shard device and accumulated into the
+        sharded grads."""
+        handle, root = self.handle, self._root()
+        pre, post = self.config.divide_factors(self.world_size)
+        flat = handle.take_flat_grad()
+        if pre != 1.0:
+            flat.div_(pre)
+        distributed = self.world_size > 1
+        shard = flat.new_empty(handle.layout.shard_numel) if distributed else flat
+
+        def then() -> None:
+            handle.accumulate_grad_shard(shard, divide_by=post)
+
+        if distributed:
+            pending = reduce_scatter_flat(shard, flat, self.process_group, async_op=True)
+        else:
+            pending = Pending(nbytes=0)
+        pending.then = then
+        root.add_pending(pending, self.config.bucket_cap_mb * 2**20)
+
+    # the trainable set -----------------------------------------------------------
+    def refresh_trainable(self) -> bool:
+        """Adopt ``requires_grad`` changes (see [Note: the trainable set follows
+        requires_grad]); True if something changed."""
+        handle, changed = self.handle, False
+        for index, info in enumerate(handle.infos):
+            sharded, unsharded = handle.sharded_params[index], handle.unsharded_params[index]
+            wanted = (
+                sharded.requires_grad
+                if sharded.requires_grad != info.requires_grad
+                else unsharded.requires_grad
+            )
+            if wanted != info.requires_grad or sharded.requires_grad != wanted:
+                handle.set_requires_grad(index, wanted)
+                changed = True
+        if changed:
+            self._update_trainable()
+        return changed
+
+    def _update_trainable(self) -> None:
+        handle = self.handle
+        self.grads_expected = {i for i in handle.trainable if handle.infos[i].numel}
+        for index in self.grads_expected - self._hooked:
+            handle.unsharded_params[index].register_post_accumulate_grad_hook(
+                functools.partial(_post_accumulate_hook, self, index)
+            )
+            self._hooked.add(index)
+
+    def trainable_names(self) -> list[str]:
+        """Names of the unit's parameters that require a gradient, in flat order."""
+        return [info.name for info in self.handle.infos if info.requires_grad]
+
+    # summon_full_params ----------------------------------------------------------
+    def begin_summon(self, writeback: bool) -> None:
+        """Gather the full parameters in the master dtype, afresh from the shards.
+
+        Without ``writeback``, a full buffer that is the local shard itself (one rank,
+        no cast) is saved first, so that changes made in the context are undone.
+        """
+        self.reshard()  # a full buffer kept after forward may be stale or low-precision
+        self.handle.use_full_precision(True)
+        aliased = not writeback and not self.handle.owns_full_flat
+        self._saved_shard = self.handle.local_shard.clone() if aliased else None
+        self.unshard()
+        self.training_state = TrainingState.SUMMON_FULL_PARAMS
+
+    @torch.no_grad()
+    def end_summon(self, writeback: bool) -> None:
+        """Write this rank's slice back if it was changed (``writeback``), reshard."""
+        handle = self.handle
+        if self._saved_shard is not None:
+            if not torch.equal(self._saved_shard, handle.local_shard):
+                handle.local_shard.copy_(self._saved_shard)
+            self._saved_shard = None
+        elif writeback and handle.owns_full_flat and self._full_written():
+            handle.local_shard.copy_(handle.full_shard_slice())
+        self.training_state = TrainingState.IDLE
+        self.reshard()
+        handle.use_full_precision(False)
+
+    def _full_written(self) -> bool:
+        """The full buffer was written since it was gathered (its version moved)."""
+        return int(self.handle.full_flat._version) != self._full_version
+
+    def busy(self) -> bool:
+        """True unless IDLE (forward, backward or a summon is under way)."""
+        return self.training_state is not TrainingState.IDLE
+
+
+@contextlib.contextmanager
+def summon(units: list[UnitRuntime], writeback: bool) -> Iterator[None]:
+    """``summon_full_params`` over ``units``: full master-dtype parameters inside.
+
+    Raises:
+        RuntimeError: a unit is in forward, backward or another summon.
+    """
+    busy = [u.training_state.name for u in units if u.busy()]
+    if busy:
+        where = (
+            "inside another summon_full_params() (state_dict() summons too: call it "
+            "after leaving the context)"
+            if "SUMMON_FULL_PARAMS" in busy
+            else "during forward or backward (call it after optimizer.step(), before "
+            "the next forward)"
+        )
+        raise RuntimeError(
+            f"summon_full_params needs idle units, found states {busy}: it was called {where}"
+        )
+    for unit in units:
+        unit.begin_summon(writeback)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.end_summon(writeback)
+
+
+def _tensors_needing_grad(output: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(output)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _pre_backward_hook(unit: UnitRuntime, version: int, grad: torch.Tensor) -> None:
+    unit.pre_backward(version)
+
+
+def _post_accumulate_hook(unit: UnitRuntime, index: int, _: torch.Tensor) -> None:
+    unit.post_accumulate_grad(index)
