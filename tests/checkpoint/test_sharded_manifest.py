@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.checkpoint import CheckpointCorruptError, CheckpointFallbackWarning
-from shardkit.checkpoint.fsdp import load_fsdp_sharded, save_fsdp_sharded
 from shardkit.checkpoint.sharded_optim import load_optimizer_shards
 from shardkit.nn import FullyShardedDataParallel
+from shardkit.nn.data_parallel.fully_sharded import load_fsdp_sharded, save_fsdp_sharded
 from shardkit.optim import OSS
 
 

@@ -213,7 +213,7 @@ def state_roundtrips() -> dict[str, Any]:
 
 
 def save_sharded(directory: str) -> dict[str, Any]:
-    from shardkit.checkpoint.fsdp import save_fsdp_sharded
+    from shardkit.nn.data_parallel.fully_sharded import save_fsdp_sharded
 
     model = wrap_model(tiny_gpt(), "size")
     opt = _named_optim(model)
@@ -223,7 +223,7 @@ def save_sharded(directory: str) -> dict[str, Any]:
 
 
 def load_sharded(directory: str) -> dict[str, Any]:
-    from shardkit.checkpoint.fsdp import load_fsdp_sharded
+    from shardkit.nn.data_parallel.fully_sharded import load_fsdp_sharded
 
     model = wrap_model(tiny_gpt(seed=3), "size")
     opt = _named_optim(model)

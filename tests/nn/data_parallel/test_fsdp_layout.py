@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardkit.checkpoint.fsdp import read_flat_range
+from shardkit.checkpoint.flat import read_flat_range
 from shardkit.nn.data_parallel.fully_sharded import FlatLayout
 
 numels = st.lists(st.integers(0, 40), min_size=0, max_size=6)
@@ -57,3 +57,11 @@ def test_read_flat_range_reshards_to_any_world_size(total: int, old: int, new: i
             read_flat_range(shards, old_layout.shard_numel, min(lo, total), min(hi, total))
         )
     assert torch.equal(torch.cat(parts), flat)
+
+
+def test_old_checkpoint_import_path_still_works() -> None:
+    from shardkit.checkpoint import fsdp as old
+    from shardkit.nn.data_parallel import fully_sharded
+
+    assert old.save_fsdp_sharded is fully_sharded.save_fsdp_sharded
+    assert old.load_fsdp_sharded is fully_sharded.load_fsdp_sharded

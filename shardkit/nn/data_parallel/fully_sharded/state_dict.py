@@ -140,6 +140,6 @@ def load_local_state_dict(root: nn.Module, state: Mapping[str, torch.Tensor]) ->
             raise ValueError(
                 f"{key}: shape {tuple(state[key].shape)} != this rank's {tuple(target.shape)}; "
                 "a local state dict loads only at the same world size and wrapping (use "
-                "shardkit.checkpoint.fsdp for another world size)"
+                "load_fsdp_sharded for another world size)"
             )
         target.copy_(state[key])
