@@ -2,10 +2,13 @@
 
 Each entry of :data:`STRATEGIES` builds, on every rank of an initialised process
 group, the main job's GPT wrapped one way, and says which ZeRO stage it is (for the
-memory formula and the communication theory). shardkit's entries come from the main
-job's registry (``examples/strategies.py``, the ``--strategy`` flag of
-``examples/train_gpt.py``), so the benchmark runs exactly what the main job trains;
-torch's, DeepSpeed's and FairScale's are built here. DeepSpeed and FairScale entries
+memory formula and the communication theory). shardkit's entries (and torch DDP, the
+baseline) are generated from the main job's registry (``examples/strategies.py``, the
+``--strategy`` flag of ``examples/train_gpt.py``): one row per spec, with the spec's
+ZeRO stage, plus a "meta init" row where the spec's factory takes a GPT built on the
+meta device. A runner's step is the strategy's own ``forward_backward`` and ``step``
+(the pipeline runs its schedule there), so the benchmark runs exactly what the main job
+trains; torch's, DeepSpeed's and FairScale's are built here. DeepSpeed and FairScale entries
 are only run where the package imports (:func:`available`); they are written against
 the pinned versions of the ``bench`` extra (``pip install -e .[bench]``, see
 docs/benchmarks.md), on CPU with gloo; :func:`deepspeed_on_cpu` says what DeepSpeed
@@ -17,7 +20,6 @@ Every DDP-based runner gets the counted all-reduce comm hook
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import os
@@ -40,6 +42,9 @@ EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 if str(EXAMPLES_DIR) not in sys.path:  # the main job's registry is a script, not a package
     sys.path.insert(0, str(EXAMPLES_DIR))
 
+from strategies import STRATEGIES as MAIN_JOB  # noqa: E402  (examples/strategies.py)
+from strategies import OffloadGPT, StrategyConfig  # noqa: E402
+
 __all__ = ["STRATEGIES", "BenchStrategy", "Runner", "available"]
 
 
@@ -57,6 +62,9 @@ class Runner:
             categories of :func:`benchmarks.common.local_state_bytes`) where the
             module's own tensors do not show them (DeepSpeed keeps partitions and
             gradient buffers in its optimizer); None: measured from ``module``.
+        forward_backward_fn: ``(x, y) -> loss`` doing forward and backward, where the
+            strategy has its own (the main job's ``Strategy.forward_backward``: the
+            pipeline runs its schedule there); None: ``module`` then ``backward``.
     """
 
     module: nn.Module
@@ -64,9 +72,12 @@ class Runner:
     optimizer_state: Callable[[], Mapping[Any, Any]]
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
     module_state: Callable[[], dict[str, int]] | None = None
+    forward_backward_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward with the loss, then backward; the loss (detached, shape ``()``)."""
+        if self.forward_backward_fn is not None:
+            return self.forward_backward_fn(x, y)
         _, loss = self.module(x, targets=y)
         self.backward(loss)
         return loss.detach()
@@ -107,14 +118,14 @@ class BenchStrategy:
     state_on_disk: bool = False
 
 
-def _registry_args(spec: Mapping[str, Any]) -> argparse.Namespace:
-    """The main job's flags that its strategy factories read."""
-    return argparse.Namespace(
+def _registry_config(key: str, spec: Mapping[str, Any]) -> StrategyConfig:
+    """The main job's options for strategy ``key`` (AdamW at the benchmarks' LR; the
+    offload CPU tier: the disk tier is its own entry)."""
+    return StrategyConfig(
+        name=key,
         lr=ADAMW["lr"],
         chunks=spec.get("chunks", 4),
         schedule=spec.get("schedule", "1f1b"),
-        offload_dir=None,  # the CPU tier; the disk tier is its own entry
-        resume=False,
     )
 
 
@@ -124,20 +135,20 @@ def _from_registry(key: str, meta: bool = False) -> Builder:
     holds the whole model; the initial values differ from ``GPT(config)``'s)."""
 
     def build(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
-        from strategies import STRATEGIES as MAIN_JOB  # examples/strategies.py
-
         with torch.device("meta") if meta else contextlib.nullcontext():
             model = GPT(config)
-        strategy = MAIN_JOB[key](model, _registry_args(spec), torch.device("cpu"))
+        strategy = MAIN_JOB[key](model, _registry_config(key, spec), torch.device("cpu"))
         count_ddp(strategy.module)
         opt = strategy.optimizer
 
         def step() -> None:
             strategy.before_step()
-            opt.step()
+            strategy.step()
             opt.zero_grad(set_to_none=True)
 
-        return Runner(strategy.module, step, lambda: opt.state)
+        return Runner(
+            strategy.module, step, lambda: opt.state, forward_backward_fn=strategy.forward_backward
+        )
 
     build.__name__ = f"build_{key}{'_meta' if meta else ''}"
     return build
@@ -204,8 +215,6 @@ def build_offload_disk(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
     slice by slice, so no rank ever holds the whole model; gradients averaged across
     ranks; ``sliced_optimizer`` steps each slice where it lives
     (:func:`offload_slices` slices)."""
-    from strategies import OffloadGPT  # examples/strategies.py
-
     from shardkit.nn.offload import OffloadModel
 
     with torch.device("meta"):
@@ -356,8 +365,25 @@ def _deepspeed(stage: int) -> Builder:
     return build
 
 
+def _main_job_rows() -> list[BenchStrategy]:
+    """One row per strategy of the main job's registry (``ddp`` is "torch DDP"), and a
+    scale-only "meta init" row where the spec's factory takes a GPT built on meta."""
+    rows = []
+    for spec in MAIN_JOB.values():
+        name = "torch DDP" if spec.name == "ddp" else f"shardkit {spec.name}"
+        rows.append(BenchStrategy(name, spec.zero_stage, _from_registry(spec.name)))
+        if spec.meta_init == "optional":
+            meta = _from_registry(spec.name, meta=True)
+            rows.append(
+                BenchStrategy(f"{name} (meta init)", spec.zero_stage, meta, scale_only=True)
+            )
+    return rows
+
+
+_BASELINE, *_SHARDKIT = _main_job_rows()
+
 STRATEGIES: list[BenchStrategy] = [
-    BenchStrategy("torch DDP", 0, _from_registry("ddp")),
+    _BASELINE,
     BenchStrategy("torch DDP + ZeroRedundancyOptimizer", 1, _ddp_and(_torch_zero)),
     BenchStrategy("torch FSDP2 fully_shard", 3, build_torch_fsdp2_runner),
     BenchStrategy("DeepSpeed ZeRO-1", 1, _deepspeed(1), requires="deepspeed"),
@@ -365,14 +391,7 @@ STRATEGIES: list[BenchStrategy] = [
     BenchStrategy("DeepSpeed ZeRO-3", 3, _deepspeed(3), requires="deepspeed"),
     BenchStrategy("FairScale OSS + DDP", 1, _ddp_and(_fairscale_oss), requires="fairscale"),
     BenchStrategy("FairScale ShardedDDP + OSS", 2, build_fairscale_sdp, requires="fairscale"),
-    BenchStrategy("shardkit oss", 1, _from_registry("oss")),
-    BenchStrategy("shardkit sdp", 2, _from_registry("sdp")),
-    BenchStrategy("shardkit fsdp", 3, _from_registry("fsdp")),
-    BenchStrategy(
-        "shardkit fsdp (meta init)", 3, _from_registry("fsdp", meta=True), scale_only=True
-    ),
-    BenchStrategy("shardkit pipe", None, _from_registry("pipe")),
-    BenchStrategy("shardkit offload", 0, _from_registry("offload")),
+    *_SHARDKIT,
     BenchStrategy("shardkit offload (disk)", 0, build_offload_disk, state_on_disk=True),
 ]
 """Every strategy, in table order; the first is the baseline of the ratios."""

@@ -1,27 +1,35 @@
 """The ``--strategy`` registry of the main job: how the plain GPT is wrapped for training.
 
 [Note: adding a strategy]
-Write one factory and add one line to :data:`STRATEGIES`::
+Write one factory and register one :class:`StrategySpec` in :data:`STRATEGIES`::
 
-    def _oss(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
-        optimizer = OSS(model.parameters(), torch.optim.AdamW, **adamw_kwargs(args))
+    def _oss(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
+        optimizer = OSS(model.parameters(), torch.optim.AdamW, **adamw_kwargs(config))
         return Strategy(module=DistributedDataParallel(model), optimizer=optimizer, model=model)
 
-    STRATEGIES = {"ddp": _ddp, "oss": _oss}
+    STRATEGIES = _registry(..., StrategySpec("oss", _oss, "torch DDP + OSS(AdamW)", zero_stage=1))
 
-A factory gets ``(model, args, device)``: the plain :class:`GPT`, already on ``device``
-and identical on every rank (same seed); the parsed command line (build the optimizer
-from :func:`adamw_kwargs` so that every strategy trains with the same settings); and
-this rank's device. The default process group is initialised. It returns a
+The spec is the only place a strategy is named: the main job's ``--strategy`` choices
+and option checks (``train_gpt.py``), the benchmarks' rows (``benchmarks/runners.py``)
+and the options table of ``docs/train_gpt.md`` (:func:`strategy_table`, kept equal by a
+test) all read it. Its capabilities (meta init, precision mode, loss scaler, activation
+checkpointing, checkpoint layout, the flags only it reads) are what
+:func:`build_strategy` and :func:`option_error` act on.
+
+A factory gets ``(model, config, device)``: the plain :class:`GPT`, on ``device`` and
+identical on every rank (same seed), or on the meta device where the spec says so
+(``meta_init``); the typed options (:class:`StrategyConfig`; build the optimizer from
+:func:`adamw_kwargs` so that every strategy trains with the same settings); and this
+rank's device. The default process group is initialised. It returns a
 :class:`Strategy`, which the training loop (``train_gpt.py``) uses like this::
 
-    optimizer.zero_grad(set_to_none=True)
-    _, loss = strategy.module(x, targets=y)   # forward: (logits, mean loss)
-    loss.backward()
-    strategy.before_step()                    # hook: gradient clipping goes here
-    strategy.optimizer.step(); scheduler.step()
+    loss = strategy.train_step(x, y)   # zero_grad, forward, backward, step; the mean loss
 
-and, for checkpoints and reports:
+``train_step`` is the one step contract of every strategy: the pipeline runs its
+schedule (forwards and backwards of every micro-batch) inside it
+(:meth:`Strategy.forward_backward`), the others a forward and ``loss.backward()``; then
+the ``before_step`` hook (gradient clipping goes there) and the optimizer step. For
+checkpoints and reports:
 
 - ``state_dict()`` / ``load_state_dict(state)``: this rank's payload (model +
   optimizer), saved as ``ckpt-<step>/rank<r>.pt``. Every rank saves and loads its own
@@ -36,18 +44,20 @@ and, for checkpoints and reports:
 Override a method in a subclass only where the defaults (which treat ``model`` as
 this rank's whole model) do not hold. The main job does no gradient accumulation; if
 it ever does, the non-final micro-batches go under the wrapper's ``no_sync()``
-context (DDP, ShardedDDP and FSDP all have one), in the loop above.
+context (DDP, ShardedDDP and FSDP all have one), in ``forward_backward``.
 """
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable
-from typing import Any
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gpt_dist import mean_over_ranks
 from gpt_stage_init import materialize_stage
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -71,14 +81,53 @@ from shardkit.optim import OSS, register_reduce_to_owner_hook
 from shardkit.optim.grad_scaler import ShardedGradScaler
 
 __all__ = [
+    "PRECISIONS",
     "STRATEGIES",
     "Strategy",
+    "StrategyConfig",
     "StrategyFactory",
+    "StrategySpec",
     "adamw_kwargs",
     "build_strategy",
     "fsdp_policy",
     "option_error",
+    "strategy_table",
 ]
+
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """The options a strategy reads: the main job's flags of the same names.
+
+    Attributes:
+        name: the registry key (``--strategy``). Default ``"ddp"``.
+        lr: AdamW's peak learning rate (:func:`adamw_kwargs`). Default 2e-3.
+        precision: ``fp32``, ``bf16`` or ``fp16`` compute (strategies whose spec has a
+            ``precision`` mode). Default ``fp32``.
+        activation_checkpointing: recompute every Block in backward. Default False.
+        chunks: pipe: micro-batches per step. Default 4.
+        schedule: pipe: ``gpipe`` or ``1f1b``. Default ``1f1b``.
+        offload_dir: offload: the disk tier's directory (``rank<r>/`` per rank); None:
+            CPU memory. Default None.
+        resume: the job resumes from a checkpoint (offload's disk tier then reopens
+            its directory instead of starting a fresh one). Default False.
+    """
+
+    name: str = "ddp"
+    lr: float = 2e-3
+    precision: Precision = "fp32"
+    activation_checkpointing: bool = False
+    chunks: int = 4
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    offload_dir: str | None = None
+    resume: bool = False
 
 
 class Strategy:
@@ -93,12 +142,44 @@ class Strategy:
             plain model, so checkpoints hold plain GPT keys.
     """
 
+    #: the fp16 loss scaler (``--precision fp16``); it skips steps whose gradients are
+    #: not finite, so :meth:`train_step` leaves that decision to it
+    scaler: torch.amp.GradScaler | None = None
+
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, model: nn.Module | None = None
     ) -> None:
         self.module = module
         self.optimizer = optimizer
         self.model = module if model is None else model
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One training step on this rank's batch; the loss averaged over ranks.
+
+        Gradients zeroed, :meth:`forward_backward`, one all-reduce of the loss, then
+        :meth:`before_step` and :meth:`step`, unless the mean loss is not finite: then no
+        rank steps (the model keeps its last good state) and the caller sees the NaN or
+        inf. With a loss scaler the step is always taken: the scaler skips it.
+
+        Args:
+            x: input token ids, ``(batch, seq_len)`` int64, on this rank's device.
+            y: target token ids, the same shape.
+
+        Returns:
+            The mean over ranks of each rank's loss (the same on every rank).
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        mean = mean_over_ranks(self.forward_backward(x, y))
+        if math.isfinite(mean) or self.scaler is not None:
+            self.before_step()
+            self.step()
+        return mean
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward with the loss, then :meth:`backward`; this rank's loss, detached."""
+        _, loss = self.module(x, targets=y)
+        self.backward(loss)
+        return loss.detach()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's checkpoint payload: ``{"model": ..., "optimizer": ...}``."""
@@ -118,34 +199,34 @@ class Strategy:
         return model_state_bytes(self.module, self.optimizer)
 
     def before_step(self) -> None:
-        """Called after ``backward()``, before ``optimizer.step()``; default no-op.
+        """Called after the backward pass, before :meth:`step`; default no-op.
 
         Gradient clipping goes here; a sharded strategy must clip by the global norm
         (its wrapper's ``clip_grad_norm_``), not by the norm of its local shard.
         """
 
     def backward(self, loss: torch.Tensor) -> None:
-        """The backward pass of the loop; default ``loss.backward()``."""
+        """The backward pass of :meth:`forward_backward`; default ``loss.backward()``."""
         loss.backward()
 
     def step(self) -> None:
-        """The optimizer step of the loop; default ``optimizer.step()``."""
+        """The optimizer step of :meth:`train_step`; default ``optimizer.step()``."""
         self.optimizer.step()
 
 
-StrategyFactory = Callable[[GPT, argparse.Namespace, torch.device], Strategy]
+StrategyFactory = Callable[[GPT, StrategyConfig, torch.device], Strategy]
 
 
-def adamw_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The optimizer settings every strategy uses: AdamW at ``args.lr`` (the peak LR)."""
-    return {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": 0.01}
+def adamw_kwargs(config: StrategyConfig) -> dict[str, Any]:
+    """The optimizer settings every strategy uses: AdamW at ``config.lr`` (the peak LR)."""
+    return {"lr": config.lr, "betas": (0.9, 0.95), "weight_decay": 0.01}
 
 
-def _ddp(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
+def _ddp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """torch DistributedDataParallel + AdamW: every rank holds the full model state."""
     device_ids = [device] if device.type == "cuda" else None
     module = DistributedDataParallel(model, device_ids=device_ids)
-    optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(args))
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(config))
     return Strategy(module=module, optimizer=optimizer, model=model)
 
 
@@ -158,19 +239,19 @@ class _OSSStrategy(Strategy):
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.sharded_state_dict()}
 
 
-def _oss(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
+def _oss(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """torch DDP + OSS(AdamW): optimizer state sharded across ranks (ZeRO-1); each
     gradient reduced to its owner only (``reduce_to_owner_hook``: 2 psi per step)."""
     device_ids = [device] if device.type == "cuda" else None
     module = DistributedDataParallel(model, device_ids=device_ids)
-    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, **adamw_kwargs(args))
+    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, **adamw_kwargs(config))
     register_reduce_to_owner_hook(module, optimizer)
     return _OSSStrategy(module=module, optimizer=optimizer, model=model)
 
 
-def _sdp(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
+def _sdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """ShardedDataParallel + OSS(AdamW): gradients and optimizer state sharded (ZeRO-2)."""
-    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, **adamw_kwargs(args))
+    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, **adamw_kwargs(config))
     module = ShardedDataParallel(model, optimizer)
     return _OSSStrategy(module=module, optimizer=optimizer, model=model)
 
@@ -181,22 +262,23 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class PipelineGPT(nn.Module):
-    """This rank's pipeline stage of the GPT behind the loop's ``module(x, targets=y)``.
+    """This rank's pipeline stage of the GPT: the schedule in :meth:`forward_backward`.
 
-    ``model`` may be built on the meta device (the main job does, see :data:`META_INIT`):
-    only this rank's stage is then allocated and initialised, bit-identically to the
-    plain GPT's initialisation at the same seed (:func:`gpt_stage_init.materialize_stage`).
+    ``model`` may be built on the meta device (the main job does, see the spec's
+    ``meta_init``): only this rank's stage is then allocated and initialised,
+    bit-identically to the plain GPT's initialisation at the same seed
+    (:func:`gpt_stage_init.materialize_stage`).
 
     Every rank samples its own batch, as under DDP; the batches are all-gathered so that
     the pipeline trains on the same global batch DDP would (``world_size * batch``
-    rows, mean loss). In training, ``forward`` runs the whole schedule (forwards and
-    backwards) and returns ``(None, loss)`` with ``loss`` a detached leaf, so the loop's
-    ``loss.backward()`` does nothing more. The tied embedding / LM-head weight lives
-    on the first and the last stage; their gradients are summed after each step so
-    both copies stay equal.
+    rows, mean loss). :meth:`forward_backward` runs the whole schedule (forwards and
+    backwards of every micro-batch); ``forward`` (``module(x, targets=y)``, as the
+    evaluation calls it) runs the forwards only, without gradients. The tied embedding /
+    LM-head weight lives on the first and the last stage; their gradients are summed
+    after each schedule so both copies stay equal.
     """
 
-    def __init__(self, model: GPT, args: argparse.Namespace, device: torch.device) -> None:
+    def __init__(self, model: GPT, config: StrategyConfig, device: torch.device) -> None:
         super().__init__()
         rank, world = dist.get_rank(), dist.get_world_size()
         layers = gpt_stages(model)
@@ -205,10 +287,10 @@ class PipelineGPT(nn.Module):
             materialize_stage(model, self.stage_module, device)
         self.stage = PipelineStage(self.stage_module, device=device)
         self.runner: ScheduleGPipe | Schedule1F1B
-        if args.schedule == "1f1b":
-            self.runner = Schedule1F1B(self.stage, args.chunks, loss_fn=lm_loss)
+        if config.schedule == "1f1b":
+            self.runner = Schedule1F1B(self.stage, config.chunks, loss_fn=lm_loss)
         else:
-            self.runner = ScheduleGPipe(self.stage, args.chunks, loss_fn=lm_loss)
+            self.runner = ScheduleGPipe(self.stage, config.chunks, loss_fn=lm_loss)
         self.tied_group = dist.new_group([0, world - 1]) if world > 1 else None
         # this stage's copy of the tied weight (a tuple: not registered as a parameter here)
         self.tied = (model.lm_head.weight if rank == world - 1 else model.wte.weight,)
@@ -218,20 +300,29 @@ class PipelineGPT(nn.Module):
         dist.all_gather(parts, t.contiguous())
         return torch.cat(parts)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[None, torch.Tensor]:
+    def _on_every_rank(self, loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """The last stage's loss (shape ``()``), broadcast to every stage."""
+        out = loss.detach().reshape(()) if loss is not None else torch.zeros((), device=device)
+        dist.broadcast(out, dist.get_world_size() - 1)
+        return out
+
+    def forward_backward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule on the global batch; the mean loss (detached, on every rank)."""
         x, y = self._global(x), self._global(targets)
         first, last = self.stage.is_first, self.stage.is_last
-        if self.training and torch.is_grad_enabled():
-            loss = self.runner.step(x if first else None, target=y if last else None)
-            grad = self.tied[0].grad
-            if self.tied_group is not None and (first or last) and grad is not None:
-                dist.all_reduce(grad, group=self.tied_group)
-        else:
-            logits = self.runner.forward(x if first else None)
-            loss = lm_loss(logits, y) if isinstance(logits, torch.Tensor) else None
-        out = loss.detach().reshape(()) if loss is not None else torch.zeros((), device=x.device)
-        dist.broadcast(out, dist.get_world_size() - 1)
-        return None, out.requires_grad_()
+        loss = self.runner.step(x if first else None, target=y if last else None)
+        grad = self.tied[0].grad
+        if self.tied_group is not None and (first or last) and grad is not None:
+            dist.all_reduce(grad, group=self.tied_group)
+        return self._on_every_rank(loss, x.device)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[None, torch.Tensor]:
+        """The forwards only (evaluation): ``(None, mean loss)`` on every rank."""
+        x, y = self._global(x), self._global(targets)
+        logits = self.runner.forward(x if self.stage.is_first else None)
+        loss = lm_loss(logits, y) if isinstance(logits, torch.Tensor) else None
+        return None, self._on_every_rank(loss, x.device)
 
 
 class _PipeStrategy(Strategy):
@@ -244,6 +335,9 @@ class _PipeStrategy(Strategy):
         super().__init__(module=module, optimizer=optimizer, model=module.stage_module)
         self.gpt = gpt
 
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.module.forward_backward(x, y)
+
     def consolidated_model_state(self) -> dict[str, Any] | None:
         merged = consolidated_state_dict(self.module.stage_module)
         if merged is None:
@@ -254,11 +348,11 @@ class _PipeStrategy(Strategy):
         return {k: merged[stage_key[id(t)]] for k, t in self.gpt.state_dict(keep_vars=True).items()}
 
 
-def _pipe(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
+def _pipe(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """GPT blocks split over the ranks (one stage each), ``--chunks`` micro-batches,
     ``--schedule gpipe|1f1b``; AdamW on each stage's parameters."""
-    module = PipelineGPT(model, args, device)
-    optimizer = torch.optim.AdamW(module.stage_module.parameters(), **adamw_kwargs(args))
+    module = PipelineGPT(model, config, device)
+    optimizer = torch.optim.AdamW(module.stage_module.parameters(), **adamw_kwargs(config))
     return _PipeStrategy(module, optimizer, model)
 
 
@@ -319,16 +413,16 @@ class _OffloadStrategy(Strategy):
         return self._gpt_state()
 
 
-def _offload(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
+def _offload(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """OffloadModel over the GPT's stages (embedding, blocks, head; the tied embedding /
     LM head weight stays resident), 4 slices, activation checkpointing, gradients
     averaged across ranks. CPU memory by default; ``--offload-dir`` for the disk tier
     (one sub-directory per rank, stepped by ``sliced_optimizer``)."""
-    offload_dir = getattr(args, "offload_dir", None)
+    offload_dir = config.offload_dir
     kwargs: dict[str, Any] = {"num_slices": min(4, len(model.blocks) + 2)}
     if offload_dir is not None:
         kwargs["offload_dir"] = f"{offload_dir}/rank{dist.get_rank()}"
-        kwargs["resume"] = bool(args.resume)
+        kwargs["resume"] = config.resume
     offload = OffloadModel(
         gpt_stages(model),
         device,
@@ -338,10 +432,10 @@ def _offload(model: GPT, args: argparse.Namespace, device: torch.device) -> Stra
     )
     if offload_dir is None:
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            offload.parameters(), **adamw_kwargs(args)
+            offload.parameters(), **adamw_kwargs(config)
         )
     else:
-        optimizer = offload.sliced_optimizer(torch.optim.AdamW, **adamw_kwargs(args))
+        optimizer = offload.sliced_optimizer(torch.optim.AdamW, **adamw_kwargs(config))
     return _OffloadStrategy(OffloadGPT(offload), optimizer, model)
 
 
@@ -369,19 +463,19 @@ def _no_decay(name: str) -> bool:
     return name.endswith("bias") or ".ln_" in name or name.startswith("ln_")
 
 
-def _fsdp(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
+def _fsdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """FullyShardedDataParallel, one unit per Block + the root (ZeRO-3); AdamW without
     weight decay on biases and norms (FSDP keeps the original parameter names).
     ``--precision bf16|fp16``: FSDP's own mixed precision (:func:`fsdp_policy`)."""
-    blocks = {CheckpointWrapper if _checkpointing(args) else Block}
-    policy = fsdp_policy(getattr(args, "precision", "fp32"))
+    blocks = {CheckpointWrapper if config.activation_checkpointing else Block}
+    policy = fsdp_policy(config.precision)
     # a GPT built on meta is materialised unit by unit (deferred initialisation)
     init = gpt_unit_init_fn if any(p.is_meta for p in model.parameters()) else None
     fsdp_kwargs: dict[str, Any] = {"mixed_precision": policy, "param_init_fn": init}
     with enable_wrap(wrapper_cls=FullyShardedDataParallel, **fsdp_kwargs):
         wrapped = auto_wrap(model, transformer_auto_wrap_policy(blocks))
     module = FullyShardedDataParallel(wrapped, **fsdp_kwargs)
-    kwargs = adamw_kwargs(args)
+    kwargs = adamw_kwargs(config)
     named = list(module.named_parameters())
     groups: list[dict[str, Any]] = [
         {"params": [p for n, p in named if not _no_decay(n)]},
@@ -390,59 +484,191 @@ def _fsdp(model: GPT, args: argparse.Namespace, device: torch.device) -> Strateg
     return _FSDPStrategy(module=module, optimizer=torch.optim.AdamW(groups, **kwargs))
 
 
-#: strategies whose factory takes a GPT built on the meta device (and allocates only
-#: what this rank holds); the main job builds the model there for them
-META_INIT = ("pipe",)
-
-STRATEGIES: dict[str, StrategyFactory] = {
-    "ddp": _ddp,
-    "oss": _oss,
-    "sdp": _sdp,
-    "pipe": _pipe,
-    "offload": _offload,
-    "fsdp": _fsdp,
-}
-
-
-# --precision and --activation-checkpointing --------------------------------------------
+# The registry ---------------------------------------------------------------------------
 # [Note: precision per strategy]
 # ddp, oss and sdp keep fp32 parameters and run the forward under torch.autocast (bf16 or
 # fp16); fsdp casts its own full parameters (a MixedPrecision policy: the all-gather
 # moves half the bytes). fp16 adds dynamic loss scaling: torch's GradScaler for ddp
 # (every rank holds every gradient), ShardedGradScaler elsewhere (each rank checks its
-# shard, the ranks agree). pipe and offload run their own backward inside forward, so
-# neither option applies to them (offload checkpoints every slice already).
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PRECISION_MODE = {"ddp": "autocast", "oss": "autocast", "sdp": "autocast", "fsdp": "native"}
-CHECKPOINTING = ("ddp", "oss", "sdp", "fsdp", "pipe")
+# shard, the ranks agree). pipe and offload run their own backward (the schedule, the
+# slices), so neither precision option applies to them (offload checkpoints every
+# slice already).
+
+MetaInit = Literal["no", "optional", "default"]
+PrecisionMode = Literal["autocast", "native"]
+LossScaler = Literal["torch", "sharded"]
+Checkpointing = Literal["flag", "built-in", "no"]
 FP16_INIT_SCALE = 2.0**14  # FSDP's fp16 loss: its gradient (the scale) must fit fp16 (65504)
 
 
-def _checkpointing(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "activation_checkpointing", False))
+@dataclass(frozen=True)
+class StrategySpec:
+    """One ``--strategy``: its factory and what it supports.
+
+    Calling the spec calls the factory: ``spec(model, config, device) -> Strategy``.
+
+    Attributes:
+        name: the registry key, the ``--strategy`` value.
+        factory: builds this rank's :class:`Strategy` (:data:`StrategyFactory`).
+        summary: what wraps the GPT, one line (the docs' table, the benchmarks' rows).
+        zero_stage: ZeRO stage of the model state (0: replicated, as DDP); None where
+            the ZeRO formulas do not apply (a pipeline stage holds part of the model).
+        meta_init: ``"default"``: the main job builds the GPT on the meta device and
+            the factory allocates only this rank's part, with the plain GPT's values;
+            ``"optional"``: the factory also takes a GPT built on meta (initialised
+            unit by unit, other values than the plain GPT's: the benchmarks' "meta
+            init" rows); ``"no"``: a materialised GPT only. Default ``"no"``.
+        precision: how ``--precision bf16|fp16`` applies: ``"autocast"`` (fp32
+            parameters, the forward under ``torch.autocast``) or ``"native"`` (the
+            wrapper's own mixed-precision policy); None: fp32 only. Default None.
+        loss_scaler: the fp16 loss scaler: ``"torch"`` (``torch.amp.GradScaler``: every
+            rank holds every gradient) or ``"sharded"`` (``ShardedGradScaler``: each
+            rank checks its shard, the ranks agree); None exactly where ``precision``
+            is None. Default None.
+        activation_checkpointing: ``"flag"``: ``--activation-checkpointing`` wraps
+            every Block in ``checkpoint_wrapper`` before the factory runs;
+            ``"built-in"``: the strategy recomputes its slices itself and refuses the
+            flag; ``"no"``: refused. Default ``"flag"``.
+        checkpoint_layout: what this rank's checkpoint file holds (the strategy's
+            ``state_dict``), for the docs. Default: the full model and optimizer.
+        options: the flags only this strategy reads (:class:`StrategyConfig` field
+            names); another strategy refuses them when set to other than the default.
+
+    Raises:
+        ValueError: ``loss_scaler`` given without ``precision`` or the reverse.
+    """
+
+    name: str
+    factory: StrategyFactory
+    summary: str
+    zero_stage: int | None
+    meta_init: MetaInit = "no"
+    precision: PrecisionMode | None = None
+    loss_scaler: LossScaler | None = None
+    activation_checkpointing: Checkpointing = "flag"
+    checkpoint_layout: str = "the full model and optimizer state"
+    options: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.precision is None) != (self.loss_scaler is None):
+            raise ValueError(
+                f"strategy {self.name!r}: precision={self.precision!r} but "
+                f"loss_scaler={self.loss_scaler!r}; fp16 needs a loss scaler, so give both "
+                "or neither"
+            )
+
+    def __call__(self, model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
+        return self.factory(model, config, device)
 
 
-def option_error(args: argparse.Namespace) -> str | None:
-    """Why ``--precision`` / ``--activation-checkpointing`` / ``--offload-dir`` do not
-    apply to ``--strategy``, or None when they do."""
-    precision = getattr(args, "precision", "fp32")
-    if precision != "fp32" and args.strategy not in PRECISION_MODE:
+def _registry(specs: Iterable[StrategySpec]) -> dict[str, StrategySpec]:
+    return {spec.name: spec for spec in specs}
+
+
+STRATEGIES: dict[str, StrategySpec] = _registry(
+    [
+        StrategySpec(
+            "ddp",
+            _ddp,
+            "torch `DistributedDataParallel` + AdamW",
+            zero_stage=0,
+            precision="autocast",
+            loss_scaler="torch",
+        ),
+        StrategySpec(
+            "oss",
+            _oss,
+            "torch DDP + `OSS(AdamW)`, gradients reduced to their owner",
+            zero_stage=1,
+            precision="autocast",
+            loss_scaler="sharded",
+            checkpoint_layout="the full model, this rank's optimizer shard",
+        ),
+        StrategySpec(
+            "sdp",
+            _sdp,
+            "`ShardedDataParallel` + `OSS(AdamW)`",
+            zero_stage=2,
+            precision="autocast",
+            loss_scaler="sharded",
+            checkpoint_layout="the full model, this rank's optimizer shard",
+        ),
+        StrategySpec(
+            "fsdp",
+            _fsdp,
+            "`FullyShardedDataParallel`, one unit per Block + the root; AdamW",
+            zero_stage=3,
+            meta_init="optional",
+            precision="native",
+            loss_scaler="sharded",
+            checkpoint_layout="this rank's parameter and optimizer shards",
+        ),
+        StrategySpec(
+            "pipe",
+            _pipe,
+            "one pipeline stage per rank, `--chunks` micro-batches; AdamW per stage",
+            zero_stage=None,
+            meta_init="default",
+            checkpoint_layout="this rank's stage and its optimizer state",
+            options=("chunks", "schedule"),
+        ),
+        StrategySpec(
+            "offload",
+            _offload,
+            "`OffloadModel`: 4 slices on CPU memory or disk, gradients averaged",
+            zero_stage=0,
+            activation_checkpointing="built-in",
+            checkpoint_layout="the full model and optimizer (disk tier: its generation)",
+            options=("offload_dir",),
+        ),
+    ]
+)
+"""Every ``--strategy`` of the main job, in table order (the benchmarks' order too)."""
+
+
+_OPTION_ROLE = {
+    "chunks": "micro-batches",
+    "schedule": "its schedule",
+    "offload_dir": "its disk tier",
+}
+"""What each strategy-only option is, for :func:`option_error`'s message."""
+
+
+def _flag(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+def option_error(config: StrategyConfig) -> str | None:
+    """Why ``config`` does not fit its strategy (an unknown name, ``--precision``,
+    ``--activation-checkpointing`` or another strategy's option), or None when it does."""
+    spec = STRATEGIES.get(config.name)
+    if spec is None:
+        return f"unknown --strategy {config.name!r}; choose one of {sorted(STRATEGIES)}"
+    if config.precision != "fp32" and spec.precision is None:
+        with_precision = sorted(s.name for s in STRATEGIES.values() if s.precision)
         return (
-            f"--precision {precision} applies to strategies {sorted(PRECISION_MODE)}, not "
-            f"{args.strategy!r}; use --precision fp32"
+            f"--precision {config.precision} applies to strategies {with_precision}, not "
+            f"{spec.name!r}; use --precision fp32"
         )
-    if _checkpointing(args) and args.strategy not in CHECKPOINTING:
+    if config.activation_checkpointing and spec.activation_checkpointing != "flag":
+        with_flag = [s.name for s in STRATEGIES.values() if s.activation_checkpointing == "flag"]
+        built_in = f" ({spec.name} checkpoints every slice already)"
         return (
-            f"--activation-checkpointing applies to strategies {list(CHECKPOINTING)}, not "
-            f"{args.strategy!r} (offload checkpoints every slice already)"
+            f"--activation-checkpointing applies to strategies {with_flag}, not {spec.name!r}"
+            + (built_in if spec.activation_checkpointing == "built-in" else "")
         )
-    offload_dir = getattr(args, "offload_dir", None)
-    if offload_dir is not None and args.strategy != "offload":
+    defaults = StrategyConfig()
+    for option in _OPTION_ROLE:
+        value = getattr(config, option)
+        if value == getattr(defaults, option) or option in spec.options:
+            continue
+        owners = [s.name for s in STRATEGIES.values() if option in s.options]
         return (
-            f"--offload-dir applies to --strategy offload only (its disk tier), not "
-            f"{args.strategy!r}; drop --offload-dir {offload_dir} or use --strategy offload"
+            f"{_flag(option)} applies to --strategy {' / '.join(owners)} only "
+            f"({_OPTION_ROLE[option]}), not {spec.name!r}; drop {_flag(option)} {value} or "
+            f"use --strategy {owners[0]}"
         )
-    if offload_dir is not None and not str(offload_dir).strip():
+    if config.offload_dir is not None and not config.offload_dir.strip():
         return (
             "--offload-dir needs a directory (got an empty string), e.g. --offload-dir /tmp/offload"
         )
@@ -517,29 +743,61 @@ class _Precision(Strategy):
         self.scaler.update()
 
 
-def build_strategy(model: GPT, args: argparse.Namespace, device: torch.device) -> Strategy:
-    """``STRATEGIES[args.strategy]`` with ``--activation-checkpointing`` (every Block
+def build_strategy(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
+    """``STRATEGIES[config.name]`` with ``--activation-checkpointing`` (every Block
     wrapped by ``checkpoint_wrapper`` before the strategy wraps the model) and
-    ``--precision`` (see [Note: precision per strategy]).
+    ``--precision`` (see [Note: precision per strategy]), as its spec says.
 
     Raises:
         ValueError: an option that does not apply to the strategy (:func:`option_error`).
     """
-    problem = option_error(args)
+    problem = option_error(config)
     if problem is not None:
         raise ValueError(problem)
-    if _checkpointing(args):
+    spec = STRATEGIES[config.name]
+    if config.activation_checkpointing:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
-    strategy = STRATEGIES[args.strategy](model, args, device)
-    precision = getattr(args, "precision", "fp32")
-    if precision == "fp32":
+    strategy = spec(model, config, device)
+    if config.precision == "fp32":
         return strategy
-    autocast = PRECISIONS[precision] if PRECISION_MODE[args.strategy] == "autocast" else None
+    autocast = PRECISIONS[config.precision] if spec.precision == "autocast" else None
     scaler: torch.amp.GradScaler | None = None
-    if precision == "fp16":
-        if args.strategy == "ddp":
-            scaler = torch.amp.GradScaler(device.type, init_scale=FP16_INIT_SCALE)
-        else:
-            scaler = ShardedGradScaler(init_scale=FP16_INIT_SCALE, device=device.type)
+    if config.precision == "fp16" and spec.loss_scaler == "torch":
+        scaler = torch.amp.GradScaler(device.type, init_scale=FP16_INIT_SCALE)
+    elif config.precision == "fp16":
+        scaler = ShardedGradScaler(init_scale=FP16_INIT_SCALE, device=device.type)
     return _Precision(strategy, autocast, scaler)
+
+
+_COLUMNS = (
+    "`--strategy`",
+    "wraps the GPT in",
+    "ZeRO stage",
+    "`--precision`",
+    "fp16 loss scaler",
+    "`--activation-checkpointing`",
+    "meta init",
+    "a rank's checkpoint file holds",
+    "its own flags",
+)
+
+
+def _row(spec: StrategySpec) -> tuple[str, ...]:
+    return (
+        f"`{spec.name}`",
+        spec.summary,
+        "-" if spec.zero_stage is None else str(spec.zero_stage),
+        spec.precision or "fp32 only",
+        {"torch": "`GradScaler`", "sharded": "`ShardedGradScaler`", None: "-"}[spec.loss_scaler],
+        {"flag": "yes", "built-in": "always (built in)", "no": "no"}[spec.activation_checkpointing],
+        spec.meta_init,
+        spec.checkpoint_layout,
+        ", ".join(f"`{_flag(o)}`" for o in spec.options) or "-",
+    )
+
+
+def strategy_table() -> str:
+    """The registry as the Markdown table of ``docs/train_gpt.md`` (a test keeps them equal)."""
+    lines = [_COLUMNS, ("---",) * len(_COLUMNS), *(_row(s) for s in STRATEGIES.values())]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"

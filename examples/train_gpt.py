@@ -6,8 +6,9 @@ Runs unchanged under torchrun (one node or many) and as a plain script (one rank
     python examples/train_gpt.py --steps 50
 
 gloo on CPU, NCCL with one GPU per rank when CUDA is available. The ``--strategy``
-flag picks an entry of ``examples/strategies.py``. Rank 0 shows a progress bar, a line
-every ``--eval-every`` steps (train and validation loss, tokens/s, model-state bytes
+flag picks an entry of ``examples/strategies.py`` (``STRATEGIES``); each step is that
+strategy's ``train_step(x, y)``. Rank 0 shows a progress bar, a line every
+``--eval-every`` steps (train and validation loss, tokens/s, model-state bytes
 of every rank) and writes ``metrics.json`` to ``--out-dir``; checkpoints go there too
 (``examples/gpt_checkpoint.py``). Bad input ends with one line on stderr and exit
 code 2. Options and numbers: ``docs/train_gpt.md``.
@@ -20,10 +21,10 @@ import json
 import math
 import os
 import random
-import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,15 @@ from gpt_checkpoint import (
     set_rng_state,
 )
 from gpt_data import VOCAB_SIZE, BatchSampler, InputError, eval_windows, load_bytes, split_tokens
-from gpt_dist import Env, all_gather_ints, mean_over_ranks, setup_distributed
-from strategies import META_INIT, PRECISIONS, STRATEGIES, Strategy, build_strategy, option_error
+from gpt_dist import Env, all_gather_ints, setup_distributed
+from strategies import (
+    PRECISIONS,
+    STRATEGIES,
+    Strategy,
+    StrategyConfig,
+    build_strategy,
+    option_error,
+)
 from tqdm import tqdm
 
 from shardkit.checkpoint.atomic import atomic_save, atomic_write
@@ -67,47 +75,105 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line; raises :class:`InputError` (one line) on a bad flag."""
+@dataclass(frozen=True)
+class JobConfig:
+    """The main job's options (the command line, typed); defaults are the flags' defaults.
+
+    Attributes:
+        strategy: what the strategy reads (:class:`strategies.StrategyConfig`:
+            ``--strategy``, ``--lr``, ``--precision``, ...).
+        model_size: ``tiny``, ``small`` or ``medium`` (``shardkit.models.MODEL_SIZES``).
+        steps: optimizer steps; the LR schedule spans them.
+        batch_size: sequences per rank per step.
+        seq_len: tokens per sequence (the position embedding's length).
+        warmup_steps: linear LR warmup; None: 10% of ``steps`` (:attr:`warmup`).
+        seed: model initialisation (same on every rank) and data order.
+        out_dir: checkpoints, ``metrics.json``, ``model.pt``.
+        eval_every: steps between validation lines; 0: step 0 and the end only.
+        eval_batches: validation batches per rank.
+        log_every: steps between train-loss lines; 0: off.
+        save_every: steps between checkpoints; 0: never.
+        keep: checkpoints kept; 0: all.
+        stop_after: end this run after this step (None: at ``steps``).
+        data: a text file or a directory of ``.txt`` files; None: the default text.
+    """
+
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    model_size: str = "tiny"
+    steps: int = 500
+    batch_size: int = 8
+    seq_len: int = 128
+    warmup_steps: int | None = None
+    seed: int = 0
+    out_dir: str = "runs/gpt"
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 0
+    save_every: int = 100
+    keep: int = 2
+    stop_after: int | None = None
+    data: str | None = None
+
+    @property
+    def warmup(self) -> int:
+        """LR warmup steps: ``warmup_steps``, by default 10% of ``steps`` (at least 1)."""
+        return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 10)
+
+    @property
+    def resume(self) -> bool:
+        """``--resume``: continue from the newest intact checkpoint in ``out_dir``."""
+        return self.strategy.resume
+
+    def flags(self) -> dict[str, Any]:
+        """Every option by its flag's name (``--strategy`` is the strategy's name), as
+        ``metrics.json`` records them."""
+        job = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "strategy"}
+        strategy = asdict(self.strategy)
+        return {"strategy": strategy.pop("name"), **job, **strategy, "warmup_steps": self.warmup}
+
+    @classmethod
+    def from_flags(cls, flags: dict[str, Any]) -> JobConfig:
+        """The config of parsed flags (``vars(namespace)``): the strategy's fields go to
+        :class:`StrategyConfig` (``strategy`` to its ``name``), the rest here."""
+        own = {f.name for f in fields(StrategyConfig)} - {"name"}
+        strategy = StrategyConfig(name=flags["strategy"], **{k: flags[k] for k in own})
+        job = {k: v for k, v in flags.items() if k not in own and k != "strategy"}
+        return cls(strategy=strategy, **job)
+
+
+def parse_args(argv: list[str] | None) -> JobConfig:
+    """The command line as a :class:`JobConfig`; raises :class:`InputError` (one line)
+    on a bad flag or an option that does not apply to ``--strategy``."""
+    job, opt = JobConfig(), StrategyConfig()
     p = _Parser(prog=PROG, description="Train a byte-level GPT on text, N ranks.")
     add = p.add_argument
-    add("--strategy", default="ddp", help=f"one of {sorted(STRATEGIES)} (default ddp)")
-    add("--model-size", default="tiny", choices=sorted(MODEL_SIZES), help="default tiny")
-    add("--steps", type=_positive, default=500, help="optimizer steps (default 500)")
-    add("--batch-size", type=_positive, default=8, help="sequences per rank (default 8)")
-    add("--seq-len", type=_positive, default=128, help="tokens per sequence (default 128)")
-    add("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    add("--strategy", default=opt.name, help=f"one of {sorted(STRATEGIES)} (default {opt.name})")
+    add("--model-size", default=job.model_size, choices=sorted(MODEL_SIZES), help="default tiny")
+    add("--steps", type=_positive, default=job.steps, help=f"optimizer steps (default {job.steps})")
+    add("--batch-size", type=_positive, default=job.batch_size, help="sequences per rank")
+    add("--seq-len", type=_positive, default=job.seq_len, help="tokens per sequence")
+    add("--lr", type=float, default=opt.lr, help=f"peak learning rate (default {opt.lr})")
     add("--warmup-steps", type=_non_negative, default=None, help="default 10%% of --steps")
-    add("--seed", type=int, default=0, help="default 0")
-    add("--out-dir", default="runs/gpt", help="checkpoints, metrics.json (default runs/gpt)")
-    add("--eval-every", type=_non_negative, default=50, help="0: at the end only (default 50)")
-    add("--eval-batches", type=_positive, default=4, help="val batches per rank (default 4)")
-    add("--log-every", type=_non_negative, default=0, help="train-loss lines; 0: off")
-    add("--save-every", type=_non_negative, default=100, help="0: never (default 100)")
-    add("--keep", type=_non_negative, default=2, help="checkpoints kept; 0: all (default 2)")
+    add("--seed", type=int, default=job.seed, help=f"default {job.seed}")
+    add("--out-dir", default=job.out_dir, help=f"checkpoints, metrics.json (default {job.out_dir})")
+    add("--eval-every", type=_non_negative, default=job.eval_every, help="0: at the end only")
+    add("--eval-batches", type=_positive, default=job.eval_batches, help="val batches per rank")
+    add("--log-every", type=_non_negative, default=job.log_every, help="train-loss lines; 0: off")
+    add("--save-every", type=_non_negative, default=job.save_every, help="0: never")
+    add("--keep", type=_non_negative, default=job.keep, help="checkpoints kept; 0: all")
     add("--stop-after", type=_positive, default=None, help="end this run after this step")
     add("--resume", action="store_true", help="continue from the latest checkpoint")
     add("--data", default=None, help="a text file or a directory of .txt files")
-    add("--chunks", type=_positive, default=4, help="pipe: micro-batches per step (default 4)")
-    add("--schedule", default="1f1b", choices=["gpipe", "1f1b"], help="pipe (default 1f1b)")
-    add("--precision", default="fp32", choices=list(PRECISIONS), help="ddp/oss/sdp/fsdp")
+    add("--chunks", type=_positive, default=opt.chunks, help="pipe: micro-batches per step")
+    add("--schedule", default=opt.schedule, choices=["gpipe", "1f1b"], help="pipe")
+    add("--precision", default=opt.precision, choices=list(PRECISIONS), help="ddp/oss/sdp/fsdp")
     add("--activation-checkpointing", action="store_true", help="recompute each Block")
     add("--offload-dir", default=None, help="offload: disk-tier directory (default: CPU memory)")
-    # Test-only fault injection (tests/examples/test_restart.py): see fault_point().
-    add("--fault-kill-at-step", type=_non_negative, default=None, help=argparse.SUPPRESS)
-    add("--fault-rank", type=_non_negative, default=0, help=argparse.SUPPRESS)
-    add("--fault-nan-at-step", type=_non_negative, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.strategy not in STRATEGIES:
-        raise InputError(
-            f"unknown --strategy {args.strategy!r}; choose one of {sorted(STRATEGIES)}"
-        )
-    problem = option_error(args)
+    config = JobConfig.from_flags(vars(p.parse_args(argv)))
+    problem = option_error(config.strategy)
     if problem is not None:
         raise InputError(problem)
-    if args.warmup_steps is None:
-        args.warmup_steps = max(1, args.steps // 10)
-    return args
+    return config
 
 
 @dataclass
@@ -123,7 +189,7 @@ class History:
 class Run:
     """Everything the training loop touches."""
 
-    args: argparse.Namespace
+    config: JobConfig
     env: Env
     model: GPT
     strategy: Strategy
@@ -145,25 +211,25 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_run(args: argparse.Namespace, env: Env, train: torch.Tensor, val: torch.Tensor) -> Run:
+def build_run(config: JobConfig, env: Env, train: torch.Tensor, val: torch.Tensor) -> Run:
     """Model (same seed on every rank), strategy, LR schedule, data sampler."""
-    torch.manual_seed(args.seed)
-    random.seed(args.seed + env.rank)
-    config = gpt_config(args.model_size, vocab_size=VOCAB_SIZE, block_size=args.seq_len)
-    if args.strategy in META_INIT:  # the strategy allocates only this rank's part
+    torch.manual_seed(config.seed)
+    random.seed(config.seed + env.rank)
+    shape = gpt_config(config.model_size, vocab_size=VOCAB_SIZE, block_size=config.seq_len)
+    if STRATEGIES[config.strategy.name].meta_init == "default":  # allocates its part only
         with torch.device("meta"):
-            model = GPT(config)
+            model = GPT(shape)
     else:
-        model = GPT(config).to(env.device)
+        model = GPT(shape).to(env.device)
     num_params = model.num_parameters()
-    strategy = build_strategy(model, args, env.device)  # + precision, checkpointing
+    strategy = build_strategy(model, config.strategy, env.device)  # + precision, checkpointing
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        strategy.optimizer, lambda s: lr_factor(s, args.warmup_steps, args.steps)
+        strategy.optimizer, lambda s: lr_factor(s, config.warmup, config.steps)
     )
-    sampler = BatchSampler(train, args.batch_size, args.seq_len, args.seed, env.rank)
-    n_val = args.eval_batches * args.batch_size * env.world_size
-    val_xy = eval_windows(val, n_val, args.seq_len, env.rank, env.world_size)
-    return Run(args, env, model, strategy, scheduler, sampler, val_xy, num_params)
+    sampler = BatchSampler(train, config.batch_size, config.seq_len, config.seed, env.rank)
+    n_val = config.eval_batches * config.batch_size * env.world_size
+    val_xy = eval_windows(val, n_val, config.seq_len, env.rank, env.world_size)
+    return Run(config, env, model, strategy, scheduler, sampler, val_xy, num_params)
 
 
 def checkpoint_payload(run: Run) -> dict[str, Any]:
@@ -188,9 +254,9 @@ def restore(run: Run, payload: dict[str, Any]) -> None:
     set_rng_state(payload["rng"], run.env.device)
 
 
-def model_flags(args: argparse.Namespace) -> dict[str, Any]:
+def model_flags(config: JobConfig) -> dict[str, Any]:
     """The flags that fix the model's shapes (kept in each checkpoint's manifest)."""
-    return {"model_size": args.model_size, "seq_len": args.seq_len}
+    return {"model_size": config.model_size, "seq_len": config.seq_len}
 
 
 def maybe_resume(run: Run, out_dir: Path) -> None:
@@ -200,10 +266,10 @@ def maybe_resume(run: Run, out_dir: Path) -> None:
         say(run, f"--resume: no checkpoint in {out_dir}; starting from step 0")
         return
     env = run.env
-    shapes = model_flags(run.args)
+    shapes, strategy = model_flags(run.config), run.config.strategy.name
     restore(
         run,
-        load_checkpoint(ckpt, env.rank, env.world_size, run.args.strategy, env.device, shapes),
+        load_checkpoint(ckpt, env.rank, env.world_size, strategy, env.device, shapes),
     )
     say(run, f"resumed from {ckpt} at step {run.step}")
 
@@ -220,71 +286,31 @@ def warn(run: Run, line: str) -> None:
         tqdm.write(f"{PROG}: warning: {line}", file=sys.stderr)
 
 
-def fault_point(run: Run) -> None:
-    """Test-only: SIGKILL this process in the middle of step ``--fault-kill-at-step + 1``.
-
-    Only rank ``--fault-rank``, and only on torchrun's first attempt
-    (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so the restarted job runs through.
-    Called between the backward pass and the optimizer step.
-    """
-    args = run.args
-    if args.fault_kill_at_step is None or run.step != args.fault_kill_at_step:
-        return
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if run.env.rank == args.fault_rank and first_attempt:
-        sys.stdout.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 class NonFiniteLossError(Exception):
     """A step's loss is NaN or infinite on some rank; no rank took the step."""
-
-
-def fault_loss(run: Run, loss: torch.Tensor) -> torch.Tensor:
-    """Test-only: the loss of step ``--fault-nan-at-step`` is NaN on ``--fault-rank``."""
-    args = run.args
-    if run.step + 1 == args.fault_nan_at_step and run.env.rank == args.fault_rank:
-        return loss * float("nan")
-    return loss
-
-
-def finite_mean_loss(run: Run, loss: torch.Tensor) -> float:
-    """The loss averaged over ranks (one all-reduce, before the backward pass).
-
-    A NaN or inf on any rank makes the mean non-finite on every rank, so all ranks
-    agree to stop before the optimizer step: the model and the checkpoints keep the
-    last good state. With a loss scaler (``--precision fp16``) the scaler skips such a
-    step instead (its gradients are not finite), on every rank.
-
-    Raises:
-        NonFiniteLossError: no scaler and the mean is not finite.
-    """
-    mean = mean_over_ranks(loss)
-    if math.isfinite(mean) or getattr(run.strategy, "scaler", None) is not None:
-        return mean
-    raise NonFiniteLossError(
-        f"step {run.step + 1}: the training loss is {mean} (mean over the "
-        f"{run.env.world_size} ranks); stopped before the optimizer step, so the model "
-        "and the last checkpoint are untouched (--resume continues from it). Lower --lr, "
-        "check the data, or use --precision fp16, whose loss scaler skips such steps"
-    )
 
 
 def train_step(run: Run) -> float:
     """One optimizer step on this rank's next batch; the loss averaged over ranks.
 
+    ``Strategy.train_step`` all-reduces the loss before the optimizer step: a NaN or
+    inf on any rank makes the mean non-finite on every rank, so all ranks agree to skip
+    the step, and the model and the checkpoints keep the last good state. With a loss
+    scaler (``--precision fp16``) the scaler skips such a step instead (its gradients
+    are not finite), on every rank, and training goes on.
+
     Raises:
-        NonFiniteLossError: the loss is NaN or inf on a rank (see :func:`finite_mean_loss`).
+        NonFiniteLossError: no scaler and the mean loss is not finite.
     """
     x, y = (t.to(run.env.device, non_blocking=True) for t in run.sampler.next_batch())
-    run.strategy.optimizer.zero_grad(set_to_none=True)
-    _, loss = run.strategy.module(x, targets=y)
-    loss = fault_loss(run, loss)
-    mean = finite_mean_loss(run, loss)
-    run.strategy.backward(loss)  # loss scaling with --precision fp16
-    fault_point(run)
-    run.strategy.before_step()  # the gradient-clipping hook (strategies.py)
-    run.strategy.step()
+    mean = run.strategy.train_step(x, y)
+    if not math.isfinite(mean) and run.strategy.scaler is None:
+        raise NonFiniteLossError(
+            f"step {run.step + 1}: the training loss is {mean} (mean over the "
+            f"{run.env.world_size} ranks); stopped before the optimizer step, so the model "
+            "and the last checkpoint are untouched (--resume continues from it). Lower --lr, "
+            "check the data, or use --precision fp16, whose loss scaler skips such steps"
+        )
     run.scheduler.step()
     return mean
 
@@ -292,7 +318,7 @@ def train_step(run: Run) -> float:
 @torch.no_grad()
 def evaluate(run: Run) -> float:
     """Mean validation loss over the fixed windows of every rank."""
-    module, (val_x, val_y), bs = run.strategy.module, run.val, run.args.batch_size
+    module, (val_x, val_y), bs = run.strategy.module, run.val, run.config.batch_size
     module.eval()
     total = torch.zeros(2, dtype=torch.float64, device=run.env.device)
     for i in range(0, len(val_x), bs):
@@ -328,15 +354,16 @@ def report(run: Run, tokens_per_s: float | None) -> None:
     speed = "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
     say(
         run,
-        f"step {run.step:5d}/{run.args.steps} | train {train} | val {val:.4f} | "
+        f"step {run.step:5d}/{run.config.steps} | train {train} | val {val:.4f} | "
         f"{speed} tok/s | {format_bytes(state)}",
     )
 
 
 def train_loop(run: Run, out_dir: Path) -> None:
     """Steps ``run.step + 1 .. stop``: train, report, checkpoint."""
-    args, tokens_per_step = run.args, run.args.batch_size * run.args.seq_len * run.env.world_size
-    stop = min(args.steps, args.stop_after or args.steps)
+    config = run.config
+    tokens_per_step = config.batch_size * config.seq_len * run.env.world_size
+    stop = min(config.steps, config.stop_after or config.steps)
     if run.step == 0:
         report(run, None)
     bar = tqdm(total=stop, initial=run.step, disable=run.env.rank != 0, desc="train", ncols=90)
@@ -356,21 +383,23 @@ def train_loop(run: Run, out_dir: Path) -> None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
             tps = window_steps * tokens_per_step / window_s
-            if args.log_every and run.step % args.log_every == 0:
-                say(run, f"step {run.step:5d}/{args.steps} | train {loss:.4f} | {tps:,.0f} tok/s")
-            if (args.eval_every and run.step % args.eval_every == 0) or run.step == args.steps:
+            if config.log_every and run.step % config.log_every == 0:
+                say(run, f"step {run.step:5d}/{config.steps} | train {loss:.4f} | {tps:,.0f} tok/s")
+            if (
+                config.eval_every and run.step % config.eval_every == 0
+            ) or run.step == config.steps:
                 run.history.tokens_per_s.append([run.step, tps])
                 report(run, tps)
                 window_s, window_steps = 0.0, 0
-            end_of_run = run.step == stop and (args.save_every > 0 or stop < args.steps)
-            if (args.save_every and run.step % args.save_every == 0) or end_of_run:
+            end_of_run = run.step == stop and (config.save_every > 0 or stop < config.steps)
+            if (config.save_every and run.step % config.save_every == 0) or end_of_run:
                 save_checkpoint(
                     out_dir,
                     run.step,
                     checkpoint_payload(run),
-                    args.strategy,
-                    args.keep,
-                    model_flags(args),
+                    config.strategy.name,
+                    config.keep,
+                    model_flags(config),
                 )
     finally:
         bar.close()
@@ -378,12 +407,12 @@ def train_loop(run: Run, out_dir: Path) -> None:
 
 def summary(run: Run, wall_s: float) -> dict[str, Any]:
     """metrics.json's content (a collective: it gathers every rank's state bytes)."""
-    args, h = run.args, run.history
-    tokens = run.steps_this_run * args.batch_size * args.seq_len * run.env.world_size
+    config, h = run.config, run.history
+    tokens = run.steps_this_run * config.batch_size * config.seq_len * run.env.world_size
     return {
-        "strategy": args.strategy,
+        "strategy": config.strategy.name,
         "world_size": run.env.world_size,
-        "model_size": args.model_size,
+        "model_size": config.model_size,
         "param_count": run.num_params,
         "step": run.step,
         "start_step": run.step - run.steps_this_run,
@@ -394,14 +423,14 @@ def summary(run: Run, wall_s: float) -> dict[str, Any]:
         "train_time_s": run.train_time_s,
         "wall_s": wall_s,
         "model_state_bytes": gather_state_bytes(run),
-        "args": vars(args),
+        "args": config.flags(),
     }
 
 
 def finish(run: Run, out_dir: Path, wall_s: float) -> None:
     """metrics.json and the summary (rank 0); model.pt once the last step is done."""
     metrics = summary(run, wall_s)
-    state = run.strategy.consolidated_model_state() if run.step == run.args.steps else None
+    state = run.strategy.consolidated_model_state() if run.step == run.config.steps else None
     if run.env.rank != 0:
         return
     with atomic_write(out_dir / "metrics.json", "w") as handle:
@@ -417,20 +446,33 @@ def finish(run: Run, out_dir: Path, wall_s: float) -> None:
     )
 
 
-def run_job(args: argparse.Namespace, env: Env, data: tuple[torch.Tensor, torch.Tensor]) -> None:
+Callback = Callable[[Run], None]
+"""Called on every rank with the built :class:`Run`, before resuming and training: a
+place to install hooks on ``run.strategy.module`` / ``run.strategy.optimizer``
+(profiling, logging; the tests inject faults this way)."""
+
+
+def run_job(
+    config: JobConfig,
+    env: Env,
+    data: tuple[torch.Tensor, torch.Tensor],
+    callbacks: Sequence[Callback] = (),
+) -> None:
     """Build, maybe resume, train, write the outputs."""
     start = time.perf_counter()
-    out_dir = Path(args.out_dir)
+    out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    run = build_run(args, env, *data)
+    run = build_run(config, env, *data)
     say(
         run,
-        f"{args.model_size} GPT: {run.num_params:,} parameters | strategy "
-        f"{args.strategy} | {env.world_size} rank(s) on {env.device.type} | batch "
-        f"{args.batch_size}x{args.seq_len} tokens per rank | {len(data[0]):,} train / "
+        f"{config.model_size} GPT: {run.num_params:,} parameters | strategy "
+        f"{config.strategy.name} | {env.world_size} rank(s) on {env.device.type} | batch "
+        f"{config.batch_size}x{config.seq_len} tokens per rank | {len(data[0]):,} train / "
         f"{len(data[1]):,} val tokens",
     )
-    if args.resume:
+    for callback in callbacks:
+        callback(run)
+    if config.resume:
         maybe_resume(run, out_dir)
     train_loop(run, out_dir)
     finish(run, out_dir, time.perf_counter() - start)
@@ -442,18 +484,24 @@ def fail(error: Exception, show: bool) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the job; returns the exit code (2 on bad input, printed as one line)."""
+def main(argv: list[str] | None = None, callbacks: Sequence[Callback] = ()) -> int:
+    """Run the job; returns the exit code (2 on bad input, printed as one line).
+
+    Args:
+        argv: the command line without the program name; None: ``sys.argv[1:]``.
+        callbacks: each called with the built :class:`Run` on every rank (see
+            :data:`Callback`). Default none.
+    """
     first = os.environ.get("RANK", "0") == "0"
     try:
-        args = parse_args(argv)
-        text, _ = load_bytes(args.data)
-        data = split_tokens(text, args.seq_len)
+        config = parse_args(argv)
+        text, _ = load_bytes(config.data)
+        data = split_tokens(text, config.seq_len)
     except InputError as err:  # the same on every rank: rank 0 says it
         return fail(err, first)
     env = setup_distributed()
     try:
-        run_job(args, env, data)
+        run_job(config, env, data, callbacks)
     except InputError as err:
         return fail(err, True)
     except NonFiniteLossError as err:  # every rank stops; rank 0 says it

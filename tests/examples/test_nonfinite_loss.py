@@ -12,13 +12,14 @@ from typing import Any
 import torch.distributed as dist
 
 from shardkit.checkpoint.manifest import find_valid_checkpoint, verify_checkpoint
+from tests.examples.faults import nan_loss_at
 from tests.examples.test_restart import COMMON, _main_quiet
 
 
 def _nan_run(out_dir: Path, strategy: str) -> tuple[int, list[str], str, int]:
     """On each pool rank: the job with a NaN loss on rank 1 at step 5 (after ckpt 3)."""
     argv = [*COMMON, "--strategy", strategy, "--out-dir", str(out_dir)]
-    code, lines = _main_quiet([*argv, "--fault-nan-at-step", "5", "--fault-rank", "1"])
+    code, lines = _main_quiet(argv, [nan_loss_at(step=5, rank=1)])
     dist.barrier()
     latest = find_valid_checkpoint(out_dir, world_size=2)
     assert latest is not None

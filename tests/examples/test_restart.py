@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,11 @@ import torch.distributed as dist
 import train_gpt
 
 from shardkit.checkpoint.manifest import verify_checkpoint
-from tests.examples import EXAMPLES_DIR
+from tests.examples import faults
 
 TINY = ["--model-size", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1"]
 COMMON = [*TINY, "--steps", "8", "--eval-every", "4", "--save-every", "3"]
+FAULTS = Path(faults.__file__)  # train_gpt.py with a fault hook, as a torchrun script
 
 
 def _metrics(out_dir: Path) -> dict[str, Any]:
@@ -58,9 +60,10 @@ def full_run(rank_pool: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_sigkill_mid_step_restarts_and_matches(tmp_path: Path, full_run: Path) -> None:
     """Rank 1 SIGKILLs itself in step 5 (after the step-3 checkpoint), between its
     backward pass and its optimizer step; torchrun (``--max-restarts 1``) restarts the
-    job, which resumes at step 3 and ends as the uninterrupted run does."""
+    job, which resumes at step 3 and ends as the uninterrupted run does. The kill is a
+    hook the test script installs (``tests/examples/faults.py``), not part of the job."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += ["--max-restarts", "1", str(EXAMPLES_DIR / "train_gpt.py"), *COMMON, "--resume"]
+    cmd += ["--max-restarts", "1", str(FAULTS), *COMMON, "--resume"]
     cmd += ["--out-dir", str(tmp_path), "--fault-kill-at-step", "4", "--fault-rank", "1"]
     # CPU and gloo like the pool's reference run, also where CUDA exists
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -82,11 +85,13 @@ def _damage(path: Path, how: str) -> None:
         path.write_bytes(data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :])
 
 
-def _main_quiet(argv: list[str]) -> tuple[int, list[str]]:
+def _main_quiet(
+    argv: list[str], callbacks: Sequence[train_gpt.Callback] = ()
+) -> tuple[int, list[str]]:
     """Run the job; its exit code and its ``train_gpt.py: ...`` lines on stderr."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = train_gpt.main(argv)
+        code = train_gpt.main(argv, callbacks)
     lines = err.getvalue().splitlines()  # the progress bar's \r-separated updates too
     return code, [line for line in lines if line.startswith("train_gpt.py: ")]
 
