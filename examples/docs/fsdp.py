@@ -3,8 +3,8 @@
 import torch
 import torch.distributed as dist
 
+from shardkit.models import GPT, Block, gpt_config
 from shardkit.nn import FSDP, auto_wrap, enable_wrap, transformer_auto_wrap_policy
-from shardkit.testing.models import GPT, Block, gpt_config
 
 
 def main(steps: int = 10) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
+from shardkit.models import Block, GPTConfig
 from shardkit.nn import Pipe
 from shardkit.nn.checkpoint import checkpoint_wrapper
 from shardkit.testing import assert_tensors_close
-from shardkit.testing.models import Block, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=32)
 

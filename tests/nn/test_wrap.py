@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from shardkit.models import GPT, Block, GPTConfig
 from shardkit.nn.wrap import (
     auto_wrap,
     config_auto_wrap_policy,
@@ -19,7 +20,6 @@ from shardkit.nn.wrap import (
     transformer_auto_wrap_policy,
     wrap,
 )
-from shardkit.testing.models import GPT, Block, GPTConfig
 
 
 class Marker(nn.Module):

@@ -20,10 +20,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks import comm
+from shardkit.models import GPT, GPTConfig
 from shardkit.optim import OSS, reduce_to_owner_hook, register_reduce_to_owner_hook
 from shardkit.optim.grad_scaler import ShardedGradScaler
 from shardkit.testing import max_abs_diff
-from shardkit.testing.models import GPT, GPTConfig
 
 LOCAL_BATCH = 2
 SEQ = 8

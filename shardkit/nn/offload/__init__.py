@@ -5,7 +5,7 @@ parameters in one freeable byte buffer), ``slices`` (a slice and its residency s
 ``device`` (the CUDA-specific bits), ``tiers`` (resident / CPU-memory tiers), ``disk``
 (the file tier, crash-safe generations), ``function`` (the autograd node that loads a
 slice for forward and backward), ``optim`` (slice-by-slice stepping), ``api``
-(``OffloadModel``). A GPT as a sequence of stages: ``shardkit.testing.models.gpt_stages``.
+(``OffloadModel``). A GPT as a sequence of stages: ``shardkit.models.gpt_stages``.
 """
 
 from shardkit.nn.offload.api import OffloadModel

@@ -40,7 +40,7 @@ def _layers(model: nn.Sequential | Sequence[nn.Module]) -> tuple[list[nn.Module]
     raise TypeError(
         f"OffloadModel needs an nn.Sequential (or a list of modules, one per slice); got "
         f"{type(model).__name__}. Express the model as a sequence of stages, each taking "
-        "one tensor and returning one (see shardkit.testing.models.gpt_stages for a GPT)"
+        "one tensor and returning one (see shardkit.models.gpt_stages for a GPT)"
     )
 
 

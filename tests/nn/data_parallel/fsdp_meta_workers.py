@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.models import GPT, gpt_unit_init_fn
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
-from shardkit.testing.models import GPT, gpt_unit_init_fn
 from tests.nn.data_parallel.fsdp_workers import (
     TINY,
     _raises,

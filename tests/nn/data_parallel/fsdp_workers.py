@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.models import GPT, Block, GPTConfig
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.nn.data_parallel.fully_sharded.unit import runtime_of
 from shardkit.nn.wrap import (
@@ -19,7 +20,6 @@ from shardkit.nn.wrap import (
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
-from shardkit.testing.models import GPT, Block, GPTConfig
 
 TINY = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 LOCAL_BATCH = 2

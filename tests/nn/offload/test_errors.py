@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from shardkit.distributed.optim_guard import ReplacedParameterError, is_replaced
+from shardkit.models import GPT, GPTConfig
 from shardkit.nn.offload import OffloadModel
-from shardkit.testing.models import GPT, GPTConfig
 from tests.nn.offload.common import X, Y, optimizer_for, tiny
 
 

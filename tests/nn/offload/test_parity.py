@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from shardkit.models import GPT, GPTConfig, gpt_stages
 from shardkit.nn.offload import OffloadModel
 from shardkit.testing import assert_state_dicts_close
-from shardkit.testing.models import GPT, GPTConfig, gpt_stages
 from tests.nn.offload.common import (
     OPTIMIZERS,
     X,

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from shardkit.models import GPT, gpt_config
 from shardkit.testing import assert_state_dicts_close
-from shardkit.testing.models import GPT, gpt_config
 from tests.examples import EXAMPLES_DIR
 
 assert EXAMPLES_DIR.is_dir()  # importing tests.examples puts the examples on sys.path
