@@ -174,6 +174,7 @@ def trainable_change(cfg: dict[str, Any]) -> dict[str, Any]:
     run.optimizers()  # over every parameter, frozen ones too (a warm-up schedule)
     run.train_step(0)
     run.out["ref_at_change"] = {k: v.clone() for k, v in ref.state_dict().items()}
+    run.out["at_change"] = model.state_dict()  # FSDP's own values (rounding differs)
     for m in (ref, model):
         if scenario == "unfreeze_later":
             set_trainable(m, BLOCK0, True)

@@ -163,9 +163,9 @@ def test_trainable_set_changes_after_wrapping(
     assert result["names"] == result["ref_names"]
     for name, at_change in result["ref_at_change"].items():  # frozen since the change
         if torch.equal(result["ref_state"][name], at_change):
-            assert_tensors_close(
+            assert_tensors_close(  # frozen: exactly FSDP's own value at the change
                 result["state"][name],
-                at_change,
+                result["at_change"][name],
                 atol=0.0,
                 rtol=0.0,
                 name=f"{key}: {name}, frozen, changed after the change of trainable set",

@@ -63,6 +63,7 @@ from shardkit.nn.data_parallel.fully_sharded.unit import (
     is_unit,
     named_units,
     summon,
+    units_in,
 )
 
 __all__ = ["FSDP", "FullyShardedDataParallel"]
@@ -289,8 +290,7 @@ class FullyShardedDataParallel(nn.Module):
     def _lazy_init(self) -> None:
         """First call on a unit with no root: it becomes the root of its subtree."""
         if self._unit.root is None:
-            units = list(named_units(self).values())
-            self._unit.become_root(units, self._config.broadcast_buffers)
+            self._unit.become_root(units_in(self), self._config.broadcast_buffers)
 
     # forward -------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -320,7 +320,7 @@ class FullyShardedDataParallel(nn.Module):
         an optimizer built then steps the shards, the one current copy. Inside
         ``summon_full_params`` (and during forward and backward) they are the full ones.
         """
-        units = list(named_units(self).values()) if recurse else [self._unit]
+        units = units_in(self) if recurse else [self._unit]
         runtimes = [unit for unit in units if unit.has_leftover_full]
         seen: set[int] = set()
         for name, param in super().named_parameters(prefix, recurse, remove_duplicate=False):
@@ -360,7 +360,7 @@ class FullyShardedDataParallel(nn.Module):
             RuntimeError: called during forward or backward, or nested in another
                 ``summon_full_params()`` (``state_dict()`` inside one, too).
         """
-        with summon(list(named_units(self).values()) if recurse else [self._unit], writeback):
+        with summon(units_in(self) if recurse else [self._unit], writeback):
             yield
 
     @contextlib.contextmanager
@@ -372,7 +372,7 @@ class FullyShardedDataParallel(nn.Module):
         accumulation is also correct and keeps only sharded gradients. As DDP's
         ``no_sync``, the forward after one inside does not broadcast buffers.
         """
-        units = list(named_units(self).values())
+        units = units_in(self)
         for unit in units:
             unit.sync_gradients = False
         try:

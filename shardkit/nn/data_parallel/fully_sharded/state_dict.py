@@ -27,6 +27,7 @@ from shardkit.nn.data_parallel.fully_sharded.unit import (
     UnitRuntime,
     named_units,
     summon,
+    units_in,
 )
 
 __all__ = [
@@ -49,7 +50,7 @@ def full_state_dict(
     wrapped = getattr(root, _WRAPPED)
     if unit.gathering_state_dict:  # nested: the root gathered already
         return wrapped.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-    units = list(named_units(root).values())
+    units = units_in(root)
     casts = [cast for other in units for cast in other.buffer_casts]
     with summon(units, writeback=False), original_buffer_dtypes(casts):
         for other in units:

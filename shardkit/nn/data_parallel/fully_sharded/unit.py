@@ -79,6 +79,7 @@ __all__ = [
     "named_units",
     "runtime_of",
     "summon",
+    "units_in",
 ]
 
 WRAPPED = "_fsdp_wrapped_module"
@@ -104,13 +105,20 @@ def clean_name(name: str) -> str:
     return name.replace(f"{WRAPPED}.", "")
 
 
+def units_in(module: nn.Module) -> list[UnitRuntime]:
+    """Every unit in ``module``'s tree (itself included), in module order."""
+    return [_RUNTIMES[m] for m in module.modules() if m in _RUNTIMES]
+
+
 def named_units(module: nn.Module) -> dict[str, UnitRuntime]:
-    """Every unit in ``module``'s tree (itself included), keyed ``"<path>.flat_param"``
-    (``"flat_param"`` for the top), in module order."""
+    """The units of ``module``'s tree that hold parameters, keyed ``"<path>.flat_param"``
+    (``"flat_param"`` for the top), in module order: the keys of local state dicts and
+    sharded checkpoints. A unit wrapping another unit directly (no parameters of its
+    own) shares its path and is left out."""
     found: dict[str, UnitRuntime] = {}
     for name, mod in module.named_modules():
         runtime = runtime_of(mod)
-        if runtime is not None:
+        if runtime is not None and not is_unit(getattr(mod, WRAPPED)):
             clean = clean_name(name + ".").rstrip(".")
             found[f"{clean}.flat_param" if clean else "flat_param"] = runtime
     return found
