@@ -41,7 +41,23 @@ def _oss_step(group: dist.ProcessGroup, skip: bool) -> Action:
     return None if skip else step
 
 
+def _no_grad_forward(model: nn.Module) -> Action:
+    """A forward whose first collective is the all-gather (with grad enabled it is the
+    agreement on the trainable parameters)."""
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(torch.ones(2, 4))
+
+    return forward
+
+
 def _fsdp_forward(group: dist.ProcessGroup, skip: bool) -> Action:
+    model = FullyShardedDataParallel(nn.Linear(4, 4), process_group=group)
+    return None if skip else _no_grad_forward(model)
+
+
+def _fsdp_train_forward(group: dist.ProcessGroup, skip: bool) -> Action:
     model = FullyShardedDataParallel(nn.Linear(4, 4), process_group=group)
     return None if skip else lambda: model(torch.ones(2, 4))
 
@@ -56,7 +72,7 @@ def _fsdp_peer_gone(group: dist.ProcessGroup, skip: bool) -> Action:
     model = FullyShardedDataParallel(nn.Linear(4, 4), process_group=group)
     if skip:  # its connections close, as when a rank dies
         return lambda: dist.destroy_process_group(group)
-    return lambda: model(torch.ones(2, 4))
+    return _no_grad_forward(model)
 
 
 def _pipe_step(group: dist.ProcessGroup, skip: bool) -> Action:
@@ -88,6 +104,7 @@ def _cases() -> dict[str, str]:
     return {
         "oss": _run_case(_oss_step),
         "fsdp": _run_case(_fsdp_forward),
+        "fsdp-train": _run_case(_fsdp_train_forward),
         "sdp": _run_case(_sdp_backward),
         "fsdp-gone": _run_case(_fsdp_peer_gone),
         "pipe": _run_case(_pipe_step),
@@ -101,6 +118,8 @@ def test_skipped_collective_names_wrapper_and_operation(rank_pool: Any) -> None:
     expected = {
         "oss": "OSS: step: broadcast of updated parameters failed on rank 0 of a group of 2",
         "fsdp": "FullyShardedDataParallel: all-gather of parameters failed on rank 0 of a group of 2",
+        "fsdp-train": "FullyShardedDataParallel: agreement on the trainable parameters failed on "
+        "rank 0 of a group of 2",
         "sdp": "ShardedDataParallel: backward: reduce of gradients failed on rank 0 of a group of 2",
         "fsdp-gone": "FullyShardedDataParallel: all-gather of parameters failed on rank 0",
         "pipe": "PipelineStage: ",

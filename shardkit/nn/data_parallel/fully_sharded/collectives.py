@@ -27,7 +27,13 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from shardkit.distributed.collectives import global_rank
 from shardkit.distributed.failures import collective_context
 
-__all__ = ["Pending", "all_gather_flat", "broadcast_tensors", "reduce_scatter_flat"]
+__all__ = [
+    "Pending",
+    "all_gather_flat",
+    "all_reduce_max",
+    "broadcast_tensors",
+    "reduce_scatter_flat",
+]
 
 _WRAPPER = "FullyShardedDataParallel"
 _GATHER, _SCATTER = "all-gather of parameters", "reduce-scatter of gradients"
@@ -123,3 +129,10 @@ def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup | No
         for tensor in tensors:
             if tensor.numel() > 0:
                 dist.broadcast(tensor, src=src, group=group)
+
+
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None, operation: str) -> None:
+    """Element-wise maximum of ``tensor`` over the group, in place (a failure names
+    ``operation``)."""
+    with collective_context(_WRAPPER, operation, group):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)

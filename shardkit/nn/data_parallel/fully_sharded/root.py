@@ -33,7 +33,11 @@ from torch import nn
 from torch.autograd import Variable
 from torch.profiler import record_function
 
-from shardkit.nn.data_parallel.fully_sharded.collectives import Pending, broadcast_tensors
+from shardkit.nn.data_parallel.fully_sharded.collectives import (
+    Pending,
+    all_reduce_max,
+    broadcast_tensors,
+)
 
 __all__ = ["PhaseUnit", "RootState", "TrainableMismatchError"]
 
@@ -149,7 +153,7 @@ class RootState:
             hashlib.blake2b("\n".join(names).encode(), digest_size=7).digest(), "little"
         )
         both = torch.tensor([digest, -digest], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
+        all_reduce_max(both, self.process_group, "agreement on the trainable parameters")
         if int(both[0]) != digest or int(both[1]) != -digest:
             self._raise_mismatch(names)
 
