@@ -45,6 +45,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardkit.nn.prefix_hooks import hide_child_prefix
+
 __all__ = [
     "CheckpointWrapper",
     "checkpoint_wrapper",
@@ -141,8 +143,7 @@ class CheckpointWrapper(nn.Module):
         self.offload_to_cpu = offload_to_cpu
         # State dicts keep the wrapped module's own keys (no "module." prefix), so a
         # checkpoint of a wrapped model loads into the plain model and back.
-        self.register_state_dict_post_hook(_strip_prefix_hook)
-        self.register_load_state_dict_pre_hook(_add_prefix_hook)
+        hide_child_prefix(self, "module")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -158,29 +159,6 @@ class CheckpointWrapper(nn.Module):
             for a, d in zip(args, devices)
         )
         return self.module(*moved, **kwargs)
-
-
-def _strip_prefix_hook(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    inner = prefix + "module."
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
-
-
-def _add_prefix_hook(
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: Any,
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
-) -> None:
-    inner = prefix + "module."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
 
 
 def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Module:

@@ -65,6 +65,7 @@ from shardkit.nn.data_parallel.fully_sharded.unit import (
     summon,
     units_in,
 )
+from shardkit.nn.prefix_hooks import hide_child_prefix
 
 __all__ = ["FSDP", "FullyShardedDataParallel"]
 
@@ -261,8 +262,7 @@ class FullyShardedDataParallel(nn.Module):
         return infos, [_original(info) for info in infos]
 
     def _register_state_dict_hooks(self, module: nn.Module) -> None:
-        self._register_load_state_dict_pre_hook(sd.insert_wrapper_prefix)
-        self.register_load_state_dict_post_hook(sd.strip_wrapper_prefix)
+        hide_child_prefix(self, WRAPPED, on_save=False)  # state_dict() is full_state_dict
         for _, mod in _own_modules(module):
             mod.register_state_dict_pre_hook(
                 functools.partial(sd.refuse_direct_state_dict, self._unit)

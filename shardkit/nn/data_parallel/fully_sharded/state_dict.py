@@ -5,10 +5,11 @@ Each unit holds its module as ``_fsdp_wrapped_module``. ``state_dict()`` on the 
 all-gathers every unit (``summon_full_params``) and calls the wrapped module's
 ``state_dict``; ``nn.Module.state_dict`` recurses through each child's ``state_dict``,
 so a nested unit in gathering mode passes its prefix straight to its own wrapped
-module and no ``_fsdp_wrapped_module.`` appears in a key. Loading goes the other way:
-a load pre-hook on each unit inserts ``_fsdp_wrapped_module.`` after the unit's prefix,
-and a post-hook strips it from the missing/unexpected key lists, so errors show the
-unwrapped names.
+module and no ``_fsdp_wrapped_module.`` appears in a key. Loading goes the other way,
+through the hooks of :mod:`shardkit.nn.prefix_hooks` (shared with
+``checkpoint_wrapper``): a load pre-hook on each unit inserts ``_fsdp_wrapped_module.``
+after the unit's prefix, and a post-hook strips it from the missing/unexpected key
+lists, so errors show the unwrapped names.
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ from torch import nn
 
 from shardkit.nn.data_parallel.fully_sharded.precision import original_buffer_dtypes
 from shardkit.nn.data_parallel.fully_sharded.unit import (
-    WRAPPED as _WRAPPED,
-)
-from shardkit.nn.data_parallel.fully_sharded.unit import (
+    WRAPPED,
     UnitRuntime,
     named_units,
     summon,
@@ -32,14 +31,10 @@ from shardkit.nn.data_parallel.fully_sharded.unit import (
 
 __all__ = [
     "full_state_dict",
-    "insert_wrapper_prefix",
     "load_local_state_dict",
     "local_state_dict",
     "refuse_direct_state_dict",
-    "strip_wrapper_prefix",
 ]
-
-WRAPPED = _WRAPPED + "."
 
 
 def full_state_dict(
@@ -47,7 +42,7 @@ def full_state_dict(
 ) -> dict[str, Any]:
     """The state dict of the FSDP module ``root`` (whose runtime is ``unit``) with
     full tensors (see the module note)."""
-    wrapped = getattr(root, _WRAPPED)
+    wrapped = getattr(root, WRAPPED)
     if unit.gathering_state_dict:  # nested: the root gathered already
         return wrapped.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
     units = units_in(root)
@@ -96,19 +91,6 @@ def _copy_tensors(raw: Mapping[str, Any], device: torch.device | None) -> dict[s
             value = memo[id(value)]
         out[key] = value
     return out
-
-
-def insert_wrapper_prefix(state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    """Load pre-hook: ``<prefix>x`` -> ``<prefix>_fsdp_wrapped_module.x``, in place."""
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        if not key.startswith(prefix + WRAPPED):
-            state_dict[prefix + WRAPPED + key[len(prefix) :]] = state_dict.pop(key)
-
-
-def strip_wrapper_prefix(module: nn.Module, incompatible: Any) -> None:
-    """Load post-hook: remove wrapper names from the missing / unexpected key lists."""
-    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
-        keys[:] = [k.replace(WRAPPED, "") for k in keys]
 
 
 def local_state_dict(root: nn.Module) -> dict[str, torch.Tensor]:
