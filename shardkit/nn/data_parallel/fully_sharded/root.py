@@ -7,12 +7,16 @@ pass. The per-unit work lives in :class:`~.unit.UnitRuntime`.
 
 [Note: one forward, one current copy]
 A unit's local shard is the one current copy of its parameters; a full flat buffer is
-a cache made from it. The root keeps its full parameters after forward for the
-backward that usually follows, but a forward with no backward (a sanity check, an
-eval pass without ``no_grad``, generation) leaves them behind. Loads and optimizer
-steps then write the shards, not that cache, so :meth:`RootState.begin_forward` puts
-every leftover away before the next forward (every rank runs the same forwards, so
-they agree), and ``summon_full_params`` does the same before gathering. A backward
+a cache made from it. The root (and a unit with ``reshard_after_forward=False``) keeps
+its full parameters after forward for the backward that usually follows, but a forward
+with no backward (a sanity check, an eval pass without ``no_grad``, generation) leaves
+them behind. Loads and optimizer steps then write the shards, not that cache: the
+shard's version counter moves. :meth:`RootState.begin_forward` therefore reuses a
+leftover only while no rank's shard has moved since it was gathered (decided in the
+all-reduce that agrees on the trainable set, so every rank re-gathers or none does,
+and the all-gathers stay paired; micro-batch forwards of a pipeline keep their
+cache), and puts leftovers away before a forward without grad and before
+``summon_full_params``, which gathers afresh. A backward
 still pending from the old forward re-gathers its parameters; if the shard changed
 since that forward, it raises instead of mixing two sets of weights (see
 ``UnitRuntime.pre_backward``), as plain torch refuses a backward through a
@@ -53,6 +57,9 @@ class PhaseUnit(Protocol):
 
     @property
     def has_leftover_full(self) -> bool: ...
+
+    @property
+    def has_stale_full(self) -> bool: ...
 
     @property
     def has_ready_grads(self) -> bool: ...
@@ -116,13 +123,16 @@ class RootState:
 
     # the root's forward ----------------------------------------------------------
     def begin_forward(self) -> None:
-        """Before the root's forward: leftovers away, trainable set agreed, buffers synced."""
+        """Before the root's forward: trainable set agreed, stale leftovers away (see
+        [Note: one forward, one current copy]), buffers synced."""
         with record_function("FSDP::root_pre_forward"):
-            for unit in self.units:
-                if unit.has_leftover_full:  # see [Note: one forward, one current copy]
-                    unit.reshard()
+            stale = True  # without the agreement round (no grad), put leftovers away
             if torch.is_grad_enabled():
-                self._refresh_trainable()
+                stale = self._agree(any(u.has_stale_full for u in self.units))
+            if stale:
+                for unit in self.units:
+                    if unit.has_leftover_full:
+                        unit.reshard()
             if self.broadcast_buffers and self.sync_buffers:
                 buffers = list(self.module.buffers())
                 if buffers:
@@ -137,9 +147,14 @@ class RootState:
             if unit.is_prefetching or not backward_expected:
                 unit.reshard()  # an unused prefetch, or inference: nothing to keep
 
-    def _refresh_trainable(self) -> None:
-        """Adopt ``requires_grad`` changes made since the last forward (every unit), and
-        check that all ranks agree (one all-reduce of two integers).
+    def _agree(self, stale: bool) -> bool:
+        """Adopt ``requires_grad`` changes made since the last forward (every unit) and,
+        in one all-reduce of three integers, check that all ranks made the same ones and
+        learn whether any rank's leftover full parameters are stale.
+
+        Returns:
+            True if some rank holds a stale leftover (every rank then puts its
+            leftovers away, so the all-gathers stay paired).
 
         Raises:
             TrainableMismatchError: ranks differ; names the parameters and their ranks.
@@ -147,15 +162,16 @@ class RootState:
         for unit in self.units:
             unit.refresh_trainable()
         if not dist.is_initialized() or dist.get_world_size(self.process_group) == 1:
-            return
+            return stale
         names = [name for unit in self.units for name in unit.trainable_names()]
         digest = int.from_bytes(
             hashlib.blake2b("\n".join(names).encode(), digest_size=7).digest(), "little"
         )
-        both = torch.tensor([digest, -digest], dtype=torch.int64)
-        all_reduce_max(both, self.process_group, "agreement on the trainable parameters")
-        if int(both[0]) != digest or int(both[1]) != -digest:
+        agreed = torch.tensor([digest, -digest, int(stale)], dtype=torch.int64)
+        all_reduce_max(agreed, self.process_group, "agreement on the trainable parameters")
+        if int(agreed[0]) != digest or int(agreed[1]) != -digest:
             self._raise_mismatch(names)
+        return bool(agreed[2])
 
     def _raise_mismatch(self, names: list[str]) -> None:
         world = dist.get_world_size(self.process_group)

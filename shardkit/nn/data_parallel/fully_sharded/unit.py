@@ -165,6 +165,7 @@ class UnitRuntime:
         self._hooked: set[int] = set()
         self._kept_after_forward = False
         self._full_version = 0
+        self._gathered_shard_version = 0
         self._saved_shard: torch.Tensor | None = None
         self._update_trainable()
         _RUNTIMES[module] = self
@@ -174,6 +175,11 @@ class UnitRuntime:
     def has_leftover_full(self) -> bool:
         """Full parameters kept after a forward whose backward did not run (yet)."""
         return self._kept_after_forward and self.sharded_state is not ShardedState.SHARDED
+
+    @property
+    def has_stale_full(self) -> bool:
+        """A leftover full buffer whose shard was written since it was gathered."""
+        return self.has_leftover_full and self.shard_version != self._gathered_shard_version
 
     @property
     def has_ready_grads(self) -> bool:
@@ -198,6 +204,7 @@ class UnitRuntime:
         handle = self.handle
         if self.sharded_state is ShardedState.SHARDED:
             handle.alloc_full()
+            self._gathered_shard_version = self.shard_version
             self.pending_unshard = (
                 all_gather_flat(
                     handle.full_flat, handle.gather_source(), self.process_group, async_op=async_op
