@@ -40,7 +40,8 @@ setup(
             "psutil==7.2.2",
             "pydantic==2.14.4",
         ],
-        "hf": ["transformers"],
+        # the Trainer integration (shardkit.integrations.hf): the versions it is tested with
+        "hf": ["transformers==5.23.0", "accelerate==1.15.0"],
     },
     license="BSD-3-Clause",
 )
