@@ -28,6 +28,18 @@ layers with bookkeeping of their own.
 the inputs' device) are replayed by ``torch.utils.checkpoint`` (``preserve_rng_state``),
 so dropout draws the same mask twice.
 
+[Note: the wrapper and the wrapped module]
+FairScale's ``checkpoint_wrapper`` patches ``forward`` on the module it is given and
+returns that same module, so ``isinstance(wrapped, MyBlock)`` holds. Here the wrapper
+is a module of its own, :class:`CheckpointWrapper` (so that it can be recognised:
+``isinstance(m, CheckpointWrapper)``, ``transformer_auto_wrap_policy({CheckpointWrapper})``,
+and unwrapped: ``m.module``), and it is transparent otherwise: reading or setting an
+attribute the wrapper does not have reaches the wrapped module (``wrapped.cnt``,
+``wrapped.cnt = 0``), and its state-dict keys are the wrapped module's. Code that tests
+the type of a block writes ``isinstance(getattr(m, "module", m), MyBlock)``.
+:func:`disable_checkpointing` turns every ``CheckpointWrapper`` into a plain call within
+a ``with`` block (this thread), as FairScale's does.
+
 [Note: offload_to_cpu]
 With ``offload_to_cpu=True`` the tensors the checkpoint keeps (the region's inputs)
 are copied to CPU memory in forward and back to their device in the recompute; on a
@@ -50,6 +62,8 @@ from shardkit.nn.prefix_hooks import hide_child_prefix
 __all__ = [
     "CheckpointWrapper",
     "checkpoint_wrapper",
+    "disable_checkpointing",
+    "is_checkpointing_disabled",
     "is_recomputing",
     "recomputing",
     "run_checkpointed",
@@ -62,6 +76,32 @@ _state = threading.local()
 def is_recomputing() -> bool:
     """True while a checkpointed region runs its second (backward-time) forward."""
     return bool(getattr(_state, "recomputing", False))
+
+
+def is_checkpointing_disabled() -> bool:
+    """True inside :func:`disable_checkpointing` (this thread)."""
+    return bool(getattr(_state, "checkpointing_disabled", False))
+
+
+@contextlib.contextmanager
+def disable_checkpointing() -> Iterator[None]:
+    """Within the block, every :class:`CheckpointWrapper` runs its module plainly.
+
+    The activations are kept, so backward does not run the forward again (FairScale's
+    ``fairscale.nn.checkpoint.checkpoint_activations.disable_checkpointing``). Applies to
+    this thread; nests. Pipe's and OffloadModel's own checkpointing are not affected
+    (their ``checkpoint=`` / ``checkpoint_activation=`` arguments choose it).
+
+    Example:
+        >>> block = checkpoint_wrapper(nn.Linear(2, 2))
+        >>> with disable_checkpointing():
+        ...     block(torch.ones(1, 2)).sum().backward()  # one forward only
+    """
+    previous, _state.checkpointing_disabled = is_checkpointing_disabled(), True
+    try:
+        yield
+    finally:
+        _state.checkpointing_disabled = previous
 
 
 @contextlib.contextmanager
@@ -135,18 +175,46 @@ class CheckpointWrapper(nn.Module):
         module: the wrapped module (parameter names appear under ``module.``;
             state-dict keys do not carry that prefix).
         offload_to_cpu: whether the region's inputs are kept in CPU memory.
+
+    Any other attribute is the wrapped module's: ``wrapped.cnt`` reads and
+    ``wrapped.cnt = 0`` writes ``module.cnt`` (see the module notes).
     """
 
     def __init__(self, module: nn.Module, offload_to_cpu: bool = False) -> None:
         super().__init__()
+        self.offload_to_cpu = offload_to_cpu  # before `module`: stays the wrapper's own
         self.module = module
-        self.offload_to_cpu = offload_to_cpu
         # State dicts keep the wrapped module's own keys (no "module." prefix), so a
         # checkpoint of a wrapped model loads into the plain model and back.
         hide_child_prefix(self, "module")
 
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the wrapper lacks is the wrapped module's (``wrapped.cnt``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self._modules["module"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Setting an attribute that only the wrapped module has sets it there."""
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if (
+            inner is not None
+            and name not in self.__dict__
+            and name not in type(self).__dict__
+            and not isinstance(value, (nn.Module, nn.Parameter))
+            and name not in self._parameters
+            and name not in self._buffers
+            and hasattr(inner, name)
+        ):
+            setattr(inner, name, value)
+            return
+        super().__setattr__(name, value)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or is_checkpointing_disabled():
             return self.module(*args, **kwargs)
         devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
         if self.offload_to_cpu:
@@ -188,7 +256,10 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
     Notes:
         Outputs and gradients equal the unwrapped module's; BatchNorm running
         statistics are updated once per forward, not again in the recompute. Under
-        ``torch.no_grad()`` the module runs plainly, without checkpoint overhead.
+        ``torch.no_grad()`` and inside :func:`disable_checkpointing` the module runs
+        plainly, without checkpoint overhead. Attributes of ``module`` are reachable
+        through the wrapper (``wrapped.cnt``); ``isinstance(wrapped, CheckpointWrapper)``
+        is True and ``wrapped.module`` is ``module`` (FairScale returns ``module`` itself).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"checkpoint_wrapper expects an nn.Module, got {type(module).__name__}")
