@@ -8,6 +8,11 @@
   asynchronous broadcasts of each owner's tensors, planned by
   :func:`plan_owner_broadcast`).
 
+- :mod:`shardkit.distributed.mesh`: :class:`ParallelDims` (pp x dp_replicate x dp_shard
+  x tp) and :class:`ProcessMesh` (rank coordinates, groups created on demand).
+- :mod:`shardkit.distributed.mpu`: :class:`ModelParallelUnit` (Megatron-LM / DeepSpeed's
+  ``mpu``) and FairScale's ``initialize_model_parallel`` family.
+
 Nothing here knows about optimizers or modules; it moves lists of tensors.
 """
 
@@ -26,11 +31,16 @@ from shardkit.distributed.collectives import (
     group_ranks,
     plan_owner_broadcast,
 )
+from shardkit.distributed.mesh import ParallelDims, ProcessMesh
+from shardkit.distributed.mpu import ModelParallelUnit
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "BroadcastBucket",
     "BufferPool",
+    "ModelParallelUnit",
+    "ParallelDims",
+    "ProcessMesh",
     "broadcast_from_owners",
     "copy_scaled",
     "global_rank",

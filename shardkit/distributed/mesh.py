@@ -1,0 +1,298 @@
+"""The process mesh: how the world is split into pipeline, data- and tensor-parallel ranks.
+
+:class:`ParallelDims` describes the split (four degrees whose product is the world
+size); :class:`ProcessMesh` gives this rank's coordinates and creates the process
+groups of any set of dimensions on demand.
+
+[Note: the order of the dimensions]
+Ranks are numbered row-major over ``(pp, dp_replicate, dp_shard, tp)``: ``tp`` varies
+fastest, ``pp`` slowest, so::
+
+    rank = ((pp_i * dp_replicate + dpr_i) * dp_shard + dps_i) * tp + tp_i
+
+Tensor-parallel ranks are therefore adjacent (``tp`` consecutive ranks form a group).
+torchrun numbers one node's ranks consecutively, so with ``tp`` at most the GPUs per
+node a tensor-parallel group stays inside a node: it carries the most frequent and
+latency-bound traffic (two all-reduces of activations per transformer layer in
+forward and two in backward, Shoeybi et al. 2019, section 3), which needs NVLink, not
+the network. Data-parallel sharding (all-gather / reduce-scatter of parameters, once
+per unit) comes next, replication (one gradient all-reduce per step) after it, and the
+pipeline, which only sends activations between neighbouring stages, is outermost and
+may cross the slowest links. This is Megatron-LM's and torchtitan's order.
+
+[Note: creating groups]
+``torch.distributed.new_group`` is a collective: every rank of the world must call it
+for every group, in the same order, even for groups it is not part of (gloo and NCCL
+both require it). :meth:`ProcessMesh.group` therefore creates *all* the groups of the
+requested dimensions the first time any of them is asked for (on every rank, in
+ascending order of their lowest rank) and keeps the one holding this rank; later calls
+return the cached group. The first call for a set of dimensions must be made by every
+rank, in the same order as the other ranks' first calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["MESH_DIMS", "ParallelDims", "ProcessMesh"]
+
+#: The mesh dimensions, outermost first (``tp`` is innermost: adjacent ranks).
+MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+
+#: Short names for sets of dimensions.
+_ALIASES: dict[str, tuple[str, ...]] = {"dp": ("dp_replicate", "dp_shard")}
+
+
+def canonical_dims(dims: Iterable[str]) -> tuple[str, ...]:
+    """``dims`` (aliases expanded: ``"dp"`` is ``dp_replicate`` and ``dp_shard``) in mesh
+    order, without repeats.
+
+    Raises:
+        ValueError: an unknown dimension name, listing the known ones.
+    """
+    names: set[str] = set()
+    for d in dims:
+        expanded = _ALIASES.get(d, (d,))
+        for e in expanded:
+            if e not in MESH_DIMS:
+                raise ValueError(
+                    f"unknown mesh dimension {d!r}; choose from {list(MESH_DIMS)} or "
+                    f"{sorted(_ALIASES)}"
+                )
+            names.add(e)
+    return tuple(d for d in MESH_DIMS if d in names)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degrees of parallelism of a run; their product is the world size.
+
+    Example:
+        >>> ParallelDims(world_size=8, tp=2, pp=2).dp_shard   # inferred: 8 / (2 x 2)
+        2
+
+    Args:
+        world_size: number of ranks.
+        pp: pipeline-parallel degree (stages). Default 1.
+        dp_replicate: data-parallel replicas (the replica groups of hybrid sharding;
+            DDP). Default 1.
+        dp_shard: data-parallel ranks sharding parameters / gradients / optimizer
+            state (FSDP, OSS, ShardedDDP). Default -1: whatever is left,
+            ``world_size / (pp x dp_replicate x tp)``.
+        tp: tensor-parallel degree (Megatron-LM's column / row split). Default 1.
+
+    Raises:
+        ValueError: a degree below 1 (other than ``dp_shard=-1``), or degrees whose
+            product is not the world size; the message spells out the equation.
+    """
+
+    world_size: int
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "pp", "dp_replicate", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        others = self.pp * self.dp_replicate * self.tp
+        if self.dp_shard == -1:
+            if self.world_size % others != 0:
+                raise ValueError(
+                    f"cannot infer dp_shard: world size {self.world_size} is not divisible "
+                    f"by pp ({self.pp}) x dp_replicate ({self.dp_replicate}) x tp ({self.tp}) "
+                    f"= {others}"
+                )
+            object.__setattr__(self, "dp_shard", self.world_size // others)
+        if self.dp_shard < 1:
+            raise ValueError(f"dp_shard must be >= 1 or -1 (inferred); got {self.dp_shard}")
+        product = others * self.dp_shard
+        if product != self.world_size:
+            raise ValueError(
+                f"pp ({self.pp}) x dp_replicate ({self.dp_replicate}) x dp_shard "
+                f"({self.dp_shard}) x tp ({self.tp}) = {product}, but the world size is "
+                f"{self.world_size}; choose degrees whose product is {self.world_size}"
+            )
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        """The degrees in mesh order ``(pp, dp_replicate, dp_shard, tp)``."""
+        return tuple(getattr(self, d) for d in MESH_DIMS)
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree ``dp_replicate x dp_shard`` (ranks seeing different data)."""
+        return self.dp_replicate * self.dp_shard
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """The coordinate of ``rank`` along every dimension (``tp`` varies fastest).
+
+        Raises:
+            ValueError: ``rank`` outside ``[0, world_size)``.
+        """
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        coords: dict[str, int] = {}
+        rest = rank
+        for name, degree in zip(reversed(MESH_DIMS), reversed(self.degrees), strict=True):
+            coords[name] = rest % degree
+            rest //= degree
+        return {d: coords[d] for d in MESH_DIMS}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        """The rank at ``coords`` (missing dimensions are 0).
+
+        Raises:
+            ValueError: a coordinate outside its dimension's degree.
+        """
+        rank = 0
+        for name, degree in zip(MESH_DIMS, self.degrees, strict=True):
+            c = coords.get(name, 0)
+            if not 0 <= c < degree:
+                raise ValueError(f"coordinate {name}={c} is outside [0, {degree})")
+            rank = rank * degree + c
+        return rank
+
+    def group_ranks(self, dims: Iterable[str]) -> list[list[int]]:
+        """Every group of ``dims``: the ranks that differ only along ``dims``.
+
+        Groups are listed in ascending order of their lowest rank; inside a group the
+        ranks ascend, so a rank's index in its group is its coordinate along ``dims``
+        (row-major when ``dims`` has several dimensions).
+        """
+        varying = canonical_dims(dims)
+        fixed = [d for d in MESH_DIMS if d not in varying]
+        groups = []
+        for fixed_coords in itertools.product(*(range(getattr(self, d)) for d in fixed)):
+            base = dict(zip(fixed, fixed_coords, strict=True))
+            ranks = [
+                self.rank_of({**base, **dict(zip(varying, vc, strict=True))})
+                for vc in itertools.product(*(range(getattr(self, d)) for d in varying))
+            ]
+            groups.append(sorted(ranks))
+        return sorted(groups)
+
+
+class ProcessMesh:
+    """This rank's place in a :class:`ParallelDims` split, and its process groups.
+
+    Example:
+        >>> mesh = ProcessMesh(ParallelDims(world_size=4, tp=2))   # doctest: +SKIP
+        >>> mesh.coordinates          # rank 3: {'pp': 0, 'dp_replicate': 0, 'dp_shard': 1, 'tp': 1}
+        >>> tp_group = mesh.group("tp")              # ranks (2, 3) on rank 3
+        >>> dp_group = mesh.group("dp")              # ranks (1, 3) on rank 3
+
+    Every wrapper that takes a ``process_group`` takes a group of the mesh, e.g.
+    ``FullyShardedDataParallel(module, process_group=mesh.group("dp_shard"))``.
+
+    Args:
+        dims: the split; its ``world_size`` must equal the default group's.
+        backend: backend of the groups; default None (the default group's).
+        timeout: collective timeout of the groups; default None (torch's default).
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        ValueError: ``dims.world_size`` is not the world size.
+    """
+
+    def __init__(
+        self,
+        dims: ParallelDims,
+        *,
+        backend: str | None = None,
+        timeout: timedelta | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "ProcessMesh needs torch.distributed initialised first "
+                "(torch.distributed.init_process_group, or torchrun)"
+            )
+        world = dist.get_world_size()
+        if dims.world_size != world:
+            raise ValueError(
+                f"ParallelDims is for {dims.world_size} ranks but the world has {world}; "
+                f"build it with world_size={world}"
+            )
+        self.dims = dims
+        self.rank = dist.get_rank()
+        self.coordinates = dims.coordinates(self.rank)
+        self._backend = backend
+        self._timeout = timeout
+        self._groups: dict[tuple[str, ...], tuple[dist.ProcessGroup, list[int]]] = {}
+        self._created: list[dist.ProcessGroup] = []
+
+    def _entry(
+        self, dims: tuple[str, ...], backend: str | None
+    ) -> tuple[dist.ProcessGroup, list[int]]:
+        key = canonical_dims(dims)
+        if key not in self._groups:
+            mine: tuple[dist.ProcessGroup, list[int]] | None = None
+            for ranks in self.dims.group_ranks(key):  # every rank, every group, same order
+                if len(ranks) == self.dims.world_size:
+                    pg = dist.group.WORLD
+                    assert pg is not None
+                else:
+                    pg = dist.new_group(
+                        ranks, backend=backend or self._backend, timeout=self._timeout
+                    )
+                    self._created.append(pg)
+                if self.rank in ranks:
+                    mine = (pg, ranks)
+            assert mine is not None
+            self._groups[key] = mine
+        return self._groups[key]
+
+    def group(self, *dims: str, backend: str | None = None) -> dist.ProcessGroup:
+        """The process group of the ranks that differ from this one only along ``dims``
+        (``"dp"`` means ``dp_replicate`` and ``dp_shard``).
+
+        A collective the first time a set of dimensions is asked for (see
+        ``[Note: creating groups]``); cached afterwards. The whole world is returned as
+        ``torch.distributed.group.WORLD``.
+
+        Args:
+            dims: dimension names, in any order.
+            backend: backend for this set's groups when they are created; default None
+                (the mesh's).
+
+        Raises:
+            ValueError: an unknown dimension, or no dimension.
+        """
+        if not dims:
+            raise ValueError(f"name at least one dimension of {list(MESH_DIMS)}")
+        return self._entry(dims, backend)[0]
+
+    def ranks(self, *dims: str) -> list[int]:
+        """The global ranks of this rank's group of ``dims``, ascending (no collective)."""
+        key = canonical_dims(dims)
+        if key in self._groups:
+            return list(self._groups[key][1])
+        return next(r for r in self.dims.group_ranks(key) if self.rank in r)
+
+    def size(self, *dims: str) -> int:
+        """The product of the degrees of ``dims``."""
+        size = 1
+        for d in canonical_dims(dims):
+            size *= getattr(self.dims, d)
+        return size
+
+    def local_rank(self, *dims: str) -> int:
+        """This rank's index in its group of ``dims`` (row-major over them)."""
+        return self.ranks(*dims).index(self.rank)
+
+    def destroy(self) -> None:
+        """Destroy the groups this mesh created (not the world); the mesh is unusable after."""
+        for pg in self._created:
+            dist.destroy_process_group(pg)
+        self._created.clear()
+        self._groups.clear()
+
+    def __repr__(self) -> str:
+        degrees = ", ".join(f"{d}={getattr(self.dims, d)}" for d in MESH_DIMS)
+        return f"ProcessMesh({degrees}; rank {self.rank} at {self.coordinates})"

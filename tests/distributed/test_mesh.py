@@ -1,0 +1,227 @@
+"""The process mesh (issue 18): degrees, coordinates, groups, and the mpu interfaces.
+
+The expected groups are computed here from the layout's definition (``tp`` fastest,
+``pp`` slowest), independently of ``ParallelDims.group_ranks``; on spawned ranks the
+membership of each created group is read back with an all-reduce over that group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardkit.distributed import mpu
+from shardkit.distributed.mesh import MESH_DIMS, ParallelDims, ProcessMesh
+
+
+def _coords(rank: int, pp: int, dpr: int, dps: int, tp: int) -> tuple[int, int, int, int]:
+    rank, t = divmod(rank, tp)
+    rank, s = divmod(rank, dps)
+    p, r = divmod(rank, dpr)
+    assert p < pp
+    return p, r, s, t
+
+
+def _expected(world: int, degrees: dict[str, int], dims: tuple[str, ...], rank: int) -> list[int]:
+    """Ranks equal to ``rank`` on every coordinate outside ``dims``."""
+    args = [degrees[d] for d in MESH_DIMS]
+    mine = _coords(rank, *args)
+    keep = [i for i, d in enumerate(MESH_DIMS) if d not in dims]
+    return [r for r in range(world) if all(_coords(r, *args)[i] == mine[i] for i in keep)]
+
+
+# pure: degrees and their errors ----------------------------------------------------------
+def test_product_error_spells_out_the_equation() -> None:
+    with pytest.raises(ValueError) as err:
+        ParallelDims(world_size=8, pp=2, dp_shard=3, tp=2)
+    msg = str(err.value)
+    assert "pp (2) x dp_replicate (1) x dp_shard (3) x tp (2) = 12" in msg
+    assert "world size is 8" in msg
+
+
+def test_inferred_dp_shard_and_its_error() -> None:
+    assert ParallelDims(world_size=8, tp=2, pp=2).dp_shard == 2
+    assert ParallelDims(world_size=8, tp=2, pp=2).dp == 2
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by .* = 4"):
+        ParallelDims(world_size=6, tp=4)
+    with pytest.raises(ValueError, match="tp must be >= 1; got 0"):
+        ParallelDims(world_size=4, tp=0)
+
+
+def test_unknown_dimension_is_named() -> None:
+    dims = ParallelDims(world_size=4, tp=2)
+    with pytest.raises(ValueError, match="unknown mesh dimension 'cp'"):
+        dims.group_ranks(["cp"])
+
+
+def test_mesh_needs_a_process_group() -> None:
+    if dist.is_initialized():  # pragma: no cover - tests run without a default group
+        pytest.skip("needs an uninitialised default group")
+    with pytest.raises(RuntimeError, match="initialised first"):
+        ProcessMesh(ParallelDims(world_size=2))
+
+
+degree = st.sampled_from([1, 2, 3])
+
+
+@settings(max_examples=60, deadline=None)
+@given(pp=degree, dpr=degree, dps=degree, tp=degree, data=st.data())
+def test_layout_matches_definition(pp: int, dpr: int, dps: int, tp: int, data: Any) -> None:
+    world = pp * dpr * dps * tp
+    dims = ParallelDims(world_size=world, pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp)
+    degrees = dict(zip(MESH_DIMS, (pp, dpr, dps, tp), strict=True))
+    rank = data.draw(st.integers(0, world - 1))
+    coords = dims.coordinates(rank)
+    assert tuple(coords.values()) == _coords(rank, pp, dpr, dps, tp)
+    assert dims.rank_of(coords) == rank
+    for names in (("tp",), ("pp",), ("dp",), ("dp_shard",), ("tp", "pp"), tuple(MESH_DIMS)):
+        groups = dims.group_ranks(names)
+        # a partition of the world into equal groups
+        assert sorted(r for g in groups for r in g) == list(range(world))
+        expanded = ("dp_replicate", "dp_shard") if names == ("dp",) else names
+        mine = next(g for g in groups if rank in g)
+        assert mine == _expected(world, degrees, expanded, rank)
+    # tensor-parallel ranks are adjacent
+    tp_group = next(g for g in dims.group_ranks(["tp"]) if rank in g)
+    assert tp_group == list(range(tp_group[0], tp_group[0] + tp))
+
+
+# spawned: groups really hold those ranks ---------------------------------------------------
+def _members(group: dist.ProcessGroup, world: int) -> list[int]:
+    t = torch.zeros(world)
+    t[dist.get_rank()] = 1.0
+    dist.all_reduce(t, group=group)
+    return [int(i) for i in t.nonzero().flatten()]
+
+
+DIM_SETS: list[tuple[str, ...]] = [("tp",), ("pp",), ("dp",), ("dp_shard",), ("tp", "pp")]
+
+
+def run_mesh_configs(configs: list[dict[str, int]]) -> list[dict[str, Any]]:
+    world = dist.get_world_size()
+    out = []
+    for degrees in configs:
+        mesh = ProcessMesh(ParallelDims(world_size=world, **degrees))
+        result: dict[str, Any] = {"coords": mesh.coordinates, "groups": {}}
+        for dims in DIM_SETS:
+            group = mesh.group(*dims)
+            result["groups"][dims] = {
+                "members": _members(group, world),
+                "ranks": mesh.ranks(*dims),
+                "group_rank": dist.get_rank(group),
+                "local_rank": mesh.local_rank(*dims),
+                "size": mesh.size(*dims),
+            }
+        mesh.destroy()
+        out.append(result)
+    return out
+
+
+def run_mpu(model_parallel_size: int, pipeline_length: int) -> dict[str, Any]:
+    world = dist.get_world_size()
+    try:
+        ProcessMesh(ParallelDims(world_size=2 * world))
+    except ValueError as err:
+        wrong_world = str(err)
+    mpu.initialize_model_parallel(model_parallel_size, pipeline_length)
+    try:
+        with pytest.raises(RuntimeError, match="already initialized"):
+            mpu.initialize_model_parallel(model_parallel_size, pipeline_length)
+        unit = mpu.get_mpu()
+        return {
+            "initialized": mpu.model_parallel_is_initialized(),
+            "wrong_world": wrong_world,
+            "fs_mp": (
+                mpu.get_model_parallel_rank(),
+                mpu.get_model_parallel_world_size(),
+                _members(mpu.get_model_parallel_group(), world),
+                mpu.get_model_parallel_src_rank(),
+            ),
+            "fs_dp": (
+                mpu.get_data_parallel_rank(),
+                mpu.get_data_parallel_world_size(),
+                _members(mpu.get_data_parallel_group(), world),
+            ),
+            "fs_pp": (
+                _members(mpu.get_pipeline_parallel_group(), world),
+                mpu.get_pipeline_parallel_ranks(),
+            ),
+            "tp": (
+                unit.get_tensor_model_parallel_rank(),
+                unit.get_tensor_model_parallel_world_size(),
+                _members(unit.get_tensor_model_parallel_group(), world),
+                unit.get_slice_parallel_world_size(),
+            ),
+            "pipe": (
+                unit.get_pipe_parallel_rank(),
+                unit.get_pipe_parallel_world_size(),
+                _members(unit.get_pipe_parallel_group(), world),
+                unit.is_pipeline_first_stage(),
+                unit.is_pipeline_last_stage(),
+            ),
+            "dp": (
+                unit.get_data_parallel_rank(),
+                unit.get_data_parallel_world_size(),
+                _members(unit.get_data_parallel_group(), world),
+            ),
+            "mp": (
+                unit.get_model_parallel_rank(),
+                unit.get_model_parallel_world_size(),
+                _members(unit.get_model_parallel_group(), world),
+            ),
+        }
+    finally:
+        mpu.destroy_model_parallel()
+        assert not mpu.model_parallel_is_initialized()
+
+
+CONFIGS: dict[int, list[dict[str, int]]] = {
+    4: [{"tp": 2}, {"tp": 2, "pp": 2}, {"tp": 4}, {"pp": 2, "dp_replicate": 2}],
+    8: [{"tp": 2, "pp": 2, "dp_replicate": 2}, {"tp": 4, "pp": 2}],
+}
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_mesh_groups_on_ranks(rank_pool: Any, world: int) -> None:
+    per_rank = rank_pool(world).run(run_mesh_configs, CONFIGS[world])
+    for i, degrees in enumerate(CONFIGS[world]):
+        dims = ParallelDims(world_size=world, **degrees)
+        full = {d: getattr(dims, d) for d in MESH_DIMS}
+        for rank in range(world):
+            result = per_rank[rank][i]
+            assert tuple(result["coords"].values()) == _coords(rank, *full.values())
+            for names in DIM_SETS:
+                expanded = ("dp_replicate", "dp_shard") if names == ("dp",) else names
+                want = _expected(world, full, expanded, rank)
+                got = result["groups"][names]
+                assert got["members"] == want, (degrees, rank, names)
+                assert got["ranks"] == want
+                assert got["group_rank"] == got["local_rank"] == want.index(rank)
+                assert got["size"] == len(want)
+
+
+@pytest.mark.parametrize(("world", "mp", "pipe"), [(4, 2, 1), (8, 2, 2)])
+def test_mpu_interfaces(rank_pool: Any, world: int, mp: int, pipe: int) -> None:
+    per_rank = rank_pool(world).run(run_mpu, mp, pipe)
+    full = {"pp": pipe, "dp_replicate": 1, "dp_shard": world // (mp * pipe), "tp": mp}
+    for rank, res in enumerate(per_rank):
+        p, _, s, t = _coords(rank, *full.values())
+        tp_group = _expected(world, full, ("tp",), rank)
+        dp_group = _expected(world, full, ("dp_replicate", "dp_shard"), rank)
+        pp_group = _expected(world, full, ("pp",), rank)
+        mp_group = _expected(world, full, ("tp", "pp"), rank)
+        assert res["initialized"]
+        assert (
+            f"ParallelDims is for {2 * world} ranks but the world has {world}" in res["wrong_world"]
+        )
+        assert res["fs_mp"] == (t, mp, tp_group, tp_group[0])  # FairScale: tp only
+        assert res["tp"] == (t, mp, tp_group, mp)
+        assert res["fs_dp"] == res["dp"] == (s, world // (mp * pipe), dp_group)
+        assert res["fs_pp"] == (pp_group, pp_group)
+        assert res["pipe"] == (p, pipe, pp_group, p == 0, p == pipe - 1)
+        assert res["mp"] == (mp_group.index(rank), mp * pipe, mp_group)  # Megatron: tp x pp
