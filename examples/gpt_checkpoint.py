@@ -3,7 +3,8 @@
 Layout in ``--out-dir`` (the format of :mod:`shardkit.checkpoint.manifest`)::
 
     ckpt-000100/rank0.pt       this rank's payload (strategy state, LR scheduler,
-    ckpt-000100/rank1.pt       data-sampler position, RNG states, loss history)
+    ckpt-000100/rank1.pt       data-sampler position, RNG states, loss history;
+                               tensors and plain containers only)
     ckpt-000100/manifest.json  step, world size, strategy, bytes + sha256 per file
     latest                     the name of the newest complete checkpoint (rank 0)
 
@@ -101,11 +102,41 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """This rank's payload from ``ckpt``, after checking the manifest matches the run.
 
+    A collective when a process group of more than one rank is up: the ranks agree, so
+    a file refused on one rank ends every rank with the same error (no rank trains on
+    while another has stopped).
+
     Raises:
         InputError: the manifest or the file is missing or damaged, or was written by
             another world size, strategy or model shape (the message names both and
-            the fix).
+            the fix), or the file holds an object other than tensors and plain
+            containers (refused unloaded: it could run code). On every rank, with the
+            message of the first rank that failed.
     """
+    payload: dict[str, Any] = {}
+    error: str | None = None
+    try:
+        payload = _load_rank_file(ckpt, rank, world_size, strategy, device, model)
+    except InputError as err:
+        error = str(err)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise InputError(error)
+    return payload
+
+
+def _load_rank_file(
+    ckpt: Path,
+    rank: int,
+    world_size: int,
+    strategy: str,
+    device: torch.device,
+    model: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """:func:`load_checkpoint` on this rank alone."""
     try:
         saved = manifest.read_manifest(ckpt)
         run = (saved.world_size, saved.layout.get("strategy"))
@@ -129,8 +160,10 @@ def load_checkpoint(
                 f"--resume: {ckpt} was written with {flags}; resume with the same model "
                 "flags, or use another --out-dir"
             )
+        # tensors and plain containers only: a file that names any other object is
+        # refused (CheckpointUnsafeError), the checksums beside it prove nothing
         payload: dict[str, Any] = manifest.load_checkpoint_file(
-            ckpt, _rank_file(rank), map_location=device, weights_only=False
+            ckpt, _rank_file(rank), map_location=device
         )
     except CheckpointError as err:
         raise InputError(f"--resume: {err}") from err

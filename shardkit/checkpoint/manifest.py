@@ -29,6 +29,15 @@ intact but does not fit this run (another world size, another format version) ra
 :class:`CheckpointMismatchError` and is not skipped: an older checkpoint would not fit
 either, and silently training from an old state loses work.
 
+[Note: tensors and plain containers only]
+Every shardkit checkpoint file is read with :func:`load_tensors_only`: ``torch.load``
+with ``weights_only=True`` (tensors, numbers, strings, and lists, tuples, dicts and
+sets of them), so a file from an untrusted source cannot run code when loaded (a
+pickle can name any callable; unpickling calls it). A file holding anything else is
+refused with :class:`CheckpointUnsafeError`, naming the file and the object. The
+checksums do not protect against that: they sit in the same directory and are as easy
+to rewrite as the file.
+
 The same ideas as DeepSpeed's ``latest`` tag file and torch.distributed.checkpoint's
 ``.metadata`` file; the checksums are shardkit's addition.
 """
@@ -38,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -61,12 +71,14 @@ __all__ = [
     "CheckpointError",
     "CheckpointFallbackWarning",
     "CheckpointMismatchError",
+    "CheckpointUnsafeError",
     "FileRecord",
     "Manifest",
     "checkpoint_name",
     "find_valid_checkpoint",
     "list_checkpoints",
     "load_checkpoint_file",
+    "load_tensors_only",
     "read_manifest",
     "save_checkpoint",
     "verify_checkpoint",
@@ -97,6 +109,12 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """Intact, but not for this run: another ``world size`` or ``format``."""
+
+
+class CheckpointUnsafeError(CheckpointError):
+    """A file holds an object other than tensors and plain containers (problem ``unsafe``):
+    loading it could run code, so it is refused (see [Note: tensors and plain
+    containers only]). Not damage: an older checkpoint is not tried instead."""
 
 
 class CheckpointFallbackWarning(UserWarning):
@@ -280,18 +298,65 @@ def load_checkpoint_file(
     map_location: torch.device | str | None = None,
     weights_only: bool = True,
 ) -> Any:
-    """``torch.load`` file ``name`` of ``ckpt`` after :func:`verify_checkpoint` of it.
+    """Load file ``name`` of ``ckpt`` after :func:`verify_checkpoint` of it.
 
     Args:
         world_size: as in :func:`verify_checkpoint`.
         map_location: as in ``torch.load``.
-        weights_only: as in ``torch.load`` (default True: tensors and plain containers only).
+        weights_only: default True: :func:`load_tensors_only` (tensors and plain
+            containers only). False unpickles anything, running whatever code the file
+            names: only for a file from a trusted source; shardkit never passes it.
 
     Raises:
         CheckpointCorruptError, CheckpointMismatchError: see :func:`verify_checkpoint`.
+        CheckpointUnsafeError: the file holds something other than tensors and plain
+            containers (see :func:`load_tensors_only`).
     """
     verify_checkpoint(ckpt, world_size=world_size, names=[name])
-    return torch.load(Path(ckpt) / name, map_location=map_location, weights_only=weights_only)
+    if not weights_only:  # the caller's explicit choice, for a file it trusts
+        return torch.load(Path(ckpt) / name, map_location=map_location, weights_only=False)
+    return load_tensors_only(Path(ckpt) / name, map_location=map_location)
+
+
+def _refusal_reason(err: pickle.UnpicklingError) -> str:
+    """The line of torch's weights-only message that names the refused object."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    useful = [
+        line
+        for line in lines
+        if not line.startswith(("Weights only load failed", "Check the documentation"))
+    ]
+    return " ".join(useful) or (lines[0] if lines else type(err).__name__)
+
+
+def load_tensors_only(
+    path: PathLike, *, map_location: torch.device | str | None = None, mmap: bool = False
+) -> Any:
+    """``torch.load(path, weights_only=True)``: tensors and plain containers only.
+
+    The loader of every shardkit checkpoint file (see [Note: tensors and plain
+    containers only]). ``weights_only`` is passed explicitly, so the environment
+    variable ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` does not turn it off.
+
+    Args:
+        map_location, mmap: as in ``torch.load``.
+
+    Raises:
+        CheckpointUnsafeError: the file holds another object (a class instance, a
+            function, anything a pickle could call); nothing of it was executed.
+    """
+    try:
+        return torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointUnsafeError(
+            path,
+            "unsafe",
+            f"{path} holds an object that is not a tensor or a plain container "
+            f"({_refusal_reason(err)}); refused: loading it could run code. shardkit "
+            "checkpoint files hold tensors, numbers, strings, lists, tuples and dicts "
+            "only; a file from an untrusted source may have been tampered with, even "
+            "with a matching manifest",
+        ) from err
 
 
 def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:

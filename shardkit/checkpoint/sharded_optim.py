@@ -35,7 +35,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from shardkit.checkpoint.atomic import atomic_save
@@ -44,6 +43,7 @@ from shardkit.checkpoint.manifest import (
     MANIFEST_NAME,
     find_valid_checkpoint,
     list_checkpoints,
+    load_tensors_only,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -243,6 +243,8 @@ def load_optimizer_shards(directory: PathLike) -> dict[str, Any]:
 
     Raises:
         CheckpointCorruptError: a file does not match the manifest.
+        CheckpointUnsafeError: a file holds something other than tensors and plain
+            containers (:func:`~shardkit.checkpoint.manifest.load_tensors_only`).
         FileNotFoundError: if ``directory`` has no shard file.
         ValueError: if the files do not form one complete save, or have another format.
     """
@@ -258,7 +260,7 @@ def _load_files(directory: Path) -> dict[str, Any]:
         raise FileNotFoundError(
             f"no optimizer shard files (optim-shard-<rank>-of-<world>.pt) in {directory}"
         )
-    shards = [torch.load(p, map_location="cpu", mmap=True, weights_only=True) for p in files]
+    shards = [load_tensors_only(p, map_location="cpu", mmap=True) for p in files]
     for path, shard in zip(files, shards):
         if shard.get("format") != SHARD_FORMAT:
             raise ValueError(

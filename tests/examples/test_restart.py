@@ -23,6 +23,7 @@ import torch.distributed as dist
 import train_gpt
 
 from shardkit.checkpoint.manifest import verify_checkpoint
+from tests.checkpoint.payload import plant_payload
 from tests.examples import faults
 
 TINY = ["--model-size", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1"]
@@ -148,3 +149,35 @@ def test_damaged_latest_falls_back_to_previous(
         assert len(lines) == 1, lines
         assert lines[0].startswith("train_gpt.py: error: --resume: no usable checkpoint")
         assert "ckpt-000008/rank0.pt is truncated" in lines[0], lines
+
+
+def _planted_resume(root: Path) -> list[Any]:
+    """On each pool rank: a run stopped after step 3; rank 0 plants a pickle payload in
+    ``ckpt-000003/rank1.pt`` (manifest rewritten to match); ``--resume``."""
+    out: list[Any] = [_main_quiet([*COMMON, "--out-dir", str(root), "--stop-after", "3"])]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        plant_payload(root / "ckpt-000003", "rank1.pt", root / "marker")
+    dist.barrier()
+    out.append(_main_quiet([*COMMON, "--out-dir", str(root), "--resume"]))
+    dist.barrier()
+    out.append((root / "marker").exists())
+    return out
+
+
+def test_resume_refuses_pickle_payload(rank_pool: Any, tmp_path: Path) -> None:
+    """``--resume`` loads tensors and plain containers only: a payload planted in one
+    rank's file, with a matching manifest, ends every rank with exit code 2 and one
+    line naming the file; the payload never runs."""
+    per_rank = rank_pool(2).run(_planted_resume, tmp_path, timeout_s=180)
+    for first, (code, lines), marker in per_rank:
+        assert first == (0, []), first
+        assert code == 2, lines
+        assert not marker
+        assert len(lines) == 1, lines  # the same error on rank 0, whose file is intact
+        assert lines[0].startswith(
+            f"train_gpt.py: error: --resume: {tmp_path / 'ckpt-000003' / 'rank1.pt'} holds "
+            "an object that is not a tensor or a plain container"
+        ), lines
+        assert "posix.system" in lines[0] and "refused: loading it could run code" in lines[0]
+    assert not (tmp_path / "marker").exists()
