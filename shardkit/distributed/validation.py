@@ -5,7 +5,14 @@ and step optimizers; each needs floating-point parameters that hold real memory.
 parameter that breaks this (an integer or complex dtype, one on the meta device) fails
 much later otherwise, inside a collective or an optimizer, with a message that does
 not name the parameter. :func:`check_parameters` names the first such parameter, its
-dtype or device, why it cannot be wrapped and the fix. :func:`check_not_wrapped`
+dtype or device, why it cannot be wrapped and the fix.
+
+Wrappers that keep every parameter whole on every rank and only reduce and step the
+trainable ones (OSS, ShardedDataParallel: ``allow_frozen_integer=True``) accept a frozen
+integer or bool parameter (``requires_grad=False``; torch refuses ``requires_grad=True``
+on those dtypes), as torch's DistributedDataParallel and FairScale do: it is never packed
+into a gradient bucket nor stepped, only broadcast like a buffer. Wrappers that flatten
+every parameter into one floating-point buffer (FSDP) still refuse it. :func:`check_not_wrapped`
 refuses a module that is already (or contains) the same wrapper.
 
 No collective: every rank checks its own parameters (the cross-rank agreement is
@@ -25,7 +32,9 @@ from torch import nn
 __all__ = ["check_not_wrapped", "check_parameters", "parameter_problem"]
 
 
-def _dtype_problem(name: str, param: torch.Tensor, wrapper: str) -> str | None:
+def _dtype_problem(
+    name: str, param: torch.Tensor, wrapper: str, allow_frozen_integer: bool = False
+) -> str | None:
     dtype = param.dtype
     if dtype.is_complex:
         return (
@@ -36,6 +45,8 @@ def _dtype_problem(name: str, param: torch.Tensor, wrapper: str) -> str | None:
             "torch.view_as_complex(self.w)"
         )
     if not dtype.is_floating_point:
+        if allow_frozen_integer and not param.requires_grad:
+            return None  # never reduced nor stepped: broadcast like a buffer
         return (
             f"{wrapper}: parameter `{name}` (shape {tuple(param.shape)}) has the dtype {dtype}; "
             "optimizers and gradient reductions need floating-point parameters (an integer "
@@ -59,6 +70,7 @@ def parameter_problem(
     named_params: Iterable[tuple[str, torch.Tensor]],
     *,
     allow_meta: bool = False,
+    allow_frozen_integer: bool = False,
 ) -> TypeError | ValueError | None:
     """The error :func:`check_parameters` would raise, returned instead (None: all fine).
 
@@ -66,7 +78,7 @@ def parameter_problem(
     :func:`shardkit.distributed.consistency.verify_consistent` as ``local_error``.
     """
     for name, param in named_params:
-        problem = _dtype_problem(name, param, wrapper)
+        problem = _dtype_problem(name, param, wrapper, allow_frozen_integer)
         if problem is not None:
             return TypeError(problem)
         if param.is_meta and not allow_meta:
@@ -79,6 +91,7 @@ def check_parameters(
     named_params: Iterable[tuple[str, torch.Tensor]],
     *,
     allow_meta: bool = False,
+    allow_frozen_integer: bool = False,
 ) -> None:
     """Refuse parameters a sharded wrapper cannot hold, naming the first one and the fix.
 
@@ -87,14 +100,20 @@ def check_parameters(
         named_params: ``(name, parameter)`` pairs, e.g. ``module.named_parameters()``.
         allow_meta: accept parameters on the meta device (a wrapper that materialises
             them itself, such as OffloadModel's disk tier). Default False.
+        allow_frozen_integer: accept integer and bool parameters with
+            ``requires_grad=False`` (a wrapper that reduces and steps only trainable
+            parameters and keeps every parameter whole: OSS, ShardedDataParallel).
+            Default False.
 
     Raises:
-        TypeError: a parameter has an integer, bool or complex dtype (the message says
-            why and how to store it instead).
+        TypeError: a parameter has a complex dtype, or an integer or bool dtype unless
+            ``allow_frozen_integer`` (the message says why and how to store it instead).
         ValueError: a parameter is on the meta device and ``allow_meta`` is False (the
             message gives ``module.to_empty(device=...)`` and an initialisation).
     """
-    problem = parameter_problem(wrapper, named_params, allow_meta=allow_meta)
+    problem = parameter_problem(
+        wrapper, named_params, allow_meta=allow_meta, allow_frozen_integer=allow_frozen_integer
+    )
     if problem is not None:
         raise problem
 

@@ -181,8 +181,10 @@ class OSS(Optimizer):
     Raises:
         TypeError: if ``optim`` is not a ``torch.optim.Optimizer`` subclass or is
             ``OSS`` itself, ``params`` is an optimizer (wrapping twice), or a parameter
-            has an integer, bool or complex dtype
-            (:func:`shardkit.distributed.validation.check_parameters`).
+            has a complex dtype
+            (:func:`shardkit.distributed.validation.check_parameters`). A frozen
+            (``requires_grad=False``) integer or bool parameter is accepted, as in
+            FairScale: it has no owner and is never stepped nor broadcast.
         ValueError: if ``process_group`` and ``group`` are both given and differ
             (raised before any collective); if ``params`` is empty (or holds only empty
             param groups) or a parameter is on the meta device; ``optim``'s own errors
@@ -225,7 +227,7 @@ class OSS(Optimizer):
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.global_rank = global_rank(group, self.rank)
         self._param_rank: dict[torch.Tensor, int] = {}
-        problem = parameter_problem("OSS", self._named_params())
+        problem = parameter_problem("OSS", self._named_params(), allow_frozen_integer=True)
         if problem is None:
             try:  # no collective in the first build; the inner optimizer checks its arguments
                 self.optim: Optimizer = self._build_local_optimizer()

@@ -55,8 +55,11 @@ def _wrapper_cases() -> dict[str, Any]:
     oss = OSS(nn.Linear(2, 2).parameters(), lr=0.1)
     sdp = _sdp(nn.Linear(2, 2))
     return {
+        # frozen integer / bool parameters: OSS and ShardedDataParallel accept them (as
+        # DDP and FairScale do); FSDP, which flattens every parameter, refuses them
         "oss-int": _error(lambda: OSS(_with_param(torch.int64).parameters(), lr=0.1)),
         "sdp-bool": _error(lambda: _sdp(_with_param(torch.bool))),
+        "sdp-int": _error(lambda: _sdp(_with_param(torch.int32))),
         "fsdp-int": _error(lambda: FullyShardedDataParallel(_with_param(torch.int32))),
         "oss-complex": _error(lambda: OSS(_with_param(torch.complex64).parameters(), lr=0.1)),
         "sdp-complex": _error(lambda: _sdp(_with_param(torch.complex64))),
@@ -83,9 +86,12 @@ def test_wrappers_refuse_bad_parameters_and_double_wrapping(rank_pool: Any) -> N
         where = "param_groups[0][2]" if wrapper == "oss" else "0.extra"
         dtype = {"oss": "torch.int64", "sdp": "torch.bool", "fsdp": "torch.int32"}[wrapper]
         bad = errors[f"{wrapper}-{'bool' if wrapper == 'sdp' else 'int'}"]
-        assert bad.startswith(f"TypeError: {label}: parameter `{where}` (shape (3,))"), bad
-        assert f"has the dtype {dtype}" in bad and "need floating-point" in bad
-        assert "register_buffer" in bad
+        if wrapper == "fsdp":
+            assert bad.startswith(f"TypeError: {label}: parameter `{where}` (shape (3,))"), bad
+            assert f"has the dtype {dtype}" in bad and "need floating-point" in bad
+            assert "register_buffer" in bad
+        else:
+            assert bad == "ok", bad
         cplx = errors[f"{wrapper}-complex"]
         assert cplx.startswith(f"TypeError: {label}: parameter `{where}`"), cplx
         assert "torch.complex64" in cplx and "torch.view_as_real" in cplx
@@ -95,6 +101,7 @@ def test_wrappers_refuse_bad_parameters_and_double_wrapping(rank_pool: Any) -> N
         where = "param_groups[0][0]" if wrapper == "oss" else "weight"
         assert meta.startswith(f"ValueError: {label}: parameter `{where}` (shape (2, 2))"), meta
         assert "meta device" in meta and "module.to_empty(device=...)" in meta
+    assert errors["sdp-int"] == "ok"
     assert errors["oss-of-oss"].startswith(
         "TypeError: OSS got an instance of OSS as its parameters"
     )
@@ -136,6 +143,30 @@ def test_single_process_wrappers_refuse_bad_parameters(tmp_path: Any) -> None:
     meta = nn.Sequential(nn.Linear(2, 2, device="meta"), nn.Linear(2, 2, device="meta"))
     disk = OffloadModel(meta, "cpu", offload_dir=tmp_path, num_slices=2)
     assert disk(torch.ones(1, 2)).shape == (1, 2)
+
+
+def test_frozen_integer_parameters_only_where_allowed() -> None:
+    frozen = [("step", nn.Parameter(torch.tensor([3, 3]), requires_grad=False))]
+    with pytest.raises(
+        TypeError, match=r"X: parameter `step` \(shape \(2,\)\) has the dtype torch.int64"
+    ):
+        check_parameters("X", frozen)
+    check_parameters("X", frozen, allow_frozen_integer=True)
+    check_parameters(
+        "X",
+        [("b", nn.Parameter(torch.ones(2, dtype=torch.bool), False))],
+        allow_frozen_integer=True,
+    )
+    # complex stays refused, frozen or not; meta stays refused for frozen integers
+    cplx = nn.Parameter(torch.zeros(2, dtype=torch.complex64), requires_grad=False)
+    with pytest.raises(TypeError, match="complex dtype"):
+        check_parameters("X", [("c", cplx)], allow_frozen_integer=True)
+    meta = nn.Parameter(torch.zeros(2, dtype=torch.int64, device="meta"), requires_grad=False)
+    with pytest.raises(ValueError, match="meta device"):
+        check_parameters("X", [("m", meta)], allow_frozen_integer=True)
+    # an integer parameter cannot require grad in torch, so no trainable one gets through
+    with pytest.raises(RuntimeError, match="floating point"):
+        nn.Parameter(torch.tensor([3, 3]), requires_grad=True)
 
 
 def test_check_parameters_accepts_floating_point_and_allowed_meta() -> None:

@@ -42,11 +42,24 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from shardkit.distributed import BufferPool, copy_scaled, global_rank, plan_buckets
+from shardkit.distributed.compression import GradCompressor
 from shardkit.distributed.failures import collective_context
 
-__all__ = ["GradReducer", "ReduceBucket", "ReducerState"]
+__all__ = ["GradReducer", "ReduceBucket", "ReducerState", "grad_with_graph_message"]
 
 _WRAPPER = "ShardedDataParallel"
+
+
+def grad_with_graph_message(what: str) -> str:
+    """The error for a gradient that requires grad (its graph would be dropped)."""
+    return (
+        f"ShardedDataParallel: the gradient of {what} requires grad (it carries an "
+        "autograd graph: backward(create_graph=True), or a .grad set by hand); gradients "
+        "are reduced as plain tensors, which would silently drop that graph. Call "
+        "backward() without create_graph (for a gradient penalty, take the gradient with "
+        "torch.autograd.grad(..., create_graph=True), which does not write .grad), or "
+        "detach it first: p.grad = p.grad.detach()"
+    )
 
 
 class ReducerState(enum.Enum):
@@ -122,6 +135,12 @@ class GradReducer:
         reduce_dtype: dtype on the wire (e.g. ``torch.float16``); None keeps the
             gradient's.
         max_in_flight: buckets being reduced at once (each holds a flat buffer).
+        grad_compression: a gradient compressor
+            (:mod:`shardkit.distributed.compression`): each bucket's gradients are
+            reduced through its ``reduce`` (key ``("sdp", bucket index)``, the
+            parameters' shapes passed), synchronously, and its used flags by an exact
+            ``dist.reduce`` of ``len(params)`` elements. Default None: one asynchronous
+            ``dist.reduce`` of the whole buffer, as without the argument.
     """
 
     def __init__(
@@ -132,8 +151,10 @@ class GradReducer:
         bucket_numel: int,
         reduce_dtype: torch.dtype | None = None,
         max_in_flight: int = 2,
+        grad_compression: GradCompressor | None = None,
     ) -> None:
         self.group = group
+        self.grad_compression = grad_compression
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.reduce_dtype = reduce_dtype
@@ -180,6 +201,8 @@ class GradReducer:
         p.grad = None
 
     def _post_accumulate(self, p: torch.Tensor) -> None:
+        if p.grad is not None and p.grad.requires_grad:  # before any state changes
+            raise RuntimeError(grad_with_graph_message(f"a parameter of shape {tuple(p.shape)}"))
         if not self.sync:
             return
         if self.state is ReducerState.IDLE:
@@ -215,11 +238,25 @@ class GradReducer:
             buffer = self._fill_unused(bucket)
             dst = global_rank(self.group, bucket.owner)
             with collective_context(_WRAPPER, "backward: reduce of gradients", self.group):
-                bucket.work = dist.reduce(buffer, dst=dst, group=self.group, async_op=True)
+                if self.grad_compression is None:
+                    bucket.work = dist.reduce(buffer, dst=dst, group=self.group, async_op=True)
+                else:
+                    self._reduce_compressed(self.grad_compression, bucket, buffer, dst)
             self._in_flight.append(bucket)
             self._next += 1
             if len(self._in_flight) > self.max_in_flight:
                 self._complete(self._in_flight.popleft())
+
+    def _reduce_compressed(
+        self, compressor: GradCompressor, bucket: ReduceBucket, buffer: torch.Tensor, dst: int
+    ) -> None:
+        """Reduce a bucket's gradients through ``compressor`` and its used flags exactly
+        (a lossy compressor must not blur a flag, nor carry a residual into one)."""
+        shapes = [p.shape for p in bucket.params]
+        grads = buffer[: bucket.numel]
+        compressor.reduce(grads, dst, self.group, key=("sdp", bucket.index), shapes=shapes)
+        dist.reduce(buffer[bucket.numel :], dst=dst, group=self.group)
+        bucket.work = None
 
     def _fill_unused(self, bucket: ReduceBucket) -> torch.Tensor:
         """Zeros for the parameters that produced no gradient on this rank; the buffer."""
@@ -232,9 +269,10 @@ class GradReducer:
 
     def _complete(self, bucket: ReduceBucket) -> None:
         """Wait for a bucket; on its owner, set ``.grad`` of every parameter some rank used."""
-        assert bucket.work is not None and bucket.buffer is not None
-        with collective_context(_WRAPPER, "backward: reduce of gradients", self.group):
-            bucket.work.wait()
+        assert bucket.buffer is not None
+        if bucket.work is not None:  # None: reduced synchronously (grad_compression)
+            with collective_context(_WRAPPER, "backward: reduce of gradients", self.group):
+                bucket.work.wait()
         if bucket.owner == self.rank:
             flags = bucket.buffer[bucket.numel :].tolist()
             for k, p in enumerate(bucket.params):

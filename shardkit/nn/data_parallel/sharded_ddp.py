@@ -24,10 +24,11 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.distributed import broadcast_from_owners, group_ranks, plan_owner_broadcast
+from shardkit.distributed.compression import GradCompressor, get_compressor
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.distributed.failures import collective_context
 from shardkit.distributed.validation import check_not_wrapped, check_parameters
-from shardkit.nn.data_parallel.grad_reducer import GradReducer
+from shardkit.nn.data_parallel.grad_reducer import GradReducer, grad_with_graph_message
 from shardkit.optim import OSS
 
 __all__ = ["ShardedDDP", "ShardedDataParallel"]
@@ -95,10 +96,19 @@ class ShardedDataParallel(nn.Module):
         warn_on_trainable_params_changed: warn when a refresh happens. Default True.
         reduce_dtype: dtype to reduce in, e.g. ``torch.bfloat16``; overrides
             ``reduce_fp16``. Default None (the gradients' dtype).
+        grad_compression: a gradient compressor
+            (:class:`~shardkit.distributed.compression.GradCompressor`, or its name:
+            ``"identity"``, ``"fp16"``, ``"bf16"``, ``"powersgd"``, ``"int8"``) each
+            bucket's reduce goes through (see docs/compression.md); its state (error
+            feedback) is kept per bucket. Default None: the plain exact reduce.
 
     Raises:
-        TypeError: if an optimizer is not an :class:`OSS`, or a parameter has an
-            integer, bool or complex dtype.
+        TypeError: if an optimizer is not an :class:`OSS`, or a parameter has a complex
+            dtype (a frozen integer or bool parameter is accepted, as by DDP: it is
+            broadcast at construction like a buffer, never reduced).
+        RuntimeError: in a training forward or backward, if a parameter's ``.grad``
+            itself requires grad (``backward(create_graph=True)``, or a ``.grad`` set
+            by hand): the reduction would silently drop its graph.
         ValueError: if ``module`` is (or contains) a ShardedDataParallel already, has no
             parameters or some on the meta device; if an optimizer holds parameters
             that are not the module's, a trainable parameter of the module is in no
@@ -120,6 +130,7 @@ class ShardedDataParallel(nn.Module):
         reduce_fp16: bool = False,
         warn_on_trainable_params_changed: bool = True,
         reduce_dtype: torch.dtype | None = None,
+        grad_compression: GradCompressor | str | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -138,6 +149,13 @@ class ShardedDataParallel(nn.Module):
         self.auto_refresh_trainable = auto_refresh_trainable
         self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
         self.reduce_dtype = reduce_dtype or (torch.float16 if reduce_fp16 else None)
+        self.grad_compression = get_compressor(grad_compression)
+        options: dict[str, Any] = {
+            "reduce_buffer_size": reduce_buffer_size,
+            "reduce_dtype": self.reduce_dtype,
+        }
+        if self.grad_compression is not None:
+            options["grad_compression"] = repr(self.grad_compression)
         self._reducer: GradReducer | None = None
         # As DDP: buffers are broadcast before a forward that follows a forward with
         # gradients and synchronisation on (not after no_sync or no_grad forwards).
@@ -146,7 +164,7 @@ class ShardedDataParallel(nn.Module):
             describe_parameters(module.named_parameters()),
             what="ShardedDataParallel",
             group=process_group,
-            options={"reduce_buffer_size": reduce_buffer_size, "reduce_dtype": self.reduce_dtype},
+            options=options,
             local_error=self._local_problem(),  # a bad input on one rank stops every rank
         )
         if sync_models_at_startup:
@@ -164,6 +182,11 @@ class ShardedDataParallel(nn.Module):
             return getattr(self.module, name)
 
     @property
+    def is_multi_device_module(self) -> bool:
+        """Whether the module's parameters sit on more than one device (as DDP's)."""
+        return len({p.device for p in self.module.parameters()}) > 1
+
+    @property
     def device_type(self) -> str:
         """``"cpu"`` or ``"cuda"``: the device type of the module's first parameter."""
         first = next(self.module.parameters(), None)
@@ -175,7 +198,9 @@ class ShardedDataParallel(nn.Module):
         exchange (:func:`verify_consistent`'s ``local_error``)."""
         try:
             _check_module(self.module)
-            check_parameters("ShardedDataParallel", self.module.named_parameters())
+            check_parameters(
+                "ShardedDataParallel", self.module.named_parameters(), allow_frozen_integer=True
+            )
             self._owners()  # the optimizers hold exactly the module's trainable parameters
         except (TypeError, ValueError) as error:
             return error
@@ -215,7 +240,12 @@ class ShardedDataParallel(nn.Module):
         owner = self._owners()
         ordered = [p for p in reversed(list(self.module.parameters())) if p in owner]
         self._reducer = GradReducer(
-            ordered, owner, self.process_group, self.reduce_buffer_size, self.reduce_dtype
+            ordered,
+            owner,
+            self.process_group,
+            self.reduce_buffer_size,
+            self.reduce_dtype,
+            grad_compression=self.grad_compression,
         )
         self._reducer.register_hooks()
         self._signature = self._trainable_signature()
@@ -246,8 +276,17 @@ class ShardedDataParallel(nn.Module):
         if self.broadcast_buffers and self._require_forward_param_sync:
             self.sync_buffers()
         assert self._reducer is not None
+        if self.training and torch.is_grad_enabled():
+            self._check_grads_without_graph()
         self._require_forward_param_sync = torch.is_grad_enabled() and self._reducer.sync
         return self.module(*args, **kwargs)
+
+    def _check_grads_without_graph(self) -> None:
+        """Refuse a trainable parameter whose ``.grad`` requires grad (FairScale does too):
+        the reduction copies gradients into buckets and would drop that graph."""
+        for name, p in self.module.named_parameters():
+            if p.requires_grad and p.grad is not None and p.grad.requires_grad:
+                raise RuntimeError(grad_with_graph_message(name))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -294,3 +294,92 @@ def test_bad_input_errors(rank_pool) -> None:
         ["type", "foreign", "orphan", "group"],
         ["type", "foreign", "orphan"],
     ]
+
+
+class Tripwire(nn.Module):
+    """FairScale's test model: frozen integer and bool parameters beside a trainable one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Linear(2, 3, bias=False)
+        self.tripwire = nn.Parameter(torch.LongTensor((3, 3)), requires_grad=False)
+        self.flag = nn.Parameter(torch.tensor([True, False]), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x) * self.tripwire[0].float()
+
+
+def _fairscale_surface() -> dict[str, Any]:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    plain = Tripwire()
+    ref = DDP(copy.deepcopy(plain))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    if rank == 1:  # another value on rank 1: sync_models_at_startup broadcasts it
+        with torch.no_grad():
+            plain.tripwire.fill_(7)
+            plain.flag.fill_(False)
+    opt = OSS(plain.parameters(), optim=torch.optim.SGD, lr=0.1)
+    model = ShardedDataParallel(plain, opt)
+    out: dict[str, Any] = {
+        "owned": sorted(tuple(p.shape) for p in opt.param_to_rank),
+        "tripwire_after_wrap": plain.tripwire.tolist(),
+        "flag_after_wrap": plain.flag.tolist(),
+        "multi_device": model.is_multi_device_module,
+    }
+    for step in range(3):
+        x, y = micro_batch(step, 0, rank)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            ((m(x[:, :2]) - y) ** 2).mean().backward()
+            o.step()
+    assert_tensors_close(plain.model.weight, ref.module.model.weight, atol=1e-6, name="weight")
+    out["tripwire_after_training"] = plain.tripwire.tolist()
+    out["tripwire_dtype"] = str(plain.tripwire.dtype)
+    # the property reads the parameters now: one on another device makes it True
+    plain.register_parameter("elsewhere", nn.Parameter(torch.zeros(1, device="meta")))
+    out["multi_device_with_meta"] = model.is_multi_device_module
+    del plain.elsewhere
+
+    # a .grad that requires grad: refused at the forward (FairScale's test_catch_grad_grad)
+    net = Model()
+    net_opt = OSS(net.parameters(), lr=0.1)
+    sdp = ShardedDataParallel(net, net_opt)
+    net.emb.weight.grad = torch.zeros_like(net.emb.weight).requires_grad_(True)
+    x, y = micro_batch(0, 0, rank)
+    with pytest.raises(RuntimeError, match=r"gradient of emb.weight requires grad") as info:
+        sdp(x)
+    out["forward_error"] = str(info.value)
+    with torch.no_grad():
+        sdp(x)  # evaluation does not reduce: allowed
+    net.emb.weight.grad = None
+    # backward(create_graph=True) gives gradients that require grad: refused in backward
+    loss = ((sdp(x) - y) ** 2).mean()
+    with pytest.raises(RuntimeError, match=r"gradient of a parameter of shape .* requires grad"):
+        loss.backward(create_graph=True)
+    out["reducer_state"] = sdp._reducer.state.value  # type: ignore[union-attr]
+    # and the wrapper still trains as DDP afterwards
+    sdp.zero_grad()
+    net_opt.zero_grad()
+    ref_net = DDP(copy.deepcopy(net))
+    ((sdp(x) - y) ** 2).mean().backward()
+    ((ref_net(x) - y) ** 2).mean().backward()
+    owned = set(net_opt.local_params())
+    for (name, p), q in zip(net.named_parameters(), ref_net.module.parameters()):
+        if p in owned:
+            assert_tensors_close(p.grad, q.grad, atol=1e-6, name=name)  # type: ignore[arg-type]
+        else:
+            assert p.grad is None, name
+    return out
+
+
+def test_fairscale_surface_frozen_integers_multi_device_and_grad_with_graph(rank_pool) -> None:
+    results = rank_pool(2).run(_fairscale_surface)
+    for r in results:
+        assert r["owned"] == [(3, 2)]  # only the trainable weight has an owner
+        assert r["tripwire_after_wrap"] == [3, 3] and r["flag_after_wrap"] == [True, False]
+        assert r["tripwire_after_training"] == [3, 3] and r["tripwire_dtype"] == "torch.int64"
+        assert r["multi_device"] is False and r["multi_device_with_meta"] is True
+        assert "backward() without create_graph" in r["forward_error"]
+        assert "p.grad = p.grad.detach()" in r["forward_error"]
+        assert r["reducer_state"] == "idle"
