@@ -62,6 +62,7 @@ from gpt_stage_init import materialize_stage
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from shardkit.distributed.hybrid import hybrid_groups
 from shardkit.memory import ModelStateBytes, model_state_bytes
 from shardkit.models import GPT, Block, gpt_stages, gpt_unit_init_fn
 from shardkit.nn.checkpoint import CheckpointWrapper, checkpoint_wrapper
@@ -118,6 +119,8 @@ class StrategyConfig:
             CPU memory. Default None.
         resume: the job resumes from a checkpoint (offload's disk tier then reopens
             its directory instead of starting a fresh one). Default False.
+        shard_size: hsdp: ranks per shard group (one node's); None: torchrun's
+            ``LOCAL_WORLD_SIZE``. Default None.
     """
 
     name: str = "ddp"
@@ -128,6 +131,7 @@ class StrategyConfig:
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     offload_dir: str | None = None
     resume: bool = False
+    shard_size: int | None = None
 
 
 class Strategy:
@@ -467,11 +471,27 @@ def _fsdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """FullyShardedDataParallel, one unit per Block + the root (ZeRO-3); AdamW without
     weight decay on biases and norms (FSDP keeps the original parameter names).
     ``--precision bf16|fp16``: FSDP's own mixed precision (:func:`fsdp_policy`)."""
+    return _fully_sharded(model, config, {})
+
+
+def _hsdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
+    """As :func:`_fsdp` with hybrid sharding: full shard inside a shard group of
+    ``--shard-size`` ranks (default: one node's, ``LOCAL_WORLD_SIZE``), replicas across
+    groups; each rank all-reduces only its gradient shard across nodes."""
+    groups = hybrid_groups(config.shard_size)
+    hybrid = {
+        "sharding_strategy": "HYBRID_SHARD",
+        "process_group": (groups.shard, groups.replicate),
+    }
+    return _fully_sharded(model, config, hybrid)
+
+
+def _fully_sharded(model: GPT, config: StrategyConfig, extra: dict[str, Any]) -> Strategy:
     blocks = {CheckpointWrapper if config.activation_checkpointing else Block}
     policy = fsdp_policy(config.precision)
     # a GPT built on meta is materialised unit by unit (deferred initialisation)
     init = gpt_unit_init_fn if any(p.is_meta for p in model.parameters()) else None
-    fsdp_kwargs: dict[str, Any] = {"mixed_precision": policy, "param_init_fn": init}
+    fsdp_kwargs: dict[str, Any] = {"mixed_precision": policy, "param_init_fn": init, **extra}
     with enable_wrap(wrapper_cls=FullyShardedDataParallel, **fsdp_kwargs):
         wrapped = auto_wrap(model, transformer_auto_wrap_policy(blocks))
     module = FullyShardedDataParallel(wrapped, **fsdp_kwargs)
@@ -604,6 +624,18 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             checkpoint_layout="this rank's parameter and optimizer shards",
         ),
         StrategySpec(
+            "hsdp",
+            _hsdp,
+            "`FullyShardedDataParallel(sharding_strategy='HYBRID_SHARD')`: full shard "
+            "inside a node, replicas across nodes; AdamW",
+            zero_stage=3,
+            meta_init="optional",
+            precision="native",
+            loss_scaler="sharded",
+            checkpoint_layout="this rank's parameter and optimizer shards",
+            options=("shard_size",),
+        ),
+        StrategySpec(
             "pipe",
             _pipe,
             "one pipeline stage per rank, `--chunks` micro-batches; AdamW per stage",
@@ -630,6 +662,7 @@ _OPTION_ROLE = {
     "chunks": "micro-batches",
     "schedule": "its schedule",
     "offload_dir": "its disk tier",
+    "shard_size": "its shard groups",
 }
 """What each strategy-only option is, for :func:`option_error`'s message."""
 

@@ -169,6 +169,7 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--precision", default=opt.precision, choices=list(PRECISIONS), help="ddp/oss/sdp/fsdp")
     add("--activation-checkpointing", action="store_true", help="recompute each Block")
     add("--offload-dir", default=None, help="offload: disk-tier directory (default: CPU memory)")
+    add("--shard-size", type=_positive, default=None, help="hsdp: ranks per shard group")
     config = JobConfig.from_flags(vars(p.parse_args(argv)))
     problem = option_error(config.strategy)
     if problem is not None:

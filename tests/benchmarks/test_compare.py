@@ -33,7 +33,11 @@ WORLD = 2
 STEPS = 2
 BUILT_IN = [s.name for s in STRATEGIES if s.requires is None]
 # initialised slice by slice / unit by unit: other initial weights than GPT(config)
-OWN_INIT = ("shardkit offload (disk)", "shardkit fsdp (meta init)")
+OWN_INIT = (
+    "shardkit offload (disk)",
+    "shardkit fsdp (meta init)",
+    "shardkit hsdp (meta init)",
+)
 UNITS = CONFIG.n_layer + 1  # FSDP: one unit per Block + the root
 
 

@@ -38,7 +38,7 @@ def test_spec_needs_a_loss_scaler_with_precision() -> None:
         (StrategyConfig(name="nope"), "unknown --strategy 'nope'; choose one of ['ddp', 'fsdp'"),
         (
             StrategyConfig(name="offload", precision="fp16"),
-            "--precision fp16 applies to strategies ['ddp', 'fsdp', 'oss', 'sdp'], not 'offload'",
+            "--precision fp16 applies to strategies ['ddp', 'fsdp', 'hsdp', 'oss', 'sdp'], not 'offload'",
         ),
         (
             StrategyConfig(name="ddp", chunks=8),
@@ -46,7 +46,7 @@ def test_spec_needs_a_loss_scaler_with_precision() -> None:
         ),
         (
             StrategyConfig(name="offload", activation_checkpointing=True),
-            "strategies ['ddp', 'oss', 'sdp', 'fsdp', 'pipe'], not 'offload' (offload checkpoints",
+            "strategies ['ddp', 'oss', 'sdp', 'fsdp', 'hsdp', 'pipe'], not 'offload' (offload checkpoints",
         ),
     ],
 )

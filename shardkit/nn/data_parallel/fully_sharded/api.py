@@ -24,10 +24,16 @@ from shardkit.distributed.consistency import (
     verify_consistent,
 )
 from shardkit.distributed.grad_norm import clip_grad_norm_sharded
+from shardkit.distributed.hybrid import hybrid_groups
 from shardkit.distributed.validation import check_parameters
 from shardkit.nn.data_parallel.fully_sharded import state_dict as sd
-from shardkit.nn.data_parallel.fully_sharded.collectives import broadcast_tensors
-from shardkit.nn.data_parallel.fully_sharded.config import FSDPConfig, fairscale_config
+from shardkit.nn.data_parallel.fully_sharded.collectives import broadcast_data_parallel
+from shardkit.nn.data_parallel.fully_sharded.config import (
+    FSDPConfig,
+    ShardingStrategy,
+    fairscale_config,
+    resolve_sharding_strategy,
+)
 from shardkit.nn.data_parallel.fully_sharded.consolidate import (
     consolidate_shard_weights,
     local_metadata,
@@ -95,7 +101,10 @@ class FullyShardedDataParallel(nn.Module):
 
     Args:
         module: the module to wrap; nested units inside it must already be wrapped.
-        process_group: the ranks sharing this unit; default None: the world group.
+        process_group: the ranks sharing this unit; default None: the world group. With
+            a hybrid ``sharding_strategy``: a ``(shard group, replica group)`` pair (e.g.
+            from ``shardkit.distributed.hybrid.hybrid_groups`` or a process mesh), or
+            None for shard groups of torchrun's ``LOCAL_WORLD_SIZE`` ranks.
         reshard_after_forward: free full parameters after forward, all-gather again in
             backward. Default True.
         disable_reshard_on_root: keep the root's full parameters after forward. Default True.
@@ -131,6 +140,11 @@ class FullyShardedDataParallel(nn.Module):
             recurse=False)`` then an init). Default None: ``to_empty`` and the module's
             ``reset_parameters()``. The tensors go to ``compute_device`` (default: the
             current CUDA device, else the CPU). See [Note: deferred initialisation].
+        sharding_strategy: ``ShardingStrategy`` or its name: ``FULL_SHARD`` (default),
+            ``SHARD_GRAD_OP`` (keep full parameters from forward to backward),
+            ``HYBRID_SHARD`` (full shard inside a shard group, replicas across groups:
+            gradients reduce-scattered inside, then each 1/S shard all-reduced across
+            the R replicas), ``HYBRID_SHARD_ZERO2``.
         broadcast_buffers: as torch DDP's: the root broadcasts the group's first rank's
             buffers before each forward that follows a synchronised training forward
             (one broadcast per buffer per step; BatchNorm statistics stay equal on every
@@ -167,7 +181,9 @@ class FullyShardedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: dist.ProcessGroup
+        | tuple[dist.ProcessGroup, dist.ProcessGroup]
+        | None = None,
         reshard_after_forward: bool = True,
         disable_reshard_on_root: bool = True,
         mixed_precision: bool | MixedPrecision | None = False,
@@ -185,8 +201,11 @@ class FullyShardedDataParallel(nn.Module):
         gradient_predivide_factor: float | None = None,
         param_init_fn: ParamInitFn | None = None,
         broadcast_buffers: bool = True,
+        sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
     ) -> None:
-        with local_checks(_what(module), process_group):  # an error here stops every rank
+        strategy = resolve_sharding_strategy(sharding_strategy)
+        shard_group, replicate_group = _resolve_groups(process_group, strategy)
+        with local_checks(_what(module), shard_group):  # an error here stops every rank
             config = fairscale_config(
                 mixed_precision,
                 fp32_reduce_scatter,
@@ -197,17 +216,20 @@ class FullyShardedDataParallel(nn.Module):
                 move_grads_to_cpu,
                 compute_device,
                 state_dict_device,
-                reshard_after_forward=reshard_after_forward,
+                reshard_after_forward=reshard_after_forward
+                and not strategy.keeps_params_after_forward,
                 disable_reshard_on_root=disable_reshard_on_root,
                 flatten_parameters=flatten_parameters,
                 bucket_cap_mb=bucket_cap_mb,
                 state_dict_on_rank_0_only=state_dict_on_rank_0_only,
                 gradient_predivide_factor=gradient_predivide_factor,
                 broadcast_buffers=broadcast_buffers,
+                sharding_strategy=strategy,
             )
         super().__init__()
         self._config = config
-        self._process_group = process_group
+        self._process_group = shard_group
+        self._replicate_group = replicate_group
         self._param_init_fn = param_init_fn
         self._fsdp_wrapped_module = module
         self._unit = self._build_unit(module)
@@ -224,6 +246,7 @@ class FullyShardedDataParallel(nn.Module):
             "reshard_after_forward": self._config.reshard_after_forward,
             "mixed_precision": self._config.mixed_precision,
             "broadcast_buffers": self._config.broadcast_buffers,
+            "sharding_strategy": self._config.sharding_strategy.name,
         }
         group = self._process_group
         with local_checks(what, group, catch=(Exception,)):  # incl. a failing param_init_fn
@@ -240,12 +263,12 @@ class FullyShardedDataParallel(nn.Module):
         buffers = [(m, a) for _, m in _own_modules(module) for a in m._buffers]
         casts = cast_buffers(buffers, mp.buffer_dtype) if mp and mp.buffer_dtype else []
         flat = _flatten(originals, module).to(placement.compute_device)
-        broadcast_tensors([flat], group)  # rank 0's initialisation wins
+        broadcast_data_parallel([flat], group, self._replicate_group)  # rank 0's init wins
         handle = FlatParamHandle(infos, flat, rank, world_size, placement)
         mark_taken(originals, infos, label, handle.sharded_params)
         for param in originals:  # release the replaced parameters' memory
             param.data = param.data.new_empty(0)
-        return UnitRuntime(self, handle, self._config, group, casts, label)
+        return UnitRuntime(self, handle, self._config, group, casts, label, self._replicate_group)
 
     def _prepare_unit(
         self, module: nn.Module, label: str
@@ -381,6 +404,30 @@ class FullyShardedDataParallel(nn.Module):
             for unit in units:
                 unit.sync_gradients = True
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
+        """Hybrid sharding: all-reduce gradient shards across replicas at the end of each
+        backward (True, the default) or defer them (False), for every unit.
+
+        With False, each backward still reduce-scatters inside the shard group and the
+        shards accumulate locally; the first backward after ``True`` is set again sends
+        the accumulated sum across replicas once (gradient accumulation of k micro-batches
+        crosses the slow link once, not k times). Set True before the last micro-batch's
+        backward: deferred shards are not in ``.grad`` until then. torch FSDP2's name;
+        :meth:`no_replica_sync` is the context-manager form. No effect without replicas.
+        """
+        for unit in units_in(self):
+            unit.requires_all_reduce = requires_all_reduce
+
+    @contextlib.contextmanager
+    def no_replica_sync(self) -> Iterator[None]:
+        """Inside, backward defers the cross-replica all-reduce (see
+        :meth:`set_requires_all_reduce`); intra-node reduce-scatters still run."""
+        self.set_requires_all_reduce(False)
+        try:
+            yield
+        finally:
+            self.set_requires_all_reduce(True)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their global norm; same result as torch's on the unwrapped model.
 
@@ -472,6 +519,38 @@ def _label(module: nn.Module) -> str:
 def _what(module: nn.Module) -> str:
     """The wrapper named in the wrap-time exchange's errors."""
     return f"FullyShardedDataParallel ({_label(module)})"
+
+
+Groups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
+
+
+def _resolve_groups(
+    process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
+    strategy: ShardingStrategy,
+) -> Groups:
+    """(shard group, replica group or None) from FSDP's ``process_group`` argument.
+
+    Raises:
+        ValueError: a pair of groups without a hybrid strategy, or a single group with
+            one (a hybrid unit needs both; None builds them from ``LOCAL_WORLD_SIZE``).
+    """
+    if isinstance(process_group, tuple):
+        if not strategy.hybrid:
+            raise ValueError(
+                f"process_group is a (shard, replicate) pair but sharding_strategy is "
+                f"{strategy.name}; pass sharding_strategy='HYBRID_SHARD' or one group"
+            )
+        shard, replicate = process_group
+        return shard, replicate
+    if not strategy.hybrid:
+        return process_group, None
+    if process_group is not None:
+        raise ValueError(
+            f"sharding_strategy={strategy.name} needs a (shard group, replica group) pair "
+            "as process_group, or None (shard groups of LOCAL_WORLD_SIZE ranks); got one group"
+        )
+    groups = hybrid_groups()
+    return groups.shard, groups.replicate
 
 
 def _own_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:

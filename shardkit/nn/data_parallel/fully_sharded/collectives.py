@@ -31,6 +31,8 @@ __all__ = [
     "Pending",
     "all_gather_flat",
     "all_reduce_max",
+    "all_reduce_sum",
+    "broadcast_data_parallel",
     "broadcast_tensors",
     "reduce_scatter_flat",
 ]
@@ -136,3 +138,30 @@ def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None, operat
     ``operation``)."""
     with collective_context(_WRAPPER, operation, group):
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+def broadcast_data_parallel(
+    tensors: list[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    replicate_group: dist.ProcessGroup | None,
+) -> None:
+    """Overwrite ``tensors`` with the values of the first rank of the first shard group:
+    across replicas first (from each replica group's first rank), then inside ``group``
+    (whose first rank now holds them)."""
+    if replicate_group is not None:
+        broadcast_tensors(tensors, replicate_group)
+    broadcast_tensors(tensors, group)
+
+
+def all_reduce_sum(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, *, async_op: bool = False
+) -> Pending:
+    """Sum ``tensor`` over ``group`` in place (the cross-replica gradient of hybrid
+    sharding)."""
+    if tensor.numel() == 0 or dist.get_world_size(group) == 1:
+        return Pending(done=True)
+    operation = "all-reduce of gradients across replicas"
+    with collective_context(_WRAPPER, operation, group):
+        work = dist.all_reduce(tensor, group=group, async_op=async_op)
+    nbytes = tensor.numel() * tensor.element_size()
+    return Pending(work=work, nbytes=nbytes, operation=operation, group=group, done=not async_op)

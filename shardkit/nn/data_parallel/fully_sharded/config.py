@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,44 @@ from shardkit.nn.data_parallel.fully_sharded.precision import (
     resolve_mixed_precision,
 )
 
-__all__ = ["FSDPConfig", "resolve_offload"]
+__all__ = [
+    "FSDPConfig",
+    "ShardingStrategy",
+    "resolve_offload",
+    "resolve_sharding_strategy",
+]
+
+
+class ShardingStrategy(enum.Enum):
+    """What each rank keeps between the phases of a step (torch FSDP's names).
+
+    - ``FULL_SHARD``: parameters, gradients and optimizer state sharded over the
+      process group; full parameters exist only around a unit's forward and backward
+      (ZeRO-3).
+    - ``SHARD_GRAD_OP``: as ``FULL_SHARD``, but full parameters are kept from forward
+      to backward (``reshard_after_forward=False``): one all-gather less per unit and
+      step, more memory (ZeRO-2-like).
+    - ``HYBRID_SHARD``: ``FULL_SHARD`` inside a shard group (a node), replicas across
+      shard groups: gradients are reduce-scattered inside the shard group, then each
+      rank all-reduces only its 1/S shard across the R replicas.
+    - ``HYBRID_SHARD_ZERO2``: ``HYBRID_SHARD`` with full parameters kept from forward
+      to backward.
+    """
+
+    FULL_SHARD = enum.auto()
+    SHARD_GRAD_OP = enum.auto()
+    HYBRID_SHARD = enum.auto()
+    HYBRID_SHARD_ZERO2 = enum.auto()
+
+    @property
+    def hybrid(self) -> bool:
+        """True for the strategies with replica groups."""
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
+
+    @property
+    def keeps_params_after_forward(self) -> bool:
+        """True where full parameters stay from forward to backward."""
+        return self in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD_ZERO2)
 
 
 @dataclass(frozen=True)
@@ -48,6 +86,7 @@ class FSDPConfig:
             its group's first rank's buffers (BatchNorm statistics) to every rank, one
             broadcast per buffer. False: buffers are broadcast once, at the first forward,
             and may then drift apart across ranks. Default True.
+        sharding_strategy: see :class:`ShardingStrategy`. Default ``FULL_SHARD``.
     """
 
     reshard_after_forward: bool = True
@@ -61,6 +100,7 @@ class FSDPConfig:
     mixed_precision: MixedPrecision | None = None
     move_params_to_cpu: bool = False
     broadcast_buffers: bool = True
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0:
@@ -123,3 +163,18 @@ def fairscale_config(
         state_dict_device=None if state_dict_device is None else torch.device(state_dict_device),
         **options,  # type: ignore[arg-type]
     )
+
+
+def resolve_sharding_strategy(strategy: ShardingStrategy | str) -> ShardingStrategy:
+    """A :class:`ShardingStrategy` from itself or its name (``"hybrid_shard"``).
+
+    Raises:
+        ValueError: an unknown name (the known ones listed).
+    """
+    if isinstance(strategy, ShardingStrategy):
+        return strategy
+    try:
+        return ShardingStrategy[str(strategy).upper()]
+    except KeyError:
+        known = [s.name for s in ShardingStrategy]
+        raise ValueError(f"unknown sharding_strategy {strategy!r}; use one of {known}") from None

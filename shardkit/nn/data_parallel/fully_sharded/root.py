@@ -40,7 +40,7 @@ from torch.profiler import record_function
 from shardkit.nn.data_parallel.fully_sharded.collectives import (
     Pending,
     all_reduce_max,
-    broadcast_tensors,
+    broadcast_data_parallel,
 )
 
 __all__ = ["PhaseUnit", "RootState", "TrainableMismatchError"]
@@ -90,6 +90,8 @@ class RootState:
         process_group: the root's process group.
         broadcast_buffers: broadcast the group's first rank's buffers before a forward
             that follows a synchronised training forward (DDP's rule).
+        replicate_group: hybrid sharding's replica group (agreement and buffers span
+            it too); None without replicas.
         forward_order: units in the order their first forward ran (recorded once).
         order_frozen: True after the root's first forward: prefetching uses the order.
         pending: issued gradient reduce-scatters, oldest first.
@@ -103,6 +105,7 @@ class RootState:
     units: Sequence[PhaseUnit]
     process_group: dist.ProcessGroup | None
     broadcast_buffers: bool = True
+    replicate_group: dist.ProcessGroup | None = None
     forward_order: list[PhaseUnit] = field(default_factory=list)
     order_frozen: bool = False
     pending: deque[Pending] = field(default_factory=deque)
@@ -137,7 +140,7 @@ class RootState:
                 buffers = list(self.module.buffers())
                 if buffers:
                     with torch.no_grad():
-                        broadcast_tensors(buffers, self.process_group)
+                        broadcast_data_parallel(buffers, self.process_group, self.replicate_group)
 
     def end_forward(self, backward_expected: bool, synchronised: bool) -> None:
         """After the root's forward: freeze the order, drop what backward will not use."""
@@ -161,32 +164,39 @@ class RootState:
         """
         for unit in self.units:
             unit.refresh_trainable()
-        if not dist.is_initialized() or dist.get_world_size(self.process_group) == 1:
+        groups = [self.process_group]
+        if self.replicate_group is not None:
+            groups.append(self.replicate_group)
+        if not dist.is_initialized() or all(dist.get_world_size(g) == 1 for g in groups):
             return stale
         names = [name for unit in self.units for name in unit.trainable_names()]
         digest = int.from_bytes(
             hashlib.blake2b("\n".join(names).encode(), digest_size=7).digest(), "little"
         )
         agreed = torch.tensor([digest, -digest, int(stale)], dtype=torch.int64)
-        all_reduce_max(agreed, self.process_group, "agreement on the trainable parameters")
+        for group in groups:  # a maximum over the shard group, then across replicas
+            all_reduce_max(agreed, group, "agreement on the trainable parameters")
         if int(agreed[0]) != digest or int(agreed[1]) != -digest:
-            self._raise_mismatch(names)
+            self._raise_mismatch(names, groups)
         return bool(agreed[2])
 
-    def _raise_mismatch(self, names: list[str]) -> None:
-        world = dist.get_world_size(self.process_group)
-        every: list[Any] = [None] * world
-        dist.all_gather_object(every, names, group=self.process_group)
-        sets = [set(found) for found in every]
-        union = set().union(*sets)
-        differing = sorted(n for n in union if any(n not in s for s in sets))[:5]
+    def _raise_mismatch(self, names: list[str], groups: list[dist.ProcessGroup | None]) -> None:
+        every: list[Any] = []
+        for group in groups:  # the sets of this rank's shard group, then of its replicas
+            found: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(found, names, group=group)
+            every += [(group, r, set(n)) for r, n in enumerate(found)]
+        union = set().union(*(s for _, _, s in every))
+        differing = sorted(n for n in union if any(n not in s for _, _, s in every))[:5]
         where = "; ".join(
-            f"`{n}` trainable on ranks {[r for r, s in enumerate(sets) if n in s]}"
+            f"`{n}` trainable on {sum(n in s for _, _, s in every)} of the {len(every)} "
+            f"ranks asked (group ranks {[r for g, r, s in every if n in s and g is groups[0]]} "
+            "of this rank's group)"
             for n in differing
         )
         raise TrainableMismatchError(
-            f"ranks disagree on which parameters require a gradient: {where} (of {world} "
-            "ranks). Change requires_grad the same way on every rank before the forward"
+            f"ranks disagree on which parameters require a gradient: {where}. Change "
+            "requires_grad the same way on every rank before the forward"
         )
 
     # the end of backward ---------------------------------------------------------

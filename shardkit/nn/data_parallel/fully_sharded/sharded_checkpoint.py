@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardkit.checkpoint.flat import read_flat_range
@@ -86,7 +87,9 @@ def save_fsdp_sharded(
     Every rank of the model's process group calls it with the same ``directory``
     (created if missing). The files go to ``directory/ckpt-<step>/``; rank 0 then
     writes the manifest and ``directory/latest``
-    (:func:`shardkit.checkpoint.manifest.save_checkpoint`).
+    (:func:`shardkit.checkpoint.manifest.save_checkpoint`). With hybrid sharding only the
+    first replica's shard group writes (the replicas hold the same shards); the file
+    world size is the shard group's, so the checkpoint loads at any other shape.
 
     Args:
         step: the training step; default 0. Saving a step again overwrites it: pass
@@ -116,8 +119,15 @@ def save_fsdp_sharded(
         record["optim"] = {"param_groups": groups, "scalars": scalars, "flat": flat}
     name = fsdp_shard_path(".", root.rank, root.world_size).name
     layout = {"format": FSDP_SHARD_FORMAT, "reshardable": True}
-    group = root.process_group
-    ckpt = save_checkpoint(directory, step, {name: record}, layout=layout, keep=keep, group=group)
+    group, replicas = root.process_group, root.replicate_group
+    writer = replicas is None or dist.get_rank(replicas) == 0  # replicas hold the same shards
+    ckpt = Path(directory) / f"ckpt-{step}"
+    if writer:
+        ckpt = save_checkpoint(
+            directory, step, {name: record}, layout=layout, keep=keep, group=group
+        )
+    if replicas is not None:
+        dist.barrier(group=replicas)  # the others return once the checkpoint is committed
     return ckpt / name
 
 

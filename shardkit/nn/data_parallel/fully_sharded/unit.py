@@ -61,7 +61,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from shardkit.nn.data_parallel.fully_sharded.collectives import (
     Pending,
     all_gather_flat,
-    broadcast_tensors,
+    all_reduce_sum,
+    broadcast_data_parallel,
     reduce_scatter_flat,
 )
 from shardkit.nn.data_parallel.fully_sharded.config import FSDPConfig
@@ -134,6 +135,8 @@ class UnitRuntime:
         process_group: the ranks sharing the unit (None: world).
         buffer_casts: buffers cast to the mixed-precision buffer dtype (for state dicts).
         label: "the FSDP unit wrapping <class>", for messages.
+        replicate_group: hybrid sharding's replica group (the ranks holding the same
+            shard in other shard groups); None: no replicas.
     """
 
     def __init__(
@@ -144,6 +147,7 @@ class UnitRuntime:
         process_group: dist.ProcessGroup | None,
         buffer_casts: list[BufferCast],
         label: str,
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.module = module
         self.handle = handle
@@ -151,6 +155,11 @@ class UnitRuntime:
         self.process_group = process_group
         self.rank = handle.rank
         self.world_size = handle.layout.world_size
+        self.replicate_group = replicate_group
+        replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        self.data_parallel_size = self.world_size * replicas  # gradients average over these
+        self.requires_all_reduce = True  # across replicas; False defers (accumulation)
+        self._deferred: torch.Tensor | None = None  # reduced shards not yet all-reduced
         self.buffer_casts = buffer_casts
         self.label = label
         self.training_state = TrainingState.IDLE
@@ -239,11 +248,15 @@ class UnitRuntime:
 
     def become_root(self, units: list[UnitRuntime], broadcast_buffers: bool) -> None:
         """Make this unit the root of ``units`` (itself first), sharing one RootState."""
-        root = RootState(self.module, units, self.process_group, broadcast_buffers)
+        root = RootState(
+            self.module, units, self.process_group, broadcast_buffers, self.replicate_group
+        )
         for unit in units:
             unit.root, unit.is_root = root, unit is self
         if not broadcast_buffers:  # else the first forward broadcasts them
-            broadcast_tensors(list(self.module.buffers()), self.process_group)
+            broadcast_data_parallel(
+                list(self.module.buffers()), self.process_group, self.replicate_group
+            )
 
     def _root(self) -> RootState:
         assert self.root is not None, "a unit runs only under a root (lazy init)"
@@ -332,10 +345,11 @@ class UnitRuntime:
 
     def _reduce_grads(self) -> None:
         """Reduce-scatter the flat gradient in the reduce dtype; the reduced shard is
-        cast to the master dtype, moved to the shard device and accumulated into the
-        sharded grads."""
+        all-reduced across replicas (hybrid sharding; deferred while
+        ``requires_all_reduce`` is False), cast to the master dtype, moved to the shard
+        device and accumulated into the sharded grads."""
         handle, root = self.handle, self._root()
-        pre, post = self.config.divide_factors(self.world_size)
+        pre, post = self.config.divide_factors(self.data_parallel_size)
         flat = handle.take_flat_grad()
         if pre != 1.0:
             flat.div_(pre)
@@ -343,7 +357,7 @@ class UnitRuntime:
         shard = flat.new_empty(handle.layout.shard_numel) if distributed else flat
 
         def then() -> None:
-            handle.accumulate_grad_shard(shard, divide_by=post)
+            self._finish_reduction(shard, post)
 
         if distributed:
             pending = reduce_scatter_flat(shard, flat, self.process_group, async_op=True)
@@ -351,6 +365,19 @@ class UnitRuntime:
             pending = Pending(nbytes=0)
         pending.then = then
         root.add_pending(pending, self.config.bucket_cap_mb * 2**20)
+
+    def _finish_reduction(self, shard: torch.Tensor, divide_by: float) -> None:
+        """The reduced shard ``(S,)`` of this rank: across replicas, then into ``.grad``."""
+        if self.replicate_group is None:
+            self.handle.accumulate_grad_shard(shard, divide_by=divide_by)
+            return
+        total = shard if self._deferred is None else self._deferred.add_(shard)
+        if not self.requires_all_reduce:
+            self._deferred = total
+            return
+        self._deferred = None
+        all_reduce_sum(total, self.replicate_group).wait()
+        self.handle.accumulate_grad_shard(total, divide_by=divide_by)
 
     # the trainable set -----------------------------------------------------------
     def refresh_trainable(self) -> bool:

@@ -1,0 +1,178 @@
+"""Hybrid sharding (issue 19): full shard inside a shard group, replicas across groups.
+
+4 ranks as 2 replicas x 2 shards (and 1 x 4, 4 x 1): parity with the plain model on the
+global batch (SGD with momentum, fp32), gradient accumulation that crosses replicas
+once, sharded checkpoints that load at another shape, and the errors.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardkit.distributed.hybrid import hybrid_groups
+from shardkit.nn import FullyShardedDataParallel as FSDP
+from shardkit.nn.data_parallel.fully_sharded import load_fsdp_sharded, save_fsdp_sharded
+from shardkit.nn.data_parallel.fully_sharded import unit as fsdp_unit
+from shardkit.testing.compare import assert_state_dicts_close
+from tests.nn.data_parallel.fsdp_workers import global_batch, local_part, tiny_gpt, wrap_model
+
+STEPS, MICRO = 3, 2
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _wrapped(strategy: str, shard_size: int, nesting: str = "block") -> Any:
+    groups = hybrid_groups(shard_size)
+    pg: Any = (groups.shard, groups.replicate) if "HYBRID" in strategy else None
+    return wrap_model(
+        copy.deepcopy(tiny_gpt()), nesting, process_group=pg, sharding_strategy=strategy
+    )
+
+
+def _cross_replica_reduces(step: Any) -> int:
+    real, count = fsdp_unit.all_reduce_sum, [0]
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    fsdp_unit.all_reduce_sum = spy  # type: ignore[assignment]
+    try:
+        step()
+    finally:
+        fsdp_unit.all_reduce_sum = real  # type: ignore[assignment]
+    return count[0]
+
+
+def _train(strategy: str, shard_size: int, nesting: str, defer: bool) -> dict[str, Any]:
+    """STEPS steps of MICRO micro-batches each; the plain model sees the same data."""
+    ref, model = tiny_gpt(), _wrapped(strategy, shard_size, nesting)
+    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reduces = []
+    for step in range(STEPS):
+
+        def one_step(step: int = step) -> None:
+            for micro in range(MICRO):
+                x, y = global_batch(step * MICRO + micro, world)
+                (ref(x, y)[1] / MICRO).backward()
+                last = micro == MICRO - 1
+                if defer and not last:
+                    with model.no_replica_sync():
+                        (model(local_part(x, rank), local_part(y, rank))[1] / MICRO).backward()
+                else:
+                    (model(local_part(x, rank), local_part(y, rank))[1] / MICRO).backward()
+
+        reduces.append(_cross_replica_reduces(one_step))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return {"state": model.state_dict(), "ref": ref.state_dict(), "reduces": reduces}
+
+
+def _parity_cases() -> dict[str, Any]:
+    out = {}
+    for key, (strategy, shard, nesting, defer) in {
+        "hybrid-2x2-block": ("HYBRID_SHARD", 2, "block", False),
+        "hybrid-2x2-defer": ("HYBRID_SHARD", 2, "block", True),
+        "hybrid-zero2-2x2": ("HYBRID_SHARD_ZERO2", 2, "flat", True),
+        "hybrid-4x1": ("HYBRID_SHARD", 1, "flat", False),
+        "shard-grad-op": ("SHARD_GRAD_OP", 4, "block", False),
+    }.items():
+        out[key] = _train(strategy, shard, nesting, defer)
+    return out
+
+
+def _reshape_cases() -> dict[str, Any]:
+    """Save at 2 x 2 (hybrid), load at 1 x 4 (full shard), 4 x 1 (hybrid), and as the
+    plain state dict; each equals the saved model's full state."""
+    model = _wrapped("HYBRID_SHARD", 2)
+    opt = _sgd(model.parameters())
+    x, y = global_batch(0, dist.get_world_size())
+    model(local_part(x, dist.get_rank()), local_part(y, dist.get_rank()))[1].backward()
+    opt.step()
+    saved = model.state_dict()
+    directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory)
+    save_fsdp_sharded(model, directory[0], opt, step=1)
+    out: dict[str, Any] = {"saved": saved}
+    for key, (strategy, shard) in {"1x4": ("FULL_SHARD", 4), "4x1": ("HYBRID_SHARD", 1)}.items():
+        other = _wrapped(strategy, shard)
+        load_fsdp_sharded(other, directory[0], _sgd(other.parameters()))
+        out[key] = other.state_dict()
+    return out
+
+
+def _errors() -> dict[str, str]:
+    out = {}
+    for key, make in {
+        "not-divisible": lambda: hybrid_groups(3),
+        "pair-without-hybrid": lambda: FSDP(
+            torch.nn.Linear(2, 2), process_group=(None, None), sharding_strategy="FULL_SHARD"
+        ),
+        "one-group-with-hybrid": lambda: FSDP(
+            torch.nn.Linear(2, 2), process_group=dist.group.WORLD, sharding_strategy="hybrid_shard"
+        ),
+        "unknown": lambda: FSDP(torch.nn.Linear(2, 2), sharding_strategy="half_shard"),
+    }.items():
+        try:
+            make()
+            out[key] = "no error"
+        except ValueError as err:
+            out[key] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(rank_pool: Any) -> list[Any]:
+    def run() -> Any:
+        return rank_pool(4).run(_all)
+
+    return run()
+
+
+def _all() -> dict[str, Any]:
+    return {"parity": _parity_cases(), "reshape": _reshape_cases(), "errors": _errors()}
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["hybrid-2x2-block", "hybrid-2x2-defer", "hybrid-zero2-2x2", "hybrid-4x1", "shard-grad-op"],
+)
+def test_parity_with_the_plain_model(results: list[Any], key: str) -> None:
+    for rank, per_rank in enumerate(results):
+        got = per_rank["parity"][key]
+        assert_state_dicts_close(got["state"], got["ref"], atol=2e-5, rtol=1e-4)
+        assert_state_dicts_close(got["state"], results[0]["parity"][key]["state"], atol=0, rtol=0)
+        assert rank == 0 or got["reduces"] == results[0]["parity"][key]["reduces"]
+
+
+def test_accumulation_crosses_replicas_once_per_step(results: list[Any]) -> None:
+    units = 3  # block nesting of the tiny GPT: 2 blocks + the root
+    each = results[0]["parity"]["hybrid-2x2-block"]["reduces"]
+    deferred = results[0]["parity"]["hybrid-2x2-defer"]["reduces"]
+    assert each == [MICRO * units] * STEPS
+    assert deferred == [units] * STEPS
+
+
+def test_sharded_checkpoint_loads_at_other_shapes(results: list[Any]) -> None:
+    for per_rank in results:
+        reshape = per_rank["reshape"]
+        for key in ("1x4", "4x1"):
+            assert_state_dicts_close(reshape[key], reshape["saved"], atol=0, rtol=0)
+
+
+def test_errors_name_the_fix(results: list[Any]) -> None:
+    errors = results[0]["errors"]
+    assert "world size 4 is not a multiple of 3" in errors["not-divisible"]
+    assert "sharding_strategy='HYBRID_SHARD'" in errors["pair-without-hybrid"]
+    assert "needs a (shard group, replica group) pair" in errors["one-group-with-hybrid"]
+    assert "unknown sharding_strategy 'half_shard'" in errors["unknown"]
