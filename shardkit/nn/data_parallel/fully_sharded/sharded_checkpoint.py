@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.checkpoint.flat import read_flat_range
-from shardkit.checkpoint.manifest import save_checkpoint
+from shardkit.checkpoint.manifest import load_tensors_only, save_checkpoint
 from shardkit.checkpoint.sharded_optim import resolve_shard_directory
 from shardkit.nn.data_parallel.fully_sharded.optim_state import (
     flat_optim_state,
@@ -147,7 +147,7 @@ def _open_all(directory: PathLike) -> list[dict[str, Any]]:
     missing = [r for r in range(n) if (r, n) not in found]
     if missing:
         raise FileNotFoundError(f"{directory}: shard files of ranks {missing} (of {n}) missing")
-    return [torch.load(found[(r, n)], mmap=True, weights_only=True) for r in range(n)]
+    return [load_tensors_only(found[(r, n)], mmap=True) for r in range(n)]
 
 
 def _dig(record: dict[str, Any], path: tuple[str, ...]) -> Any:
