@@ -47,7 +47,11 @@ def verify_balance(balance: Sequence[int], num_layers: int) -> list[int]:
     """
     balance = list(balance)
     if not balance or any(int(b) != b or b < 1 for b in balance):
-        raise BalanceError(f"balance must be a non-empty list of integers >= 1; got {balance}")
+        raise BalanceError(
+            f"balance must be a non-empty list of integers >= 1 (layers per partition); got "
+            f"{balance}; compute one with shardkit.nn.pipe.balance_by_size(partitions, "
+            "module) or balance_by_time(partitions, module, sample)"
+        )
     if sum(balance) != num_layers:
         raise BalanceError(
             f"module has {num_layers} layers, but the sum of balance {balance} is "

@@ -259,3 +259,96 @@ def test_error_for_a_parameter_shared_across_devices() -> None:
     verify_no_shared_parameters(parts, [torch.device("cpu")] * 2)  # one device: allowed
     with pytest.raises(ValueError, match="partitions 0 and 1 share a parameter of shape"):
         verify_no_shared_parameters(parts, [torch.device("cpu"), torch.device("meta")])
+
+
+# FairScale's surface (its tests/nn/pipe/test_pipe.py, with shardkit's own messages) ------
+
+
+def test_extra_devices_are_ignored() -> None:
+    """The ``devices=range(n_gpus)`` pattern: the first len(balance) devices are used."""
+    pipe = Pipe(mlp(), [2, 3], devices=["cpu", "cpu", "meta", "meta", "cpu"], chunks=2)
+    assert pipe.devices == [torch.device("cpu")] * 2
+    assert {p.device.type for p in pipe.parameters()} == {"cpu"}
+    x = torch.randn(4, 6)
+    assert_tensors_close(pipe(x), mlp_copy(pipe)(x), atol=1e-6, name="output")
+
+
+def mlp_copy(pipe: Pipe) -> nn.Sequential:
+    return nn.Sequential(*(copy.deepcopy(layer) for layer in pipe))
+
+
+def test_too_few_devices_is_a_balance_error_and_an_index_error() -> None:
+    with pytest.raises(IndexError, match="4 partitions but 1 devices"):
+        Pipe(nn.Sequential(*(nn.Linear(1, 1) for _ in range(4))), [1, 1, 1, 1], devices=["cpu"])
+    with pytest.raises(BalanceError):
+        Pipe(mlp(), [2, 3], devices=["cpu"])
+
+
+def test_empty_module() -> None:
+    pipe = Pipe(nn.Sequential(), [])
+    assert pipe.balance == [] and pipe.devices == [] and len(pipe) == 0 and list(pipe) == []
+    x = torch.tensor(42)
+    assert pipe(x) is x
+    pair = (torch.tensor(42), torch.ones(2))
+    assert pipe(pair) is pair
+    with pytest.raises(TypeError, match="must be a tensor or a non-empty tuple of tensors"):
+        pipe(42)  # type: ignore[arg-type]
+    with pytest.raises(BalanceError, match="sum of balance \\[1\\] is 1"):
+        Pipe(nn.Sequential(), [1])
+
+
+def test_chunks_and_checkpoint_are_normalised() -> None:
+    class MyString:
+        def __init__(self, value: str) -> None:
+            self.value = value
+
+        def __str__(self) -> str:
+            return self.value
+
+    pipe = Pipe(
+        nn.Sequential(nn.Linear(1, 1)),
+        balance=(1,),
+        devices=("cpu",),
+        chunks=42.000,  # type: ignore[arg-type]
+        checkpoint=MyString("always"),  # type: ignore[arg-type]
+    )
+    assert pipe.balance == [1] and pipe.devices == [torch.device("cpu")]
+    assert pipe.chunks == 42 and type(pipe.chunks) is int
+    assert pipe.checkpoint == "always" and type(pipe.checkpoint) is str
+    for bad in (2.5, "four", 0, -1):
+        with pytest.raises(ValueError, match="chunks must be"):
+            Pipe(nn.Sequential(nn.Linear(1, 1)), [1], chunks=bad)  # type: ignore[arg-type]
+
+
+def test_moving_a_pipe_is_refused_and_casting_allowed() -> None:
+    pipe = Pipe(mlp(), [2, 3], devices=["cpu", "cpu"])
+    moves = [
+        lambda: pipe.cuda(),
+        lambda: pipe.cpu(),
+        lambda: pipe.to(torch.device("cuda")),
+        lambda: pipe.to(0),
+        lambda: pipe.to("cpu"),
+        lambda: pipe.to(device=0),
+        lambda: pipe.to(torch.rand(1)),
+        lambda: pipe.to(tensor=torch.rand(1)),
+        lambda: pipe.to("cpu", torch.float64),
+    ]
+    for move in moves:
+        with pytest.raises(TypeError, match=r"moving the whole Pipe would put every partition"):
+            move()
+    assert {p.dtype for p in pipe.parameters()} == {torch.float32}  # nothing moved or cast
+    assert pipe.half() is pipe and {p.dtype for p in pipe.parameters()} == {torch.float16}
+    assert pipe.to(torch.double) is pipe
+    assert {p.dtype for p in pipe.parameters()} == {torch.float64}
+    pipe.to(dtype=torch.float)
+    assert {p.dtype for p in pipe.parameters()} == {torch.float32}
+    assert pipe(torch.randn(3, 6)).dtype == torch.float32
+
+
+def test_missing_or_wrong_balance_recommends_the_balancing_helpers() -> None:
+    with pytest.raises(ValueError, match=r"Pipe needs balance=.*balance_by_size.*balance_by_time"):
+        Pipe(mlp())
+    with pytest.raises(ValueError, match=r"balance_by_size"):
+        Pipe(nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)), [1])
+    with pytest.raises(ValueError, match=r"balance_by_size.*balance_by_time"):
+        Pipe(mlp(), [2, 0, 3])
