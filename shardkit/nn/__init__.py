@@ -1,5 +1,9 @@
 """Module wrappers: gradient and parameter sharding, wrapping policies, pipeline, offload.
 
+Tensor parallelism (column / row / vocabulary-parallel layers, the plan that applies
+them) is the subpackage :mod:`shardkit.nn.tensor_parallel`; its layer classes are
+re-exported here.
+
 Each wrapper is imported here as it lands; ``__all__`` lists the public names.
 """
 
@@ -12,6 +16,12 @@ from shardkit.nn.data_parallel import (
 )
 from shardkit.nn.offload import OffloadModel
 from shardkit.nn.pipe import Pipe, PipelineStage, Schedule1F1B, ScheduleGPipe
+from shardkit.nn.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from shardkit.nn.wrap import (
     auto_wrap,
     config_auto_wrap_policy,
@@ -24,14 +34,18 @@ from shardkit.nn.wrap import (
 
 __all__ = [
     "FSDP",
+    "ColumnParallelLinear",
     "FullyShardedDataParallel",
     "OffloadModel",
+    "ParallelEmbedding",
     "Pipe",
     "PipelineStage",
+    "RowParallelLinear",
     "Schedule1F1B",
     "ScheduleGPipe",
     "ShardedDDP",
     "ShardedDataParallel",
+    "VocabParallelEmbedding",
     "auto_wrap",
     "checkpoint_wrapper",
     "config_auto_wrap_policy",

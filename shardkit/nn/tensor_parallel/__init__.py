@@ -1,0 +1,78 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, section 3), FairScale's names.
+
+- :mod:`~shardkit.nn.tensor_parallel.mappings`: the four region operators (copy / reduce /
+  scatter / gather);
+- :mod:`~shardkit.nn.tensor_parallel.linear`: :class:`ColumnParallelLinear`,
+  :class:`RowParallelLinear`;
+- :mod:`~shardkit.nn.tensor_parallel.embedding`: :class:`VocabParallelEmbedding`,
+  :class:`ParallelEmbedding`;
+- :mod:`~shardkit.nn.tensor_parallel.cross_entropy`: :func:`vocab_parallel_cross_entropy`;
+- :mod:`~shardkit.nn.tensor_parallel.random`: the model-parallel RNG tracker;
+- :mod:`~shardkit.nn.tensor_parallel.plan`: :func:`parallelize` an existing model by a
+  plan (:func:`gpt_plan` for the GPT);
+- :mod:`~shardkit.nn.tensor_parallel.partition`: :func:`shard` / :func:`full_tensor` and
+  the tensor-parallel parameter attributes;
+- :mod:`~shardkit.nn.tensor_parallel.grad_norm`: :func:`clip_grad_norm_` (global norm).
+
+Process groups come from :mod:`shardkit.distributed.mesh` / :mod:`shardkit.distributed.mpu`.
+"""
+
+from shardkit.nn.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from shardkit.nn.tensor_parallel.embedding import ParallelEmbedding, VocabParallelEmbedding
+from shardkit.nn.tensor_parallel.grad_norm import clip_grad_norm_
+from shardkit.nn.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from shardkit.nn.tensor_parallel.mappings import (
+    copy_to_model_parallel_region,
+    copy_to_tensor_parallel_region,
+    gather_from_model_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_model_parallel_region,
+    reduce_from_tensor_parallel_region,
+    scatter_to_model_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+from shardkit.nn.tensor_parallel.partition import full_tensor, is_tensor_parallel, shard
+from shardkit.nn.tensor_parallel.plan import (
+    ColumnParallel,
+    HeadParallel,
+    RowParallel,
+    VocabParallel,
+    gpt_plan,
+    parallelize,
+)
+from shardkit.nn.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    get_rng_tracker,
+    model_parallel_cuda_manual_seed,
+    model_parallel_manual_seed,
+)
+
+__all__ = [
+    "ColumnParallel",
+    "ColumnParallelLinear",
+    "HeadParallel",
+    "ParallelEmbedding",
+    "RowParallel",
+    "RowParallelLinear",
+    "VocabParallel",
+    "VocabParallelEmbedding",
+    "clip_grad_norm_",
+    "copy_to_model_parallel_region",
+    "copy_to_tensor_parallel_region",
+    "full_tensor",
+    "gather_from_model_parallel_region",
+    "gather_from_tensor_parallel_region",
+    "get_cuda_rng_tracker",
+    "get_rng_tracker",
+    "gpt_plan",
+    "is_tensor_parallel",
+    "model_parallel_cuda_manual_seed",
+    "model_parallel_manual_seed",
+    "parallelize",
+    "reduce_from_model_parallel_region",
+    "reduce_from_tensor_parallel_region",
+    "scatter_to_model_parallel_region",
+    "scatter_to_tensor_parallel_region",
+    "shard",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,100 @@
+"""Splitting a full (master) tensor into tensor-parallel shards, and gathering it back.
+
+A tensor-parallel parameter carries three attributes (Megatron-LM's names), which is
+all another wrapper or a checkpoint needs to know about it:
+
+- ``tensor_model_parallel`` (bool): this tensor is one rank's shard, not a replica;
+- ``partition_dim`` (int): the dimension split across the tensor-parallel ranks;
+- ``partition_stride`` (int): the number of interleaved blocks (see :func:`shard`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "divide",
+    "full_tensor",
+    "is_tensor_parallel",
+    "mark_tensor_parallel",
+    "merge_shards",
+    "shard",
+]
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """``numerator / denominator``, which must be exact.
+
+    Raises:
+        ValueError: naming ``what``, both sizes and the remainder.
+    """
+    if numerator % denominator != 0:
+        raise ValueError(
+            f"{what}: {numerator} is not divisible by the tensor-parallel degree x stride "
+            f"{denominator} (remainder {numerator % denominator}); choose a degree that "
+            f"divides {numerator}"
+        )
+    return numerator // denominator
+
+
+def shard(
+    full: torch.Tensor, dim: int, rank: int, world_size: int, stride: int = 1
+) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``full`` along ``dim`` (a contiguous copy).
+
+    With ``stride`` s, ``full`` is cut along ``dim`` into ``s x world_size`` equal blocks
+    and rank r takes blocks ``r, r + world_size, ...``: for a fused ``[q | k | v]``
+    projection (``stride=3``) each rank gets its own part of each of q, k and v.
+
+    Shapes: ``full`` ``(..., n, ...)`` -> ``(..., n / world_size, ...)``.
+
+    Raises:
+        ValueError: ``n`` is not divisible by ``world_size x stride`` (sizes named).
+    """
+    block = divide(full.shape[dim], world_size * stride, f"size {full.shape[dim]} of dim {dim}")
+    if block == 0:  # an empty tensor: every rank holds an empty shard
+        return full.narrow(dim, 0, 0).clone()
+    blocks = torch.split(full, block, dim=dim)
+    return torch.cat(blocks[rank::world_size], dim=dim).contiguous()
+
+
+def full_tensor(
+    local: torch.Tensor,
+    dim: int,
+    group: dist.ProcessGroup | None,
+    stride: int = 1,
+) -> torch.Tensor:
+    """The inverse of :func:`shard`: all-gather every rank's shard and re-interleave.
+
+    A collective over ``group`` (None: one rank, ``local`` is returned as a copy).
+    Shapes: ``(..., n / world_size, ...)`` -> ``(..., n, ...)``.
+    """
+    world = 1 if group is None else dist.get_world_size(group)
+    if world == 1:
+        return local.detach().clone()
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.detach().contiguous(), group=group)
+    return merge_shards(parts, dim, stride)
+
+
+def merge_shards(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """The full tensor from every rank's :func:`shard` (rank order), without communication.
+
+    ``merge_shards([shard(x, dim, r, T, s) for r in range(T)], dim, s)`` equals ``x``.
+    """
+    world = len(parts)
+    per_rank = [torch.chunk(p, stride, dim=dim) if p.shape[dim] else [p] * stride for p in parts]
+    return torch.cat([per_rank[r][s] for s in range(stride) for r in range(world)], dim=dim)
+
+
+def mark_tensor_parallel(param: torch.Tensor, dim: int, stride: int = 1) -> None:
+    """Set the three tensor-parallel attributes on ``param`` (see the module docstring)."""
+    param.tensor_model_parallel = True  # type: ignore[attr-defined]
+    param.partition_dim = dim  # type: ignore[attr-defined]
+    param.partition_stride = stride  # type: ignore[attr-defined]
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a tensor-parallel shard (False for a replica on every rank)."""
+    return bool(getattr(param, "tensor_model_parallel", False))

@@ -1,0 +1,213 @@
+"""Apply tensor parallelism to an existing model: a plan maps module names to styles.
+
+A plan is a mapping from module-name patterns (``fnmatch``, e.g. ``"blocks.*.mlp.0"``)
+to a style: :class:`ColumnParallel` / :class:`RowParallel` replace an ``nn.Linear``,
+:class:`VocabParallel` an ``nn.Embedding``, :class:`HeadParallel` divides an attention
+module's head count by the degree (its projections are split by their own entries).
+:func:`parallelize` replaces the matched modules in place, each rank keeping its shard
+of the existing weights, so the result computes what the model computed before.
+
+Weights tied between two matched modules (a GPT's token embedding and LM head) stay
+tied when both are split the same way (the same dimension of the same tensor in the
+same blocks); a tie split two different ways raises an error.
+
+[Note: the GPT plan]
+:func:`gpt_plan` for :class:`shardkit.models.gpt.GPT` (Shoeybi et al. 2019, section 3):
+attention is split by heads (the fused ``qkv`` column-parallel with ``stride=3``, so
+each rank gets the q, k and v of its ``n_head / tp`` heads; ``proj`` row-parallel), the
+MLP column-then-row, the token embedding vocabulary-parallel with the tied LM head
+column-parallel over the vocabulary. Per block: one all-reduce after attention and one
+after the MLP in forward, one at each block input in backward. LayerNorms, the position
+embedding and the row-parallel biases are replicas (identical gradients on every
+tensor-parallel rank).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardkit.nn.tensor_parallel.embedding import VocabParallelEmbedding
+from shardkit.nn.tensor_parallel.groups import TPGroup, rank_and_size, resolve_group
+from shardkit.nn.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+
+__all__ = [
+    "ColumnParallel",
+    "HeadParallel",
+    "ParallelStyle",
+    "RowParallel",
+    "VocabParallel",
+    "gpt_plan",
+    "parallelize",
+]
+
+
+@dataclass(frozen=True)
+class ColumnParallel:
+    """Replace an ``nn.Linear`` with :class:`ColumnParallelLinear` (split by output features).
+
+    Attributes:
+        gather_output: all-gather the output. Default False (a row-parallel layer follows).
+        stride: interleaved blocks (3 for a fused ``[q | k | v]``). Default 1.
+    """
+
+    gather_output: bool = False
+    stride: int = 1
+
+
+@dataclass(frozen=True)
+class RowParallel:
+    """Replace an ``nn.Linear`` with :class:`RowParallelLinear` (split by input features).
+
+    Attributes:
+        input_is_parallel: the input is a column-parallel output. Default True.
+    """
+
+    input_is_parallel: bool = True
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """Replace an ``nn.Embedding`` with :class:`VocabParallelEmbedding`."""
+
+
+@dataclass(frozen=True)
+class HeadParallel:
+    """Divide an attention module's head count by the degree (its forward must size its
+    views from the local projection, as the GPT's does).
+
+    Attributes:
+        attribute: the module attribute holding the number of heads. Default ``"n_head"``.
+    """
+
+    attribute: str = "n_head"
+
+
+ParallelStyle = ColumnParallel | RowParallel | VocabParallel | HeadParallel
+
+#: tied weights seen so far: id of the original tensor -> (dim, stride, the shard)
+_Ties = dict[int, tuple[int, int, nn.Parameter]]
+
+
+def _expect(module: nn.Module, cls: type, name: str, style: ParallelStyle) -> None:
+    if not isinstance(module, cls):
+        raise TypeError(
+            f"plan entry {style} matched {name!r}, a {type(module).__name__}; it applies "
+            f"to {cls.__name__} only"
+        )
+
+
+def _tie(
+    ties: _Ties, original: torch.Tensor, new: nn.Parameter, dim: int, stride: int
+) -> nn.Parameter:
+    """The shard to use for ``original``: the one made earlier if it is tied, else ``new``."""
+    key = id(original)
+    if key not in ties:
+        ties[key] = (dim, stride, new)
+        return new
+    tied_dim, tied_stride, shard = ties[key]
+    if (tied_dim, tied_stride) != (dim, stride):
+        raise ValueError(
+            f"a tied weight is split along dim {tied_dim} (stride {tied_stride}) by one "
+            f"module and along dim {dim} (stride {stride}) by another; split both the same way"
+        )
+    return shard
+
+
+def _apply(
+    module: nn.Module, name: str, style: ParallelStyle, group: TPGroup, ties: _Ties
+) -> nn.Module:
+    if isinstance(style, HeadParallel):
+        heads = getattr(module, style.attribute)
+        world = rank_and_size(group)[1]
+        if heads % world != 0:
+            raise ValueError(
+                f"{name!r} has {style.attribute}={heads} attention heads, not divisible by "
+                f"the tensor-parallel degree {world}; choose a degree that divides {heads}"
+            )
+        setattr(module, style.attribute, heads // world)
+        return module
+    if isinstance(style, VocabParallel):
+        _expect(module, nn.Embedding, name, style)
+        assert isinstance(module, nn.Embedding)
+        emb = VocabParallelEmbedding.from_embedding(module, process_group=group)
+        emb.weight = _tie(ties, module.weight, emb.weight, 0, 1)
+        return emb
+    _expect(module, nn.Linear, name, style)
+    assert isinstance(module, nn.Linear)
+    if isinstance(style, ColumnParallel):
+        col = ColumnParallelLinear.from_linear(
+            module, gather_output=style.gather_output, stride=style.stride, process_group=group
+        )
+        col.weight = _tie(ties, module.weight, col.weight, 0, style.stride)
+        return col
+    row = RowParallelLinear.from_linear(
+        module, input_is_parallel=style.input_is_parallel, process_group=group
+    )
+    row.weight = _tie(ties, module.weight, row.weight, 1, 1)
+    return row
+
+
+def parallelize(
+    model: nn.Module, plan: Mapping[str, ParallelStyle], process_group: TPGroup = None
+) -> nn.Module:
+    """Apply ``plan`` to ``model`` in place and return it.
+
+    Modules are visited in ``named_modules`` order; the first pattern that matches a
+    module's qualified name decides its style. ``model`` must be the same on every rank
+    (same seed, or loaded weights): each rank keeps its shard of the existing weights.
+
+    Args:
+        model: the model; its matched modules are replaced.
+        plan: module-name pattern -> style.
+        process_group: the tensor-parallel group; default None (the mesh's).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: a pattern matched nothing (a typo in the plan), a size not divisible
+            by the degree (heads, features or vocabulary, sizes named), or a tied
+            weight split two ways.
+        TypeError: a style matched a module of the wrong type.
+    """
+    group = resolve_group(process_group)
+    used: set[str] = set()
+    ties: _Ties = {}
+    for name, module in list(model.named_modules()):
+        pattern = next((p for p in plan if fnmatch.fnmatchcase(name, p)), None)
+        if pattern is None:
+            continue
+        used.add(pattern)
+        new = _apply(module, name, plan[pattern], group, ties)
+        if new is not module:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, new)
+    unused = [p for p in plan if p not in used]
+    if unused:
+        raise ValueError(f"plan patterns matched no module: {unused}")
+    return model
+
+
+def gpt_plan(loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The plan for :class:`shardkit.models.gpt.GPT` (see ``[Note: the GPT plan]``).
+
+    Args:
+        loss_parallel: keep the logits vocabulary-parallel ``(B, T, V / tp)`` for
+            :func:`~shardkit.nn.tensor_parallel.vocab_parallel_cross_entropy` (call the
+            model without targets); False all-gathers them to ``(B, T, V)`` so the
+            model's own loss works unchanged. Default False.
+    """
+    return {
+        "wte": VocabParallel(),
+        "blocks.*.attn": HeadParallel("n_head"),
+        "blocks.*.attn.qkv": ColumnParallel(stride=3),
+        "blocks.*.attn.proj": RowParallel(),
+        "blocks.*.mlp.0": ColumnParallel(),
+        "blocks.*.mlp.2": RowParallel(),
+        "lm_head": ColumnParallel(gather_output=not loss_parallel),
+    }

@@ -1,0 +1,298 @@
+"""Rank-side workers of the tensor-parallel tests (issue 18).
+
+Each worker builds a :class:`ProcessMesh` on the pool's ranks, runs the unsplit
+reference and the tensor-parallel version from the same seed on every rank, and returns
+plain numbers (maximum differences) and short strings, so the test file asserts on
+values. One ``pool.run(run_jobs, jobs)`` per world size runs every configuration.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardkit.distributed.mesh import ParallelDims, ProcessMesh
+from shardkit.models.gpt import GPT, GPTConfig
+from shardkit.nn import tensor_parallel as tp
+from shardkit.nn.tensor_parallel.partition import full_tensor, shard
+
+_MESHES: dict[tuple[tuple[str, int], ...], ProcessMesh] = {}
+
+
+def mesh_of(**degrees: int) -> ProcessMesh:
+    """One mesh per layout for the pool's lifetime (groups are created once)."""
+    key = tuple(sorted(degrees.items()))
+    if key not in _MESHES:
+        _MESHES[key] = ProcessMesh(ParallelDims(world_size=dist.get_world_size(), **degrees))
+    return _MESHES[key]
+
+
+def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
+
+
+def run_jobs(jobs: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+    """Run ``(worker name, config)`` pairs; an exception becomes ``{"error": traceback}``."""
+    out = []
+    for name, cfg in jobs:
+        torch.manual_seed(0)
+        try:
+            out.append(globals()[name](cfg))
+        except Exception:
+            out.append({"error": traceback.format_exc()})
+    return out
+
+
+# layers --------------------------------------------------------------------------------------
+def linear_parity(cfg: dict[str, Any]) -> dict[str, float]:
+    """Column / row parallel linear against nn.Linear: outputs and every gradient."""
+    mesh = mesh_of(tp=cfg["tp"])
+    group, rank, world = mesh.group("tp"), mesh.coordinates["tp"], cfg["tp"]
+    kind, stride = cfg["kind"], cfg.get("stride", 1)
+    ref = nn.Linear(12, 24)
+    x = torch.randn(3, 5, 12, requires_grad=True)
+    ref_out = ref(x)
+    g = torch.randn_like(ref_out)
+    (ref_out * g).sum().backward()
+    x_ref_grad, x.grad = x.grad, None
+    res: dict[str, float] = {}
+    if kind == "column":
+        gather = cfg["gather_output"]
+        layer = tp.ColumnParallelLinear.from_linear(
+            ref, gather_output=gather, stride=stride, process_group=group
+        )
+        out = layer(x)
+        want = ref_out if gather else shard(ref_out, -1, rank, world, stride)
+        g_local = g if gather else shard(g, -1, rank, world, stride)
+        (out * g_local).sum().backward()
+        res["out"] = diff(out, want)
+        res["x_grad"] = diff(x.grad, x_ref_grad)
+        res["w_grad"] = diff(layer.weight.grad, shard(ref.weight.grad, 0, rank, world, stride))
+        res["b_grad"] = diff(layer.bias.grad, shard(ref.bias.grad, 0, rank, world, stride))
+        res["w"] = diff(full_tensor(layer.weight, 0, group, stride), ref.weight)
+    else:
+        parallel = cfg["input_is_parallel"]
+        layer2 = tp.RowParallelLinear.from_linear(
+            ref, input_is_parallel=parallel, process_group=group
+        )
+        x_in = shard(x.detach(), -1, rank, world).requires_grad_() if parallel else x
+        out = layer2(x_in)
+        (out * g).sum().backward()
+        want_x = shard(x_ref_grad, -1, rank, world) if parallel else x_ref_grad
+        res["out"] = diff(out, ref_out)
+        res["x_grad"] = diff(x_in.grad, want_x)
+        res["w_grad"] = diff(layer2.weight.grad, shard(ref.weight.grad, 1, rank, world))
+        res["b_grad"] = diff(layer2.bias.grad, ref.bias.grad)
+        res["w"] = diff(full_tensor(layer2.weight, 1, group), ref.weight)
+    return res
+
+
+def init_method_semantics(cfg: dict[str, Any]) -> dict[str, float]:
+    """FairScale's init_method: the shard of a master weight initialised from the seed."""
+    mesh = mesh_of(tp=cfg["tp"])
+    group, rank, world = mesh.group("tp"), mesh.coordinates["tp"], cfg["tp"]
+    res = {}
+    for name, build, dim in (
+        ("column", lambda: tp.ColumnParallelLinear(8, 16, process_group=group), 0),
+        ("row", lambda: tp.RowParallelLinear(16, 8, process_group=group), 1),
+        ("vocab", lambda: tp.VocabParallelEmbedding(16, 8, process_group=group), 0),
+        ("embedding", lambda: tp.ParallelEmbedding(16, 8, process_group=group), 1),
+    ):
+        torch.manual_seed(7)
+        layer = build()
+        torch.manual_seed(7)
+        shape = (16, 8) if name in ("column", "vocab", "embedding") else (8, 16)
+        master = nn.init.xavier_normal_(torch.empty(shape))
+        res[name] = diff(layer.weight, shard(master, dim, rank, world))
+        res[name + "_marked"] = float(
+            tp.is_tensor_parallel(layer.weight) and layer.weight.partition_dim == dim
+        )
+    return res
+
+
+def embedding_parity(cfg: dict[str, Any]) -> dict[str, float]:
+    mesh = mesh_of(tp=cfg["tp"])
+    group, rank, world = mesh.group("tp"), mesh.coordinates["tp"], cfg["tp"]
+    ref = nn.Embedding(16, 8, padding_idx=cfg.get("padding_idx"))
+    ids = torch.randint(0, 16, (4, 6))
+    ids[0, :3] = torch.tensor([0, 15, 7])
+    ref_out = ref(ids)
+    g = torch.randn_like(ref_out)
+    (ref_out * g).sum().backward()
+    res = {}
+    if cfg["kind"] == "vocab":
+        layer = tp.VocabParallelEmbedding.from_embedding(ref, process_group=group)
+        dim = 0
+    else:
+        layer = tp.ParallelEmbedding(16, 8, padding_idx=cfg.get("padding_idx"), process_group=group)
+        with torch.no_grad():
+            layer.weight.copy_(shard(ref.weight.detach(), 1, rank, world))
+        dim = 1
+    out = layer(ids)
+    (out * g).sum().backward()
+    res["out"] = diff(out, ref_out)
+    res["w_grad"] = diff(layer.weight.grad, shard(ref.weight.grad, dim, rank, world))
+    return res
+
+
+def cross_entropy_parity(cfg: dict[str, Any]) -> dict[str, float]:
+    mesh = mesh_of(tp=cfg["tp"])
+    group, rank, world = mesh.group("tp"), mesh.coordinates["tp"], cfg["tp"]
+    logits = (4 * torch.randn(3, 5, 32)).requires_grad_()
+    target = torch.randint(0, 32, (3, 5))
+    target[0, 0] = -100
+    ref = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(3, 5)
+    w = torch.rand(3, 5)
+    (ref * w).sum().backward()
+    local = shard(logits.detach(), -1, rank, world).requires_grad_()
+    loss = tp.vocab_parallel_cross_entropy(local, target, process_group=group)
+    (loss * w).sum().backward()
+    return {
+        "loss": diff(loss, ref),
+        "grad": diff(local.grad, shard(logits.grad, -1, rank, world)),
+        "local_width": float(local.shape[-1]),
+    }
+
+
+def mappings_roundtrip(cfg: dict[str, Any]) -> dict[str, float]:
+    """scatter then gather is the identity; gradients of the four operators."""
+    mesh = mesh_of(tp=cfg["tp"])
+    group, world = mesh.group("tp"), cfg["tp"]
+    x = torch.randn(2, 3, 4 * world, requires_grad=True)
+    y = tp.gather_from_tensor_parallel_region(tp.scatter_to_tensor_parallel_region(x, group), group)
+    y.sum().backward()
+    res = {"roundtrip": diff(y, x), "roundtrip_grad": diff(x.grad, torch.ones_like(x))}
+    z = torch.ones(3, requires_grad=True)
+    tp.copy_to_tensor_parallel_region(z, group).sum().backward()
+    res["copy_grad"] = diff(z.grad, torch.full((3,), float(world)))
+    r = torch.ones(3, requires_grad=True)
+    out = tp.reduce_from_tensor_parallel_region(r, group)
+    out.sum().backward()
+    res["reduce_out"] = diff(out, torch.full((3,), float(world)))
+    res["reduce_grad"] = diff(r.grad, torch.ones(3))
+    return res
+
+
+def rng_tracker(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Dropout masks outside / inside the tracker's fork, gathered over the world."""
+    mesh = mesh_of(tp=cfg["tp"])
+    group = mesh.group("tp")
+    tp.model_parallel_manual_seed(1234, process_group=group)
+    ones = torch.ones(256)
+    outside = F.dropout(ones, 0.5)
+    with tp.get_rng_tracker().fork():
+        inside = F.dropout(ones, 0.5)
+    after = F.dropout(ones, 0.5)
+    # the default stream is untouched by the fork
+    torch.manual_seed(1234)
+    plain = [F.dropout(ones, 0.5), F.dropout(ones, 0.5)]
+    world = dist.get_world_size()
+    masks = {}
+    for key, m in (("outside", outside), ("inside", inside)):
+        parts = [torch.empty_like(m) for _ in range(world)]
+        dist.all_gather(parts, m)
+        masks[key] = torch.stack(parts)
+    missing = ""
+    tp.get_rng_tracker().reset()
+    try:
+        with tp.get_rng_tracker().fork():
+            pass
+    except KeyError as err:
+        missing = str(err)
+    return {
+        "masks": masks,
+        "coords": mesh.coordinates,
+        "stream_kept": float(torch.equal(outside, plain[0]) and torch.equal(after, plain[1])),
+        "missing": missing,
+    }
+
+
+# GPT -----------------------------------------------------------------------------------------
+TINY = {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 4, "n_embd": 32}
+
+
+def _full_grads(model: nn.Module, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        if tp.is_tensor_parallel(p):
+            out[name] = full_tensor(p.grad, p.partition_dim, group, p.partition_stride)
+        else:
+            out[name] = p.grad.detach().clone()
+    return out
+
+
+def _full_params(model: nn.Module, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        if tp.is_tensor_parallel(p):
+            out[name] = full_tensor(p, p.partition_dim, group, p.partition_stride)
+        else:
+            out[name] = p.detach().clone()
+    return out
+
+
+def gpt_parity(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The GPT with gpt_plan against the plain GPT: loss, logits and every gradient."""
+    mesh = mesh_of(tp=cfg["tp"])
+    group = mesh.group("tp")
+    ref = GPT(GPTConfig(**TINY))
+    model = tp.parallelize(copy.deepcopy(ref), tp.gpt_plan(cfg["loss_parallel"]), group)
+    idx = torch.randint(0, TINY["vocab_size"], (2, 12))
+    targets = torch.randint(0, TINY["vocab_size"], (2, 12))
+    ref_logits, ref_loss = ref(idx, targets)
+    assert ref_loss is not None
+    ref_loss.backward()
+    if cfg["loss_parallel"]:
+        logits, _ = model(idx)
+        loss = tp.vocab_parallel_cross_entropy(logits, targets, group).mean()
+        logits = full_tensor(logits, -1, group)
+    else:
+        logits, loss_opt = model(idx, targets)
+        assert loss_opt is not None
+        loss = loss_opt
+    loss.backward()
+    grads, ref_grads = _full_grads(model, group), dict(ref.named_parameters())
+    assert sorted(grads) == sorted(ref_grads), (sorted(grads), sorted(ref_grads))
+    return {
+        "loss": abs(float(loss) - float(ref_loss)),
+        "logits": diff(logits, ref_logits),
+        "grads": {n: diff(g, ref_grads[n].grad) for n, g in grads.items()},
+        "tied": float(model.lm_head.weight is model.wte.weight),
+        "local_qkv_rows": float(model.blocks[0].attn.qkv.weight.shape[0]),
+        "n_head": float(model.blocks[0].attn.n_head),
+    }
+
+
+def plan_errors(cfg: dict[str, Any]) -> dict[str, str]:
+    """Uneven splits and plan mistakes: the error messages."""
+    mesh = mesh_of(tp=cfg["tp"])
+    group = mesh.group("tp")
+    out = {}
+    cases: dict[str, Callable[[], object]] = {
+        "heads": lambda: tp.parallelize(
+            GPT(GPTConfig(**{**TINY, "n_head": 2, "n_embd": 32})), tp.gpt_plan(), group
+        ),
+        "vocab": lambda: tp.parallelize(
+            GPT(GPTConfig(**{**TINY, "vocab_size": 66})), tp.gpt_plan(), group
+        ),
+        "typo": lambda: tp.parallelize(
+            GPT(GPTConfig(**TINY)), {"blocks.*.mlp.9": tp.ColumnParallel()}, group
+        ),
+        "type": lambda: tp.parallelize(GPT(GPTConfig(**TINY)), {"wte": tp.ColumnParallel()}, group),
+    }
+    for key, fn in cases.items():
+        try:
+            fn()
+            out[key] = "no error"
+        except (ValueError, TypeError) as err:
+            out[key] = f"{type(err).__name__}: {err}"
+    return out
