@@ -68,13 +68,16 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # torch.distributed.GradBucket
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import record_function
 
 from shardkit.distributed import global_rank, group_ranks
+from shardkit.distributed.compression import GradCompressor, get_compressor
 from shardkit.distributed.failures import collective_context
 from shardkit.optim.oss import OSS
 
 __all__ = [
     "OwnerRun",
+    "ReduceToOwnerState",
     "bucket_layout",
     "owner_runs",
     "reduce_to_owner_hook",
@@ -175,7 +178,25 @@ def _launch(run: OwnerRun, buffer: torch.Tensor, group: dist.ProcessGroup | None
     return dist.reduce(part, dst=global_rank(group, run.owner), group=group, async_op=True)
 
 
+@dataclass
+class ReduceToOwnerState:
+    """The state of :func:`reduce_to_owner_hook` with gradient compression.
+
+    Attributes:
+        optimizer: the :class:`OSS` stepping the DDP model's parameters.
+        grad_compression: every run of a bucket goes through it: ``reduce`` to the
+            owner, ``all_reduce`` for parameters the OSS does not own (key
+            ``("oss", bucket index, first element of the run)``, the shapes of the
+            run's gradients passed). None: the plain hook.
+    """
+
+    optimizer: OSS
+    grad_compression: GradCompressor | None = None
+
+
 def _check_state(state: object) -> OSS:
+    if isinstance(state, ReduceToOwnerState):
+        state = state.optimizer
     if not isinstance(state, OSS):
         raise TypeError(
             "reduce_to_owner_hook needs the shardkit.optim.OSS that steps the DDP model's "
@@ -187,7 +208,9 @@ def _check_state(state: object) -> OSS:
     return state
 
 
-def reduce_to_owner_hook(state: OSS, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+def reduce_to_owner_hook(
+    state: OSS | ReduceToOwnerState, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: reduce each gradient only to the rank owning its
     optimizer state (ZeRO-1 at 2 psi per step instead of 3 psi).
 
@@ -207,7 +230,9 @@ def reduce_to_owner_hook(state: OSS, bucket: GradBucket) -> torch.futures.Future
     Args:
         state: the :class:`OSS` over the DDP model's parameters, sharding over the same
             process group as DDP (which the hook cannot see: :func:`register_reduce_to_owner_hook`
-            checks it).
+            checks it); or a :class:`ReduceToOwnerState` holding it and a gradient
+            compressor (:mod:`shardkit.distributed.compression`): the runs are then
+            reduced through the compressor, synchronously.
         bucket: the gradient bucket DDP passes (a flat buffer of ``bucket.parameters()``'
             gradients).
 
@@ -227,13 +252,63 @@ def reduce_to_owner_hook(state: OSS, bucket: GradBucket) -> torch.futures.Future
         _check_once(optimizer, bucket.index())
         buffer.div_(optimizer.world_size)
         runs = _plan(optimizer, bucket, buffer)
-        with collective_context("OSS", _OPERATION, optimizer.group):
+        compressor = state.grad_compression if isinstance(state, ReduceToOwnerState) else None
+        label = f"OSS::reduce_to_owner bucket={bucket.index()} runs={len(runs)}"
+        if compressor is not None:
+            with record_function(label):
+                return _reduce_compressed(compressor, optimizer, bucket, buffer, runs)
+        with record_function(label), collective_context("OSS", _OPERATION, optimizer.group):
             works = [_launch(r, buffer, optimizer.group) for r in runs]
         rank = optimizer.rank
         away = [r for r in runs if r.owner is not None and r.owner != rank]
         return torch.futures.collect_all([w.get_future() for w in works]).then(
             lambda done: _result(done, buffer, away)
         )
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+def _run_shapes(bucket: GradBucket, buffer: torch.Tensor, run: OwnerRun) -> list[torch.Size] | None:
+    """Shapes of the gradients tiling ``run`` in buffer order; None if they do not."""
+    gradients = bucket.gradients()
+    offsets = bucket_layout(buffer, gradients)
+    if offsets is None:
+        return None
+    inside = sorted(
+        (o, g.shape) for o, g in zip(offsets, gradients) if run.start <= o < run.end and g.numel()
+    )
+    position = run.start
+    for offset, shape in inside:
+        if offset != position:
+            return None
+        position += shape.numel()
+    return [shape for _, shape in inside] if position == run.end else None
+
+
+def _reduce_compressed(
+    compressor: GradCompressor,
+    optimizer: OSS,
+    bucket: GradBucket,
+    buffer: torch.Tensor,
+    runs: list[OwnerRun],
+) -> torch.futures.Future[torch.Tensor]:
+    """Reduce every run of the bucket through ``compressor`` (synchronously); a
+    completed Future of the buffer, the runs of other owners zeroed."""
+    group = optimizer.group
+    with collective_context("OSS", _OPERATION, group):
+        for run in runs:
+            part = buffer[run.start : run.end]
+            key = ("oss", bucket.index(), run.start)
+            shapes = _run_shapes(bucket, buffer, run)
+            if run.owner is None:
+                compressor.all_reduce(part, group, key=key, shapes=shapes)
+            else:
+                dst = global_rank(group, run.owner)
+                compressor.reduce(part, dst, group, key=key, shapes=shapes)
+    for run in runs:
+        if run.owner is not None and run.owner != optimizer.rank:
+            buffer[run.start : run.end].zero_()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future
@@ -269,13 +344,17 @@ def _result(
 
 # DDP checks the hook's annotations as objects; postponed (string) annotations fail it.
 reduce_to_owner_hook.__annotations__ = {
-    "state": OSS,
+    "state": OSS | ReduceToOwnerState,
     "bucket": GradBucket,
     "return": torch.futures.Future[torch.Tensor],
 }
 
 
-def register_reduce_to_owner_hook(module: DistributedDataParallel, optimizer: OSS) -> None:
+def register_reduce_to_owner_hook(
+    module: DistributedDataParallel,
+    optimizer: OSS,
+    grad_compression: GradCompressor | str | None = None,
+) -> None:
     """Register :func:`reduce_to_owner_hook` on ``module`` with ``optimizer`` as its
     state, after checking that both use the same ranks.
 
@@ -284,10 +363,16 @@ def register_reduce_to_owner_hook(module: DistributedDataParallel, optimizer: OS
     Args:
         module: the torch ``DistributedDataParallel`` model.
         optimizer: the :class:`OSS` stepping its parameters.
+        grad_compression: a gradient compressor
+            (:class:`~shardkit.distributed.compression.GradCompressor`, or its name:
+            ``"identity"``, ``"fp16"``, ``"bf16"``, ``"powersgd"``, ``"int8"``) the
+            reduces go through (state :class:`ReduceToOwnerState`); default None: the
+            plain hook, exactly as without the argument.
 
     Raises:
         TypeError: if ``module`` is not a torch DDP or ``optimizer`` not an :class:`OSS`.
-        ValueError: if DDP's process group and the OSS group hold different ranks.
+        ValueError: if DDP's process group and the OSS group hold different ranks, or
+            ``grad_compression`` is an unknown name.
     """
     if not isinstance(module, DistributedDataParallel):
         raise TypeError(
@@ -302,4 +387,8 @@ def register_reduce_to_owner_hook(module: DistributedDataParallel, optimizer: OS
             "the hook would average over the wrong ranks. Pass the same process group to "
             "both: DistributedDataParallel(model, process_group=pg) and OSS(..., group=pg)"
         )
-    module.register_comm_hook(optimizer, reduce_to_owner_hook)
+    compressor = get_compressor(grad_compression)
+    if compressor is None:
+        module.register_comm_hook(optimizer, reduce_to_owner_hook)
+    else:
+        module.register_comm_hook(ReduceToOwnerState(optimizer, compressor), reduce_to_owner_hook)
