@@ -1,0 +1,363 @@
+"""Hugging Face ``transformers.Trainer`` with shardkit's sharding, by one argument.
+
+Swap the class and name a strategy; the rest of a Trainer script stays as it is::
+
+    from shardkit.integrations.hf import ShardkitTrainer
+
+    trainer = ShardkitTrainer(model=model, args=args, train_dataset=train,
+                              eval_dataset=val, shardkit="fsdp")   # was: Trainer(...)
+    trainer.train()
+
+and launch with ``torchrun --nproc_per_node N script.py``. Strategies:
+
+========  ==============================================  ==========
+``oss``   torch DDP + ``OSS`` (gradients reduced to owner) ZeRO-1
+``sdp``   ``ShardedDataParallel`` + ``OSS``                ZeRO-2
+``fsdp``  ``FullyShardedDataParallel``, one unit per block ZeRO-3
+          class of ``model._no_split_modules`` + the root
+========  ==============================================  ==========
+
+The optimizer is the one ``TrainingArguments`` selects (``optim``, ``learning_rate``,
+``weight_decay`` with the Trainer's decay / no-decay split), wrapped in ``OSS`` or
+built over FSDP's shards. What the Trainer does itself keeps working: the accelerate
+data loaders, gradient accumulation (the wrapper's ``no_sync``), ``bf16`` (autocast,
+as accelerate applies it), clipping by the global norm (the wrapper's own
+``clip_grad_norm``), evaluation, ``save_model()`` (a plain HF checkpoint:
+``from_pretrained`` loads it on one process) and checkpoints that
+``resume_from_checkpoint`` continues from exactly (the model in HF format, the optimizer
+state sharded: ``optimizer.rank<r>-of-<n>.pt`` per rank, resumed at the same world size
+and strategy). Each log line gains every rank's model-state bytes
+(``model_state_bytes/rank<r>/<category>``).
+
+Tested with transformers 5.23.0 and accelerate 1.15.0 (``requirements.txt``). The
+integration overrides ``Trainer`` methods, some of them private (``_wrap_model``,
+``_clip_grad_norm``, ``_get_grad_norm``, ``_save_optimizer_and_scheduler``,
+``_load_optimizer_and_scheduler``, ``_load_from_checkpoint``): other versions may
+need changes. Not supported: ``fp16`` (its loss scaler would decide per rank), the
+Trainer's own ``fsdp`` / ``deepspeed`` options, an optimizer passed in
+``optimizers=``. Guide: ``docs/hf_trainer.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from transformers import Trainer
+
+from shardkit.memory import model_state_bytes
+from shardkit.nn import (
+    FullyShardedDataParallel,
+    ShardedDataParallel,
+    auto_wrap,
+    enable_wrap,
+    transformer_auto_wrap_policy,
+)
+from shardkit.optim import OSS, register_reduce_to_owner_hook
+
+__all__ = [
+    "STRATEGIES",
+    "ShardkitConfig",
+    "ShardkitTrainer",
+    "block_classes",
+    "optimizer_shard_name",
+]
+
+Strategy = Literal["oss", "sdp", "fsdp"]
+STRATEGIES: tuple[str, ...] = ("oss", "sdp", "fsdp")
+SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
+
+
+def optimizer_shard_name(rank: int, world_size: int) -> str:
+    """The file of one rank's optimizer state in a checkpoint directory."""
+    return f"optimizer.rank{rank}-of-{world_size}.pt"
+
+
+@dataclass(frozen=True)
+class ShardkitConfig:
+    """What :class:`ShardkitTrainer` wraps the model with.
+
+    Attributes:
+        strategy: ``"oss"`` (ZeRO-1), ``"sdp"`` (ZeRO-2) or ``"fsdp"`` (ZeRO-3).
+        wrap_classes: fsdp: class names of the modules that become one FSDP unit each;
+            None: the model's ``_no_split_modules`` (``["GPT2Block"]``, ``["BertLayer"]``,
+            ...). Default None.
+        log_state_bytes: add every rank's model-state bytes to each log. Default True.
+    """
+
+    strategy: Strategy
+    wrap_classes: tuple[str, ...] | None = None
+    log_state_bytes: bool = True
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"unknown shardkit strategy {self.strategy!r}; choose one of {list(STRATEGIES)}"
+            )
+
+
+def block_classes(model: nn.Module, names: Iterable[str]) -> set[type[nn.Module]]:
+    """The classes of ``model``'s submodules whose class name is in ``names``.
+
+    Raises:
+        ValueError: no submodule has one of these class names.
+    """
+    wanted = set(names)
+    found = {type(m) for m in model.modules() if type(m).__name__ in wanted}
+    if not found:
+        raise ValueError(
+            f"fsdp: no module of {type(model).__name__} is of a class named in {sorted(wanted)} "
+            "(the model's _no_split_modules); pass ShardkitConfig(wrap_classes=(...))"
+        )
+    return found
+
+
+def _ensure_process_group() -> None:
+    """A one-rank gloo group when the script runs without torchrun."""
+    if not dist.is_initialized():
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+
+class ShardkitTrainer(Trainer):
+    """A ``transformers.Trainer`` whose model and optimizer are sharded by shardkit.
+
+    Args:
+        *args: as ``Trainer``.
+        shardkit: ``"oss"``, ``"sdp"``, ``"fsdp"`` or a :class:`ShardkitConfig`; None:
+            a plain ``Trainer`` (DDP under torchrun).
+        **kwargs: as ``Trainer``.
+
+    Raises:
+        ValueError: an option the integration does not support (``fp16``, the
+            Trainer's ``fsdp`` or ``deepspeed``, an optimizer in ``optimizers=``).
+
+    Attributes:
+        model_state_bytes: every rank's model-state bytes at the last log
+            (``ModelStateBytes.as_dict()`` per rank).
+    """
+
+    def __init__(
+        self, *args: Any, shardkit: str | ShardkitConfig | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if isinstance(shardkit, str):
+            shardkit = ShardkitConfig(cast(Strategy, shardkit))
+        self.shardkit = shardkit
+        self.sharded_module: nn.Module | None = None
+        self.sharded_optimizer: torch.optim.Optimizer | None = None
+        self.model_state_bytes: list[dict[str, int]] = []
+        if shardkit is not None:
+            self._check_supported()
+            _ensure_process_group()
+
+    def _check_supported(self) -> None:
+        args, name = self.args, f"ShardkitTrainer(shardkit={self.shardkit.strategy!r})"  # type: ignore[union-attr]
+        if args.fp16:
+            raise ValueError(
+                f"{name}: fp16 is not supported (its loss scaler decides per rank); use bf16"
+            )
+        if args.deepspeed or args.fsdp:
+            raise ValueError(
+                f"{name}: the Trainer's own fsdp / deepspeed options replace shardkit's"
+            )
+        if self.optimizer is not None:
+            raise ValueError(
+                f"{name}: pass no optimizer in optimizers=; the optimizer comes from "
+                "TrainingArguments (optim, learning_rate, weight_decay, ...)"
+            )
+
+    # wrapping ----------------------------------------------------------------------
+    @property
+    def _plain_model(self) -> nn.Module:
+        """``self.model``, the unwrapped model (FSDP nests units inside it)."""
+        if self.model is None:
+            raise ValueError("ShardkitTrainer needs a model (model= or model_init=)")
+        return self.model
+
+    def _fsdp_module(self) -> FullyShardedDataParallel:
+        """The FSDP root over ``self.model`` (built once): one unit per block class."""
+        if self.sharded_module is None:
+            config = cast(ShardkitConfig, self.shardkit)
+            model = self._plain_model
+            names = config.wrap_classes or tuple(getattr(model, "_no_split_modules", ()) or ())
+            policy = transformer_auto_wrap_policy(block_classes(model, names))
+            with enable_wrap(wrapper_cls=FullyShardedDataParallel):
+                wrapped = auto_wrap(model, policy)
+            self.sharded_module = FullyShardedDataParallel(wrapped)
+        return cast(FullyShardedDataParallel, self.sharded_module)
+
+    def _build(self) -> None:
+        """Wrap the model and build the sharded optimizer (once)."""
+        strategy = cast(ShardkitConfig, self.shardkit).strategy
+        model = self._plain_model
+        optim_cls, optim_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)  # type: ignore[arg-type]
+        decay = set(self.get_decay_parameter_names(model))
+        owner: nn.Module = self._fsdp_module() if strategy == "fsdp" else model
+        named = [(n, p) for n, p in owner.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        optimizer: torch.optim.Optimizer
+        if strategy == "fsdp":
+            optimizer = optim_cls(groups, **optim_kwargs)
+            module: nn.Module = owner
+        else:
+            optimizer = OSS(groups, optim=optim_cls, **optim_kwargs)
+            if strategy == "sdp":
+                module = ShardedDataParallel(model, optimizer)
+            else:
+                device = self.args.device
+                module = DistributedDataParallel(
+                    model,
+                    device_ids=[device] if device.type == "cuda" else None,
+                    find_unused_parameters=bool(self.args.ddp_find_unused_parameters),
+                )
+                register_reduce_to_owner_hook(module, optimizer)
+        self.sharded_module, self.sharded_optimizer = module, optimizer
+        # the Trainer then calls accelerator.prepare(optimizer): it finds this one already
+        # prepared (no device placement, which would read a full OSS state dict)
+        prepared = self.accelerator.prepare_optimizer(optimizer, device_placement=False)
+        prepared._is_accelerate_prepared = True
+        self.optimizer = prepared
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The sharded optimizer (the model is wrapped at the same time)."""
+        if self.shardkit is None:
+            return super().create_optimizer(model)
+        if self.sharded_optimizer is None:
+            self._build()
+        return self.optimizer  # type: ignore[return-value]
+
+    def _wrap_model(
+        self, model: nn.Module, training: bool = True, dataloader: Any = None
+    ) -> nn.Module:
+        if self.shardkit is None:
+            return super()._wrap_model(model, training, dataloader)  # type: ignore[no-any-return]
+        if training:
+            self.create_optimizer()
+            return cast(nn.Module, self.sharded_module)
+        if self.shardkit.strategy == "fsdp":
+            return self._fsdp_module()  # the parameters exist only as shards
+        return self._plain_model  # full parameters: no collectives
+
+    def autocast_smart_context_manager(
+        self, cache_enabled: bool | None = True
+    ) -> AbstractContextManager[Any]:
+        """``bf16``: accelerate's autocast (it patches the forward of the models it
+        prepares; shardkit's wrapped model is not one of them)."""
+        if self.shardkit is not None and self.accelerator.native_amp:
+            return cast(AbstractContextManager[Any], self.accelerator.autocast())
+        return super().autocast_smart_context_manager(cache_enabled)  # type: ignore[no-any-return]
+
+    # gradient norm -----------------------------------------------------------------
+    def _sharded_clip(self, max_norm: float) -> torch.Tensor:
+        if isinstance(self.sharded_module, FullyShardedDataParallel):
+            return self.sharded_module.clip_grad_norm_(max_norm)
+        return cast(OSS, self.sharded_optimizer).clip_grad_norm(max_norm)
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        if self.shardkit is None:
+            return super()._clip_grad_norm(model)
+        return self._sharded_clip(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if self.shardkit is None:
+            return super()._get_grad_norm(model, grad_norm)
+        return self._sharded_clip(float("inf")) if grad_norm is None else grad_norm
+
+    # saving and resuming -----------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A plain HF checkpoint (``from_pretrained`` loads it); call it on every rank
+        (with fsdp the full state dict is gathered)."""
+        if self.shardkit is None or not isinstance(self.sharded_module, FullyShardedDataParallel):
+            super().save_model(output_dir, _internal_call)
+            return
+        state = self.sharded_module.state_dict()  # every rank gathers, plain keys
+        self._save(output_dir or self.args.output_dir, state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.shardkit is None:
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        optimizer = cast(torch.optim.Optimizer, self.sharded_optimizer)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        state = (
+            optimizer.sharded_state_dict() if isinstance(optimizer, OSS) else optimizer.state_dict()
+        )
+        os.makedirs(output_dir, exist_ok=True)
+        payload = {"strategy": self.shardkit.strategy, "world_size": world, "optimizer": state}
+        torch.save(payload, os.path.join(output_dir, optimizer_shard_name(rank, world)))
+        if self.args.should_save:
+            scheduler = cast(torch.optim.lr_scheduler.LRScheduler, self.lr_scheduler)
+            torch.save(scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self.shardkit is None or checkpoint is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        path = os.path.join(checkpoint, optimizer_shard_name(rank, world))
+        if not os.path.isfile(path):
+            saved = sorted(n for n in os.listdir(checkpoint) if n.startswith("optimizer"))
+            if saved:
+                raise ValueError(
+                    f"{checkpoint} holds {saved}, not {optimizer_shard_name(rank, world)}: resume "
+                    "with the world size and strategy that wrote it"
+                )
+            return  # no optimizer state saved (save_only_model): as the Trainer does
+        device = self.args.device  # an indexed CPU device ("cpu:0") is not a map_location
+        location = "cpu" if device.type == "cpu" else device
+        payload = torch.load(path, map_location=location, weights_only=True)
+        if payload["strategy"] != self.shardkit.strategy:
+            raise ValueError(
+                f"{path} was written by shardkit strategy {payload['strategy']!r}, this "
+                f"run uses {self.shardkit.strategy!r}"
+            )
+        cast(torch.optim.Optimizer, self.sharded_optimizer).load_state_dict(payload["optimizer"])
+        scheduler = torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
+        cast(torch.optim.lr_scheduler.LRScheduler, self.lr_scheduler).load_state_dict(scheduler)
+
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: nn.Module | None = None
+    ) -> None:
+        if self.shardkit is not None and isinstance(self.sharded_module, FullyShardedDataParallel):
+            raise RuntimeError(
+                "resume_from_checkpoint with shardkit fsdp: the model is already sharded (an "
+                "evaluate() or train() ran before); resume with a fresh ShardkitTrainer"
+            )
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    # logging -----------------------------------------------------------------------
+    def gather_model_state_bytes(self) -> list[dict[str, int]]:
+        """Every rank's model-state bytes (a collective; call it on every rank)."""
+        mine = model_state_bytes(cast(nn.Module, self.sharded_module), self.sharded_optimizer)
+        fields = [mine.parameters, mine.gradients, mine.optimizer_state, mine.buffers]
+        local = torch.tensor(fields, dtype=torch.int64, device=self.args.device)
+        every = torch.empty(
+            dist.get_world_size() * len(fields), dtype=torch.int64, device=local.device
+        )
+        dist.all_gather_single(every, local)  # type: ignore[attr-defined]
+        keys = ("parameters", "gradients", "optimizer_state", "buffers")
+        rows = every.view(-1, len(fields)).tolist()
+        return [dict(zip(keys, (int(v) for v in row))) for row in rows]
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """As ``Trainer.log`` (called on every rank), plus every rank's model-state bytes."""
+        config = self.shardkit
+        if config is not None and config.log_state_bytes and self.sharded_module is not None:
+            self.model_state_bytes = self.gather_model_state_bytes()
+            for rank, held in enumerate(self.model_state_bytes):
+                for key in ("parameters", "gradients", "optimizer_state"):
+                    logs[f"model_state_bytes/rank{rank}/{key}"] = float(held[key])
+        super().log(logs, start_time)
