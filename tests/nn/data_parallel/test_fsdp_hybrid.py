@@ -29,11 +29,17 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _wrapped(strategy: str, shard_size: int, nesting: str = "block") -> Any:
+def _wrapped(
+    strategy: str, shard_size: int, nesting: str = "block", compression: Any = None
+) -> Any:
     groups = hybrid_groups(shard_size)
     pg: Any = (groups.shard, groups.replicate) if "HYBRID" in strategy else None
     return wrap_model(
-        copy.deepcopy(tiny_gpt()), nesting, process_group=pg, sharding_strategy=strategy
+        copy.deepcopy(tiny_gpt()),
+        nesting,
+        process_group=pg,
+        sharding_strategy=strategy,
+        grad_compression=compression,
     )
 
 
@@ -52,9 +58,11 @@ def _cross_replica_reduces(step: Any) -> int:
     return count[0]
 
 
-def _train(strategy: str, shard_size: int, nesting: str, defer: bool) -> dict[str, Any]:
+def _train(
+    strategy: str, shard_size: int, nesting: str, defer: bool, compression: Any = None
+) -> dict[str, Any]:
     """STEPS steps of MICRO micro-batches each; the plain model sees the same data."""
-    ref, model = tiny_gpt(), _wrapped(strategy, shard_size, nesting)
+    ref, model = tiny_gpt(), _wrapped(strategy, shard_size, nesting, compression)
     opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
     rank, world = dist.get_rank(), dist.get_world_size()
     reduces = []
@@ -80,14 +88,18 @@ def _train(strategy: str, shard_size: int, nesting: str, defer: bool) -> dict[st
 
 def _parity_cases() -> dict[str, Any]:
     out = {}
-    for key, (strategy, shard, nesting, defer) in {
-        "hybrid-2x2-block": ("HYBRID_SHARD", 2, "block", False),
-        "hybrid-2x2-defer": ("HYBRID_SHARD", 2, "block", True),
-        "hybrid-zero2-2x2": ("HYBRID_SHARD_ZERO2", 2, "flat", True),
-        "hybrid-4x1": ("HYBRID_SHARD", 1, "flat", False),
-        "shard-grad-op": ("SHARD_GRAD_OP", 4, "block", False),
+    for key, (strategy, shard, nesting, defer, compression) in {
+        "hybrid-2x2-block": ("HYBRID_SHARD", 2, "block", False, None),
+        "hybrid-2x2-defer": ("HYBRID_SHARD", 2, "block", True, None),
+        "hybrid-zero2-2x2": ("HYBRID_SHARD_ZERO2", 2, "flat", True, None),
+        "hybrid-4x1": ("HYBRID_SHARD", 1, "flat", False, None),
+        "shard-grad-op": ("SHARD_GRAD_OP", 4, "block", False, None),
+        "hybrid-2x2-identity": ("HYBRID_SHARD", 2, "block", False, "identity"),
+        "hybrid-2x2-bf16": ("HYBRID_SHARD", 2, "block", False, "bf16"),
+        "full-shard-bf16": ("FULL_SHARD", 4, "block", False, "bf16"),
+        "hybrid-2x2-powersgd": ("HYBRID_SHARD", 2, "flat", False, "powersgd"),
     }.items():
-        out[key] = _train(strategy, shard, nesting, defer)
+        out[key] = _train(strategy, shard, nesting, defer, compression)
     return out
 
 
@@ -153,6 +165,30 @@ def test_parity_with_the_plain_model(results: list[Any], key: str) -> None:
         assert_state_dicts_close(got["state"], got["ref"], atol=2e-5, rtol=1e-4)
         assert_state_dicts_close(got["state"], results[0]["parity"][key]["state"], atol=0, rtol=0)
         assert rank == 0 or got["reduces"] == results[0]["parity"][key]["reduces"]
+
+
+def test_identity_compression_is_bitwise_the_uncompressed_run(results: list[Any]) -> None:
+    for per_rank in results:
+        got, want = (
+            per_rank["parity"]["hybrid-2x2-identity"],
+            per_rank["parity"]["hybrid-2x2-block"],
+        )
+        assert_state_dicts_close(got["state"], want["state"], atol=0, rtol=0)
+        assert got["reduces"] == [0] * STEPS  # the compressor, not the exact all-reduce
+
+
+@pytest.mark.parametrize(
+    "key, atol",
+    [("hybrid-2x2-bf16", 2e-3), ("full-shard-bf16", 2e-3), ("hybrid-2x2-powersgd", 5e-2)],
+)
+def test_lossy_compression_trains_close_to_the_plain_model(
+    results: list[Any], key: str, atol: float
+) -> None:
+    got = results[0]["parity"][key]
+    assert_state_dicts_close(got["state"], got["ref"], atol=atol, rtol=0)
+    exact = results[0]["parity"]["hybrid-2x2-block"]["state"]
+    differs = any(not torch.equal(got["state"][k], exact[k]) for k in exact)
+    assert differs, f"{key}: bitwise equal to the exact run: the compressor did not run"
 
 
 def test_accumulation_crosses_replicas_once_per_step(results: list[Any]) -> None:

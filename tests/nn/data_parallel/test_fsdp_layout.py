@@ -65,3 +65,31 @@ def test_old_checkpoint_import_path_still_works() -> None:
 
     assert old.save_fsdp_sharded is fully_sharded.save_fsdp_sharded
     assert old.load_fsdp_sharded is fully_sharded.load_fsdp_sharded
+
+
+shapes_lists = st.lists(
+    st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple), min_size=1, max_size=5
+)
+
+
+@given(shapes_lists, st.integers(1, 5))
+@settings(max_examples=60, deadline=None)
+def test_shard_shapes_tile_each_shard_with_whole_rows(
+    shapes: list[tuple[int, ...]], world: int
+) -> None:
+    """The compressor's view of a shard: pieces adding up to S, matrices of whole rows."""
+    from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle, ParamInfo
+
+    infos = [ParamInfo(torch.Size(s), True) for s in shapes]
+    flat = torch.arange(sum(i.numel for i in infos), dtype=torch.float32)
+    row_lengths = {i.numel // i.shape[0] for i in infos if len(i.shape) >= 2 and i.shape[0]}
+    for rank in range(world):
+        handle = FlatParamHandle(infos, flat, rank, world)
+        pieces = handle.shard_shapes()
+        assert sum(torch.Size(p).numel() for p in pieces) == handle.layout.shard_numel
+        assert all(p[1] in row_lengths for p in pieces if len(p) == 2)
+    full = FlatParamHandle(infos, flat, 0, world).flat_shapes()
+    assert (
+        sum(torch.Size(p).numel() for p in full)
+        == FlatLayout(tuple(i.numel for i in infos), world).padded
+    )

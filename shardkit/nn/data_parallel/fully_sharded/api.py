@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.distributed.compression import GradCompressor, get_compressor
 from shardkit.distributed.consistency import (
     describe_parameters,
     local_checks,
@@ -145,6 +146,12 @@ class FullyShardedDataParallel(nn.Module):
             ``HYBRID_SHARD`` (full shard inside a shard group, replicas across groups:
             gradients reduce-scattered inside, then each 1/S shard all-reduced across
             the R replicas), ``HYBRID_SHARD_ZERO2``.
+        grad_compression: a :class:`~shardkit.distributed.compression.GradCompressor`
+            or its name (``"bf16"``, ``"fp16"``, ``"powersgd"``, ``"int8"``) for the
+            gradient reduction over the slowest link: the cross-replica all-reduce of a
+            hybrid strategy (inside a node stays exact), else the reduce-scatter.
+            Default None: exact. Share one compressor across the units of a model (its
+            error-feedback state is kept per unit).
         broadcast_buffers: as torch DDP's: the root broadcasts the group's first rank's
             buffers before each forward that follows a synchronised training forward
             (one broadcast per buffer per step; BatchNorm statistics stay equal on every
@@ -202,6 +209,7 @@ class FullyShardedDataParallel(nn.Module):
         param_init_fn: ParamInitFn | None = None,
         broadcast_buffers: bool = True,
         sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
+        grad_compression: GradCompressor | str | None = None,
     ) -> None:
         strategy = resolve_sharding_strategy(sharding_strategy)
         shard_group, replicate_group = _resolve_groups(process_group, strategy)
@@ -225,6 +233,7 @@ class FullyShardedDataParallel(nn.Module):
                 gradient_predivide_factor=gradient_predivide_factor,
                 broadcast_buffers=broadcast_buffers,
                 sharding_strategy=strategy,
+                grad_compression=get_compressor(grad_compression),
             )
         super().__init__()
         self._config = config
@@ -247,6 +256,7 @@ class FullyShardedDataParallel(nn.Module):
             "mixed_precision": self._config.mixed_precision,
             "broadcast_buffers": self._config.broadcast_buffers,
             "sharding_strategy": self._config.sharding_strategy.name,
+            "grad_compression": repr(self._config.grad_compression),
         }
         group = self._process_group
         with local_checks(what, group, catch=(Exception,)):  # incl. a failing param_init_fn

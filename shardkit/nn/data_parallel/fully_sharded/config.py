@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardkit.distributed.compression import GradCompressor
 from shardkit.nn.data_parallel.fully_sharded.precision import (
     MixedPrecision,
     resolve_mixed_precision,
@@ -87,6 +88,10 @@ class FSDPConfig:
             broadcast per buffer. False: buffers are broadcast once, at the first forward,
             and may then drift apart across ranks. Default True.
         sharding_strategy: see :class:`ShardingStrategy`. Default ``FULL_SHARD``.
+        grad_compression: compresses the gradient reduction that crosses the slowest
+            link: the cross-replica all-reduce with a hybrid strategy (the reduce-scatter
+            inside a node stays exact), else the reduce-scatter
+            (:mod:`shardkit.distributed.compression`). Default None: exact.
     """
 
     reshard_after_forward: bool = True
@@ -101,6 +106,7 @@ class FSDPConfig:
     move_params_to_cpu: bool = False
     broadcast_buffers: bool = True
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    grad_compression: GradCompressor | None = None
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0:

@@ -145,6 +145,20 @@ def _alloc(tensor: torch.Tensor) -> None:
         storage.resize_(wanted)
 
 
+def _row_pieces(start: int, length: int, row: int) -> list[tuple[int, ...]]:
+    """``length`` elements from ``start`` of a row-major parameter with rows of ``row``
+    elements (0: a vector) as (partial row,) (rows, row) (partial row,) pieces."""
+    if row <= 1:
+        return [(length,)]
+    head = min(length, (-start) % row)
+    rows = (length - head) // row
+    tail = length - head - rows * row
+    pieces: list[tuple[int, ...]] = [(head,)] if head else []
+    if rows:
+        pieces.append((rows, row))
+    return pieces + [(tail,)] if tail else pieces
+
+
 class FullFlat:
     """A full flat buffer ``(N * S,)`` and the full-shape parameter views into it.
 
@@ -325,6 +339,32 @@ class FlatParamHandle:
         return self.full.flat[lo:hi]
 
     # gradients -----------------------------------------------------------------
+    def flat_shapes(self) -> list[tuple[int, ...]]:
+        """Shapes of the consecutive pieces of the padded flat buffer ``(N * S,)``: every
+        parameter's, then the padding as a vector (for a gradient compressor)."""
+        shapes = [tuple(info.shape) if info.numel else (0,) for info in self.infos]
+        padding = self.layout.padded - self.layout.total
+        return shapes + [(padding,)] if padding else shapes
+
+    def shard_shapes(self) -> list[tuple[int, ...]]:
+        """Shapes of the consecutive pieces of this rank's shard ``(S,)``: for each
+        parameter's piece, its whole rows as a ``(rows, row length)`` matrix and any
+        partial row before or after them as vectors; padding as a vector (so a
+        low-rank compressor sees matrices where the shard holds whole rows)."""
+        out: list[tuple[int, ...]] = []
+        lo, hi = self.layout.shard_range(self.rank)
+        for index, info in enumerate(self.infos):
+            a, b = self.layout.piece(index, self.rank)
+            if b <= a:
+                continue
+            start = lo + a - self.layout.offsets[index]  # within the parameter
+            row = info.numel // info.shape[0] if len(info.shape) >= 2 and info.shape[0] else 0
+            out += _row_pieces(start, b - a, row)
+        used = sum(math.prod(shape) for shape in out)
+        if used < hi - lo:
+            out.append((hi - lo - used,))
+        return out
+
     @property
     def trainable(self) -> list[int]:
         """Indices of parameters that require a gradient."""

@@ -160,6 +160,7 @@ class UnitRuntime:
         self.data_parallel_size = self.world_size * replicas  # gradients average over these
         self.requires_all_reduce = True  # across replicas; False defers (accumulation)
         self._deferred: torch.Tensor | None = None  # reduced shards not yet all-reduced
+        self.key: tuple[str, int] = ("fsdp", 0)  # names its reductions for a compressor
         self.buffer_casts = buffer_casts
         self.label = label
         self.training_state = TrainingState.IDLE
@@ -251,8 +252,9 @@ class UnitRuntime:
         root = RootState(
             self.module, units, self.process_group, broadcast_buffers, self.replicate_group
         )
-        for unit in units:
+        for index, unit in enumerate(units):
             unit.root, unit.is_root = root, unit is self
+            unit.key = ("fsdp", index)  # the same on every rank: module order
         if not broadcast_buffers:  # else the first forward broadcasts them
             broadcast_data_parallel(
                 list(self.module.buffers()), self.process_group, self.replicate_group
@@ -359,7 +361,12 @@ class UnitRuntime:
         def then() -> None:
             self._finish_reduction(shard, post)
 
-        if distributed:
+        compressor = self.config.grad_compression
+        if distributed and compressor is not None and self.replicate_group is None:
+            shapes = handle.flat_shapes()
+            compressor.reduce_scatter(shard, flat, self.process_group, key=self.key, shapes=shapes)
+            pending = Pending(nbytes=0)  # synchronous: done, ``then`` runs at the wait
+        elif distributed:
             pending = reduce_scatter_flat(shard, flat, self.process_group, async_op=True)
         else:
             pending = Pending(nbytes=0)
@@ -376,7 +383,12 @@ class UnitRuntime:
             self._deferred = total
             return
         self._deferred = None
-        all_reduce_sum(total, self.replicate_group).wait()
+        compressor = self.config.grad_compression
+        if compressor is None:
+            all_reduce_sum(total, self.replicate_group).wait()
+        else:
+            shapes = self.handle.shard_shapes()
+            compressor.all_reduce(total, self.replicate_group, key=self.key, shapes=shapes)
         self.handle.accumulate_grad_shard(total, divide_by=divide_by)
 
     # the trainable set -----------------------------------------------------------
