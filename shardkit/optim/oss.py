@@ -34,6 +34,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
+from torch.profiler import record_function
 
 from shardkit.checkpoint.sharded_optim import (
     load_optimizer_checkpoint,
@@ -345,7 +346,8 @@ class OSS(Optimizer):
         State of parameters that change owner moves to the new owner; state of
         parameters now frozen is dropped.
         """
-        self.optim = self._build_local_optimizer()
+        with record_function("OSS::refresh_trainable"):
+            self.optim = self._build_local_optimizer()
         self._consolidated = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -376,20 +378,23 @@ class OSS(Optimizer):
         Returns:
             What the wrapped optimizer's ``step`` returns (the closure's loss or None).
         """
-        if self.trainable_changed():
-            warnings.warn(
-                "OSS: requires_grad of some parameters changed since the partition; "
-                "re-partitioning (call optimizer.refresh_trainable() to do it explicitly)",
-                stacklevel=2,
-            )
-            self.refresh_trainable()
-        self._sync_hyperparams(self.param_groups, self.optim.param_groups)
-        loss = self.optim.step(closure=closure, **kwargs) if closure else self.optim.step(**kwargs)
-        self._sync_hyperparams(self.optim.param_groups, self.param_groups)
-        self._broadcast_params()
-        self._consolidated = None
-        self.hook_reduced_buckets.clear()
-        return loss
+        with record_function("OSS::step"):
+            if self.trainable_changed():
+                warnings.warn(
+                    "OSS: requires_grad of some parameters changed since the partition; "
+                    "re-partitioning (call optimizer.refresh_trainable() to do it explicitly)",
+                    stacklevel=2,
+                )
+                self.refresh_trainable()
+            self._sync_hyperparams(self.param_groups, self.optim.param_groups)
+            with record_function("OSS::local_step"):
+                step = self.optim.step
+                loss = step(closure=closure, **kwargs) if closure else step(**kwargs)
+            self._sync_hyperparams(self.optim.param_groups, self.param_groups)
+            self._broadcast_params()
+            self._consolidated = None
+            self.hook_reduced_buckets.clear()
+            return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad`` over every parameter (the full view); also
@@ -413,7 +418,10 @@ class OSS(Optimizer):
         wire = torch.float16 if self.broadcast_fp16 else None
         bucket = self.broadcast_buffer_size
         plan = plan_owner_broadcast(owned, bucket, wire, min(bucket, _DIRECT_BYTES))
-        with collective_context("OSS", "step: broadcast of updated parameters", self.group):
+        with (
+            record_function(f"OSS::broadcast buckets={len(plan)}"),
+            collective_context("OSS", "step: broadcast of updated parameters", self.group),
+        ):
             return broadcast_from_owners(plan, self.group, pool=self._pool, comm_dtype=wire)
 
     def clip_grad_norm(
@@ -440,7 +448,8 @@ class OSS(Optimizer):
         local = self.local_params()
         if filter_params_fn is not None:
             local = filter_params_fn(local)
-        return clip_grad_norm_sharded(local, max_norm, norm_type, self.group)
+        with record_function("OSS::clip_grad_norm"):
+            return clip_grad_norm_sharded(local, max_norm, norm_type, self.group)
 
     # state dicts -------------------------------------------------------------------
     def sharded_state_dict(self) -> StateDict:
@@ -466,6 +475,10 @@ class OSS(Optimizer):
             recipient_rank: rank (in ``group``) that receives the full state; ``-1``
                 means every rank. Default 0.
         """
+        with record_function("OSS::consolidate_state_dict"):
+            self._consolidate(recipient_rank)
+
+    def _consolidate(self, recipient_rank: int) -> None:
         shard = self.sharded_state_dict()
         shard["state"] = _to_device(shard["state"], "cpu")
         meta = {"rank": self.rank, "world_size": self.world_size}

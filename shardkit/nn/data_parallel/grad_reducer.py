@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from shardkit.distributed import BufferPool, copy_scaled, global_rank, plan_buckets
@@ -237,7 +238,10 @@ class GradReducer:
             bucket = self.buckets[self._next]
             buffer = self._fill_unused(bucket)
             dst = global_rank(self.group, bucket.owner)
-            with collective_context(_WRAPPER, "backward: reduce of gradients", self.group):
+            with (
+                record_function(f"ShardedDDP::reduce bucket={bucket.index} owner={bucket.owner}"),
+                collective_context(_WRAPPER, "backward: reduce of gradients", self.group),
+            ):
                 if self.grad_compression is None:
                     bucket.work = dist.reduce(buffer, dst=dst, group=self.group, async_op=True)
                 else:
@@ -271,7 +275,10 @@ class GradReducer:
         """Wait for a bucket; on its owner, set ``.grad`` of every parameter some rank used."""
         assert bucket.buffer is not None
         if bucket.work is not None:  # None: reduced synchronously (grad_compression)
-            with collective_context(_WRAPPER, "backward: reduce of gradients", self.group):
+            with (
+                record_function(f"ShardedDDP::wait bucket={bucket.index}"),
+                collective_context(_WRAPPER, "backward: reduce of gradients", self.group),
+            ):
                 bucket.work.wait()
         if bucket.owner == self.rank:
             flags = bucket.buffer[bucket.numel :].tolist()
@@ -290,9 +297,10 @@ class GradReducer:
 
     def finalize(self) -> None:
         """Launch the buckets still open (unused parameters), wait for all, reset."""
-        self._launch_ready(force=True)
-        while self._in_flight:
-            self._complete(self._in_flight.popleft())
+        with record_function("ShardedDDP::finalize_backward"):
+            self._launch_ready(force=True)
+            while self._in_flight:
+                self._complete(self._in_flight.popleft())
         self._next = 0
         self.state = ReducerState.IDLE
 

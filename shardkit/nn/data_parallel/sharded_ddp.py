@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from shardkit.distributed import broadcast_from_owners, group_ranks, plan_owner_broadcast
 from shardkit.distributed.compression import GradCompressor, get_compressor
@@ -258,26 +259,28 @@ class ShardedDataParallel(nn.Module):
 
         Calls :meth:`OSS.refresh_trainable` on each optimizer, then rebuilds the buckets.
         """
-        for opt in self.sharded_optimizers:
-            opt.refresh_trainable()
-        self._build_reducer()
+        with record_function("ShardedDDP::refresh_trainable"):
+            for opt in self.sharded_optimizers:
+                opt.refresh_trainable()
+            self._build_reducer()
 
     # runtime ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Refresh the partition if needed, broadcast buffers (as DDP), run the module."""
-        if self.auto_refresh_trainable and self._trainable_signature() != self._signature:
-            if self.warn_on_trainable_params_changed:
-                warnings.warn(
-                    "ShardedDataParallel: requires_grad of some parameters changed; "
-                    "re-partitioning the optimizer state and gradient buckets",
-                    stacklevel=2,
-                )
-            self.refresh_trainable()
-        if self.broadcast_buffers and self._require_forward_param_sync:
-            self.sync_buffers()
-        assert self._reducer is not None
-        if self.training and torch.is_grad_enabled():
-            self._check_grads_without_graph()
+        with record_function("ShardedDDP::pre_forward"):
+            if self.auto_refresh_trainable and self._trainable_signature() != self._signature:
+                if self.warn_on_trainable_params_changed:
+                    warnings.warn(
+                        "ShardedDataParallel: requires_grad of some parameters changed; "
+                        "re-partitioning the optimizer state and gradient buckets",
+                        stacklevel=2,
+                    )
+                self.refresh_trainable()
+            if self.broadcast_buffers and self._require_forward_param_sync:
+                self.sync_buffers()
+            assert self._reducer is not None
+            if self.training and torch.is_grad_enabled():
+                self._check_grads_without_graph()
         self._require_forward_param_sync = torch.is_grad_enabled() and self._reducer.sync
         return self.module(*args, **kwargs)
 
@@ -305,12 +308,14 @@ class ShardedDataParallel(nn.Module):
         """Reduce the gradients held now to their owners (for loops that end with
         ``no_sync`` backwards): a collective on every rank."""
         assert self._reducer is not None
-        self._reducer.reduce_held()
+        with record_function("ShardedDDP::reduce"):
+            self._reducer.reduce_held()
 
     @torch.no_grad()
     def sync_buffers(self) -> None:
         """Broadcast the module's buffers from the group's first rank (a collective)."""
-        self._broadcast_from_first_rank(list(self.module.buffers()))
+        with record_function("ShardedDDP::sync_buffers"):
+            self._broadcast_from_first_rank(list(self.module.buffers()))
 
     def _broadcast_from_first_rank(self, tensors: list[torch.Tensor]) -> None:
         if self.world_size == 1 or not tensors:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from shardkit.nn.checkpoint import run_checkpointed
 from shardkit.nn.offload.slices import Slice
@@ -82,10 +83,11 @@ class SliceRunner:
         saved, outputs = _Saved(), []
         self.tier.load(self.slice)
         try:
-            for chunk, grad in zip(chunks, needs_grad, strict=True):
+            for k, (chunk, grad) in enumerate(zip(chunks, needs_grad, strict=True)):
                 x = chunk.detach().requires_grad_(grad)
                 saved.inputs.append(x)
-                with torch.enable_grad():
+                label = f"OffloadModel::forward {self.slice.name} micro_batch={k}"
+                with torch.enable_grad(), record_function(label):
                     y = run_checkpointed(module, (x,)) if self.checkpoint else module(x)
                 saved.outputs.append(y)
                 outputs.append(y.detach())
@@ -100,7 +102,9 @@ class SliceRunner:
             for j in reversed(range(len(saved.inputs))):
                 y = saved.outputs[j]
                 if y.requires_grad:
-                    torch.autograd.backward(y, grads[j])
+                    label = f"OffloadModel::backward {self.slice.name} micro_batch={j}"
+                    with record_function(label):
+                        torch.autograd.backward(y, grads[j])
             if self.after_backward is not None:
                 self.after_backward(self.slice)
         finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+from torch.profiler import record_function
 
 from shardkit.nn.offload.device import DeviceOps
 from shardkit.nn.offload.flat import FlatBuffer
@@ -57,7 +58,8 @@ class Tier(ABC):
             return
         if s.state is not SliceState.OFFLOADED:
             raise RuntimeError(f"{s.name} is already resident; a slice is loaded once at a time")
-        self._load(s)
+        with record_function(f"OffloadModel::load {s.name} from {self.kind}"):
+            self._load(s)
         s.state = SliceState.RESIDENT
 
     def offload(self, s: Slice) -> None:
@@ -66,7 +68,8 @@ class Tier(ABC):
             return
         if s.state is not SliceState.RESIDENT:
             raise RuntimeError(f"{s.name} is not resident; cannot offload it")
-        self._offload(s)
+        with record_function(f"OffloadModel::evict {s.name} to {self.kind}"):
+            self._offload(s)
         s.state = SliceState.OFFLOADED
 
     @abstractmethod

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from shardkit.nn.pipe.checkpoint import CheckpointMode, run_checkpointed, should_checkpoint
 from shardkit.nn.pipe.copy import copy_batch
@@ -71,8 +72,15 @@ class Pipeline:
         """Micro-batch ``i`` through partition ``j``: copy in, compute."""
         device, partition = self.devices[j], self.partitions[j]
         compute = current_stream(device)
-        batch = copy_batch(batch, device, copy_stream=self.copy_streams[j], compute_stream=compute)
-        with use_stream(compute):
+        with record_function(f"Pipe::copy micro_batch={i} partition={j}"):
+            batch = copy_batch(
+                batch, device, copy_stream=self.copy_streams[j], compute_stream=compute
+            )
+        label = f"Pipe::forward micro_batch={i} partition={j}"
+        with (
+            record_function(label + (" checkpointed" if checkpointed else "")),
+            use_stream(compute),
+        ):
             out = (
                 run_checkpointed(partition, batch.value) if checkpointed else partition(batch.value)
             )

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import record_function
 
 from shardkit.distributed.failures import CollectiveError, is_communication_failure
 from shardkit.nn.pipe.checkpoint import CheckpointMode, run_checkpointed
@@ -216,16 +217,22 @@ class PipelineStage:
     def forward(self, microbatch: int, batch: Batch | None = None) -> Batch:
         """Forward of ``microbatch``: take ``batch`` (first stage) or receive it, run,
         send the output on (not on the last stage). Returns the output."""
+        with record_function(f"Pipe::stage={self.index} forward micro_batch={microbatch}"):
+            return self._forward(microbatch, batch)
+
+    def _forward(self, microbatch: int, batch: Batch | None) -> Batch:
         if self.is_first:
             assert batch is not None, "the first stage needs its micro-batch"
             batch = batch.with_tensors([t.to(self.device) for t in batch.tensors])
         else:
-            batch = self._receive_input(microbatch)
+            with record_function(f"Pipe::recv activations micro_batch={microbatch}"):
+                batch = self._receive_input(microbatch)
         if torch.is_grad_enabled() and not self.is_first:
             self._forwarding = [t for t in batch.tensors if t.requires_grad]
         out = self._run_module(batch.value)
         if not self.is_last:
-            self.p2p.send(out.tensors, self.index + 1, atomic=out.atomic)
+            with record_function(f"Pipe::send activations micro_batch={microbatch}"):
+                self.p2p.send(out.tensors, self.index + 1, atomic=out.atomic)
         if torch.is_grad_enabled():
             inputs = [t for t in batch.tensors if t.requires_grad] if not self.is_first else []
             saved = _InFlight(inputs, [t for t in out.tensors if t.requires_grad])
@@ -246,6 +253,10 @@ class PipelineStage:
         """Backward of ``microbatch``: from its loss (last stage) or the received output
         gradient; then send the input gradient back (not on the first stage). ``last``
         marks the final backward of a step (data-parallel gradients reduce there)."""
+        with record_function(f"Pipe::stage={self.index} backward micro_batch={microbatch}"):
+            self._backward(microbatch, last)
+
+    def _backward(self, microbatch: int, last: bool) -> None:
         oldest = min(self._in_flight, default=None)
         if microbatch != oldest:
             raise RuntimeError(
@@ -260,7 +271,8 @@ class PipelineStage:
         else:
             assert saved.grads is not None
             what = f"receive of the output gradient of micro-batch {microbatch}"
-            grads = self._wait(saved.grads, what, self.index + 1)
+            with record_function(f"Pipe::recv gradients micro_batch={microbatch}"):
+                grads = self._wait(saved.grads, what, self.index + 1)
             reason = read_abort(grads)
             if reason is not None:
                 raise StageFailedError(reason, f"stage {self.index}: {what}")
@@ -275,7 +287,8 @@ class PipelineStage:
             input_grads = [
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in saved.inputs
             ]
-            self.p2p.send(input_grads, self.index - 1)
+            with record_function(f"Pipe::send gradients micro_batch={microbatch}"):
+                self.p2p.send(input_grads, self.index - 1)
         self._owed = None
 
     # failure (see the failure module) ------------------------------------------------

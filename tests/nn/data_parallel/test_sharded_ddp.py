@@ -383,3 +383,52 @@ def test_fairscale_surface_frozen_integers_multi_device_and_grad_with_graph(rank
         assert "backward() without create_graph" in r["forward_error"]
         assert "p.grad = p.grad.detach()" in r["forward_error"]
         assert r["reducer_state"] == "idle"
+
+
+def _profiled_names(fn: Any) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events()]
+
+
+def _profiler_labels() -> list[str]:
+    torch.manual_seed(0)
+    model = Model()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, broadcast_buffer_size=0)
+    sdp = ShardedDataParallel(model, opt, reduce_buffer_size=0)  # one bucket per parameter
+    x, y = micro_batch(0, 0, dist.get_rank())
+
+    def step() -> None:
+        ((sdp(x) - y) ** 2).mean().backward()
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad()
+
+    names = _profiled_names(step)
+    assert names.count("OSS::step") == 1
+    return sorted({n for n in names if n.startswith(("OSS::", "ShardedDDP::"))})
+
+
+def test_profiler_labels_of_oss_and_sharded_ddp(rank_pool) -> None:
+    """torch.profiler traces name each phase: one reduce and one wait per bucket (8
+    parameters, reduce_buffer_size=0: 8 buckets), the step, the local step, the
+    broadcast (8 parameters, broadcast_buffer_size=0: 8 broadcasts)."""
+    results = rank_pool(2).run(_profiler_labels)
+    assert results[0] == results[1]
+    labels = results[0]
+    reduces = [n for n in labels if n.startswith("ShardedDDP::reduce bucket=")]
+    waits = [n for n in labels if n.startswith("ShardedDDP::wait bucket=")]
+    assert len(reduces) == 8 and len(waits) == 8, labels
+    assert {n.split()[1] for n in reduces} == {f"bucket={i}" for i in range(8)}
+    assert {n.split()[2] for n in reduces} == {"owner=0", "owner=1"}
+    assert {
+        "ShardedDDP::pre_forward",
+        "ShardedDDP::sync_buffers",
+        "ShardedDDP::finalize_backward",
+        "OSS::step",
+        "OSS::local_step",
+        "OSS::broadcast buckets=8",
+        "OSS::clip_grad_norm",
+    } <= set(labels), labels

@@ -352,3 +352,22 @@ def test_missing_or_wrong_balance_recommends_the_balancing_helpers() -> None:
         Pipe(nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)), [1])
     with pytest.raises(ValueError, match=r"balance_by_size.*balance_by_time"):
         Pipe(mlp(), [2, 0, 3])
+
+
+def test_profiler_labels_every_micro_batch_and_partition() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    pipe = Pipe(mlp(), [2, 3], devices=["cpu", "cpu"], chunks=3, checkpoint="except_last")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        pipe(torch.randn(6, 6)).sum().backward()
+    names = [e.name for e in prof.events() if e.name.startswith("Pipe::")]
+    forwards = sorted(n for n in names if n.startswith("Pipe::forward"))
+    assert forwards == sorted(
+        f"Pipe::forward micro_batch={i} partition={j}" + (" checkpointed" if i < 2 else "")
+        for i in range(3)
+        for j in range(2)
+    )
+    copies = sorted(n for n in names if n.startswith("Pipe::copy"))
+    assert copies == sorted(
+        f"Pipe::copy micro_batch={i} partition={j}" for i in range(3) for j in range(2)
+    )

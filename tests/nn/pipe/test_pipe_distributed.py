@@ -298,3 +298,31 @@ def test_four_stages_and_pipeline_times_data_parallel(rank_pool: Any) -> None:
         for r in (0, 2):  # stage 0 of each replica holds the whole model; replicas agree
             assert set(states[r][i]) == set(reference.state_dict()), config
         assert_state_dicts_close(states[0][i], states[2][i], atol=0.0)
+
+
+def run_profiled_step() -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    rank = dist.get_rank()
+    full, balance = make_model("tensor", 2)
+    stage = PipelineStage(stage_module(full, balance, rank), checkpoint="never")
+    runner = Schedule1F1B(stage, 2, loss_fn=F.mse_loss)
+    x, y = make_batch("tensor", 4, seed=0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        runner.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    return sorted({e.name for e in prof.events() if e.name.startswith("Pipe::")})
+
+
+def test_profiler_labels_of_stage_actions(rank_pool: Any) -> None:
+    first, last = rank_pool(2).run(run_profiled_step)
+    for s, labels in ((0, first), (1, last)):
+        for i in range(2):
+            assert f"Pipe::stage={s} forward micro_batch={i}" in labels, labels
+            assert f"Pipe::stage={s} backward micro_batch={i}" in labels, labels
+    assert {"Pipe::send activations micro_batch=1", "Pipe::recv gradients micro_batch=1"} <= set(
+        first
+    )
+    assert {"Pipe::recv activations micro_batch=1", "Pipe::send gradients micro_batch=1"} <= set(
+        last
+    )
+    assert not any("recv activations" in n or "send gradients" in n for n in first)
