@@ -20,7 +20,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["shardkit", "shardkit.*"]),
     package_data={"shardkit": ["py.typed"]},
-    install_requires=["torch>=2.4", "typing-extensions", "tqdm"],
+    install_requires=["torch>=2.4", "typing-extensions", "tqdm", "safetensors>=0.8"],
     extras_require={
         "test": ["pytest", "hypothesis", "pytest-timeout", "numpy"],
         "dev": ["ruff", "mypy", "import-linter==2.16"],

@@ -1,0 +1,148 @@
+"""``python -m shardkit.checkpoint inspect|convert``: a checkpoint from the command line.
+
+::
+
+    python -m shardkit.checkpoint inspect CKPT [--json]
+    python -m shardkit.checkpoint convert CKPT OUT.pt|OUT.safetensors
+
+``CKPT`` is a checkpoint root (``latest`` names the newest committed step), one
+checkpoint directory (``ckpt-<step>/`` with ``manifest.json``), or a plain directory
+of shard files. ``inspect`` prints the step, format, world size, every file with its
+size, sha256 and whether it matches the manifest, the parameters (name, shape,
+dtype) and the optimizer state. ``convert`` writes the consolidated plain
+``state_dict`` of an FSDP sharded checkpoint (``torch.save`` format, or safetensors by
+the file's suffix), for inference or another library. Both run in one process, without
+ranks (see :mod:`shardkit.checkpoint.reader`).
+
+Exit status: 0; 1 when the checkpoint is damaged, unsafe or holds nothing to convert
+(one line on stderr, naming the file and why); 2 for bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from shardkit.checkpoint.atomic import atomic_save, atomic_write_bytes
+from shardkit.checkpoint.manifest import CheckpointError
+from shardkit.checkpoint.reader import CheckpointInfo, consolidate, inspect_checkpoint
+
+__all__ = ["main"]
+
+PROG = "python -m shardkit.checkpoint"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Inspect a shardkit checkpoint, or convert it to a plain state_dict."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    inspect = sub.add_parser("inspect", help="print what a checkpoint holds")
+    inspect.add_argument("checkpoint", type=Path, help="a checkpoint root or directory")
+    inspect.add_argument("--json", action="store_true", help="print it as one JSON object")
+    convert = sub.add_parser(
+        "convert", help="write the consolidated state_dict of an FSDP sharded checkpoint"
+    )
+    convert.add_argument("checkpoint", type=Path, help="a checkpoint root or directory")
+    convert.add_argument(
+        "out", type=Path, help="the output file: .safetensors (safetensors), else torch.save"
+    )
+    return parser
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _format_info(info: CheckpointInfo) -> list[str]:
+    lines = [
+        f"checkpoint  {info.directory}",
+        f"format      {info.format}: {info.kind}",
+        f"step        {info.step if info.step is not None else '- (no manifest)'}",
+        f"world size  {info.world_size if info.world_size is not None else '-'}",
+    ]
+    if info.created_unix_s:
+        created = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(info.created_unix_s))
+        lines.append(f"created     {created}")
+    if info.layout:
+        lines.append(f"layout      {json.dumps(info.layout, sort_keys=True)}")
+    total = sum(f.size_bytes for f in info.files)
+    lines.append(f"files       {len(info.files)}, {total:,} bytes ({_mib(total)})")
+    for f in info.files:
+        rank = "-" if f.rank is None else str(f.rank)
+        lines.append(
+            f"  {f.name}  rank {rank}  {f.size_bytes:,} bytes  sha256 {f.sha256 or '-'}  {f.status}"
+        )
+    for key, unit in info.units.items():
+        lines.append(
+            f"unit        {key}: {unit['total']:,} elements, {unit['shard_numel']:,} per rank, "
+            f"padding {unit['padding']}"
+        )
+    if info.params:
+        numel = sum(_numel(p.shape) for p in info.params)
+        lines.append(f"parameters  {len(info.params)} tensors, {numel:,} elements")
+        width = max(len(p.name) for p in info.params)
+        for p in info.params:
+            where = f"  ({p.unit})" if p.unit else ""
+            lines.append(f"  {p.name:<{width}}  {list(p.shape)}  {p.dtype}{where}")
+    if info.optimizer is not None:
+        opt = info.optimizer
+        lines.append(f"optimizer   state keys {', '.join(opt['state_keys']) or '-'}")
+        for i, group in enumerate(opt["param_groups"]):
+            lines.append(f"  group {i}: {json.dumps(group, sort_keys=True)}")
+        if "owned_by_rank" in opt:
+            for rank, owned in opt["owned_by_rank"].items():
+                lines.append(f"  rank {rank}: state of parameters {owned}")
+    lines.extend(f"note        {note}" for note in info.notes)
+    return lines
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    info = inspect_checkpoint(args.checkpoint)
+    if args.json:
+        print(json.dumps(asdict(info), indent=1, sort_keys=True))
+    else:
+        print("\n".join(_format_info(info)))
+    return 0 if info.intact else 1
+
+
+def _convert(args: argparse.Namespace) -> int:
+    out: Path = args.out
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"{out.parent} (the output's directory) does not exist")
+    state, notes = consolidate(args.checkpoint)
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save  # pinned in requirements.txt / setup.py
+
+        # one tensor per key: safetensors refuses storage shared between keys
+        tensors = {k: v.contiguous().clone() for k, v in state.items()}
+        atomic_write_bytes(out, save(tensors, metadata={"format": "pt"}))
+    else:
+        atomic_save(state, out)
+    numel = sum(v.numel() for v in state.values())
+    print(f"wrote {out}: {len(state)} tensors, {numel:,} elements, {out.stat().st_size:,} bytes")
+    for note in notes:
+        print(f"note: {note}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        return _inspect(args) if args.command == "inspect" else _convert(args)
+    except (CheckpointError, ValueError, FileNotFoundError) as err:
+        print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,280 @@
+"""``python -m shardkit.checkpoint inspect|convert`` on checkpoints written by 2 real ranks.
+
+The ranks (the shared 2-rank pool) train a GPT under FSDP (one unit per Block + the
+root) for one AdamW step and save it with ``save_fsdp_sharded``; also a small model
+whose flat parameter needs padding (and has BatchNorm buffers), the tied GPT, and an
+OSS sharded checkpoint. This process, with no process group, inspects and converts
+them; the converted file loads into the plain model with ``strict=True`` and equals
+the FSDP model's own full ``state_dict()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch import nn
+
+from shardkit.checkpoint import reader
+from shardkit.checkpoint.cli import main
+from shardkit.checkpoint.manifest import read_manifest
+from shardkit.models import GPT, gpt_config
+from shardkit.models.gpt import Block
+from shardkit.nn import FullyShardedDataParallel
+from shardkit.nn.data_parallel.fully_sharded import save_fsdp_sharded
+from shardkit.nn.data_parallel.fully_sharded.sharded_checkpoint import FSDP_SHARD_FORMAT
+from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
+from shardkit.optim import OSS
+from tests.checkpoint.payload import plant_payload
+
+VOCAB, SEQ = 64, 16
+
+
+def _gpt(tied: bool) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", vocab_size=VOCAB, block_size=SEQ))
+    if not tied:
+        model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone() * 0.5)
+    return model
+
+
+def _padded_model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))  # 21 elements: 1 of padding
+
+
+def _save_all(root: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """On each pool rank: train one step and save sharded; rank 0 returns the FSDP
+    models' full state dicts (every rank gathers them: a collective)."""
+    rank, full = dist.get_rank(), {}
+    for name, tied in (("gpt", False), ("tied", True)):
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel):
+            wrapped = auto_wrap(_gpt(tied), transformer_auto_wrap_policy({Block}))
+        model = FullyShardedDataParallel(wrapped)
+        optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+        idx = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(rank))
+        model(idx, idx)[1].backward()
+        optim.step()
+        save_fsdp_sharded(model, root / name, optim, step=5)
+        full[name] = {k: v.clone() for k, v in model.state_dict().items()}
+    model = FullyShardedDataParallel(_padded_model())
+    model(torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    save_fsdp_sharded(model, root / "padded", step=2)  # no optimizer
+    full["padded"] = {k: v.clone() for k, v in model.state_dict().items()}
+    plain = nn.Linear(4, 3)
+    oss = OSS(plain.parameters(), optim=torch.optim.Adam, lr=0.1)
+    plain(torch.ones(2, 4)).sum().backward()
+    oss.step()
+    oss.save_sharded(root / "oss", step=7)
+    return full if rank == 0 else {}
+
+
+@pytest.fixture(scope="module")
+def saved(rank_pool: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    root = tmp_path_factory.mktemp("cli")
+    full = rank_pool(2).run(_save_all, root, timeout_s=180)[0]
+    return root, full
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_reader_knows_the_fsdp_format() -> None:
+    """The reader's copy of the format string is the FSDP package's (a format change
+    must change the reader too)."""
+    assert reader.FSDP_SHARDED_FORMAT == FSDP_SHARD_FORMAT
+
+
+def test_inspect_fsdp(saved: tuple[Path, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    root, _ = saved
+    ckpt = root / "gpt" / "ckpt-000005"
+    code, out, _ = _run(capsys, "inspect", str(root / "gpt"), "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert info["directory"] == str(ckpt)  # the root's newest committed step
+    assert (info["format"], info["step"], info["world_size"]) == (FSDP_SHARD_FORMAT, 5, 2)
+    files = [
+        (f["name"], f["rank"], f["size_bytes"], f["sha256"], f["status"]) for f in info["files"]
+    ]
+    expected = []
+    for r in range(2):
+        path = ckpt / f"fsdp-shard-{r}-of-2.pt"
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        expected.append((path.name, r, path.stat().st_size, digest, "ok"))
+    assert files == expected
+    plain = _gpt(tied=False).state_dict()
+    params = {p["name"]: p["shape"] for p in info["params"]}
+    assert params == {k: list(v.shape) for k, v in plain.items()}
+    assert {p["dtype"] for p in info["params"]} == {"float32"}
+    units = {f"blocks.{i}.flat_param" for i in range(4)} | {"flat_param"}
+    assert set(info["units"]) == units
+    n_root = sum(plain[k].numel() for k in ("wte.weight", "wpe.weight", "lm_head.weight"))
+    n_root += sum(plain[k].numel() for k in ("ln_f.weight", "ln_f.bias"))
+    assert info["units"]["flat_param"] == {
+        "total": n_root,
+        "shard_numel": n_root // 2,
+        "padding": 0,
+    }
+    opt = info["optimizer"]
+    assert opt["state_keys"] == ["exp_avg", "exp_avg_sq"]
+    assert opt["scalar_keys"] == ["step"]
+    assert [g["lr"] for g in opt["param_groups"]] == [0.01]
+    # the text form: the same values, one line each
+    code, text, _ = _run(capsys, "inspect", str(root / "gpt"))
+    assert code == 0
+    lines = text.splitlines()
+    assert lines[0] == f"checkpoint  {ckpt}"
+    assert "step        5" in lines and "world size  2" in lines
+    size0 = (ckpt / "fsdp-shard-0-of-2.pt").stat().st_size
+    assert f"  fsdp-shard-0-of-2.pt  rank 0  {size0:,} bytes  sha256 {expected[0][3]}  ok" in lines
+    qkv = [line.split() for line in lines if line.startswith("  blocks.2.attn.qkv.weight ")]
+    assert qkv == [
+        ["blocks.2.attn.qkv.weight", "[384,", "128]", "float32", "(blocks.2.flat_param)"]
+    ]
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_convert_fsdp_loads_strict(
+    saved: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str], suffix: str
+) -> None:
+    """The converted file loads into the plain GPT with strict=True and equals the
+    FSDP model's full state_dict bit for bit."""
+    root, full = saved
+    out = tmp_path / f"model{suffix}"
+    code, text, err = _run(capsys, "convert", str(root / "gpt"), str(out))
+    assert (code, err) == (0, "")
+    assert text.startswith(f"wrote {out}: 53 tensors, ")
+    state = load_file(out) if suffix == ".safetensors" else torch.load(out, weights_only=True)
+    model = _gpt(tied=False)
+    model.load_state_dict(state, strict=True)
+    expected = full["gpt"]
+    assert list(model.state_dict()) == list(expected)
+    differ = [k for k, v in model.state_dict().items() if not torch.equal(v, expected[k])]
+    assert not differ, differ
+    assert not torch.equal(expected["lm_head.weight"], _gpt(tied=False).lm_head.weight)  # trained
+
+
+def test_convert_padding_and_buffers(
+    saved: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A unit of 21 elements at 2 ranks (11 + 11, one of padding) and BatchNorm buffers."""
+    root, full = saved
+    code, out, _ = _run(capsys, "inspect", str(root / "padded"), "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert info["units"] == {"flat_param": {"total": 21, "shard_numel": 11, "padding": 1}}
+    assert info["optimizer"] is None
+    assert [(p["name"], p["unit"]) for p in info["params"]][-3:] == [
+        ("1.running_mean", "buffer"),
+        ("1.running_var", "buffer"),
+        ("1.num_batches_tracked", "buffer"),
+    ]
+    code, _, _ = _run(capsys, "convert", str(root / "padded"), str(tmp_path / "p.pt"))
+    assert code == 0
+    model = _padded_model()
+    model.load_state_dict(torch.load(tmp_path / "p.pt", weights_only=True), strict=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, full["padded"][k]), k
+
+
+def test_convert_tied_gpt_notes_missing_alias(
+    saved: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Format version 1 keeps a tied parameter under its first name only: the output
+    lacks lm_head.weight (and says so); the rest loads and equals the FSDP model's."""
+    root, full = saved
+    code, text, _ = _run(capsys, "convert", str(root / "tied"), str(tmp_path / "t.pt"))
+    assert code == 0
+    assert (
+        "note: format shardkit.fsdp_sharded/1 records each parameter under its first name" in text
+    )
+    state = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert set(full["tied"]) - set(state) == {"lm_head.weight"}
+    model = _gpt(tied=True)
+    result = model.load_state_dict(state, strict=False)
+    assert (result.missing_keys, result.unexpected_keys) == (["lm_head.weight"], [])
+    assert all(torch.equal(v, full["tied"][k]) for k, v in model.state_dict().items())
+
+
+def test_oss_inspect_and_convert_refused(
+    saved: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, _ = saved
+    code, out, _ = _run(capsys, "inspect", str(root / "oss"), "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert (info["format"], info["step"], info["world_size"], info["params"]) == (
+        "shardkit.sharded_optim/1",
+        7,
+        2,
+        [],
+    )
+    opt = info["optimizer"]
+    assert opt["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
+    assert opt["params_with_state"] == 2  # weight and bias, one per rank
+    assert sorted(i for owned in opt["owned_by_rank"].values() for i in owned) == [0, 1]
+    code, out, err = _run(capsys, "convert", str(root / "oss"), str(tmp_path / "o.pt"))
+    assert (code, out) == (1, "")
+    assert "holds optimizer state only, no parameters" in err
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_damaged_and_unsafe(
+    saved: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A corrupted file: inspect says which (exit 1), convert refuses. A planted pickle
+    payload with a matching manifest: refused, naming the file; nothing runs."""
+    root, _ = saved
+    copy = tmp_path / "gpt"
+    shutil.copytree(root / "gpt", copy)
+    ckpt = copy / "ckpt-000005"
+    path = ckpt / "fsdp-shard-1-of-2.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    code, out, _ = _run(capsys, "inspect", str(copy), "--json")
+    statuses = [f["status"].split(":")[0] for f in json.loads(out)["files"]]
+    assert (code, statuses) == (1, ["ok", "corrupted"])
+    code, _, err = _run(capsys, "convert", str(copy), str(tmp_path / "x.pt"))
+    assert code == 1 and f"{path} is corrupted: sha256" in err
+    path.write_bytes((root / "gpt" / "ckpt-000005" / path.name).read_bytes())
+    plant_payload(ckpt, path.name, tmp_path / "marker")
+    assert read_manifest(ckpt).files[1].sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    for argv in (["inspect", str(copy)], ["convert", str(copy), str(tmp_path / "x.pt")]):
+        code, _, err = _run(capsys, *argv)
+        assert code == 1
+        assert f"error: {path} holds an object that is not a tensor" in err, err
+        assert "posix.system" in err
+    assert not (tmp_path / "marker").exists() and not (tmp_path / "x.pt").exists()
+
+
+def test_module_entry_point(saved: tuple[Path, Any]) -> None:
+    """``python -m shardkit.checkpoint`` runs the same command line (no ranks)."""
+    root, _ = saved
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardkit.checkpoint", "inspect", str(root / "padded")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "unit        flat_param: 21 elements, 11 per rank, padding 1" in proc.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "shardkit.checkpoint", "convert", str(root / "padded")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "the following arguments are required: out" in bad.stderr
