@@ -62,6 +62,7 @@ from gpt_stage_init import materialize_stage
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from shardkit.distributed.compression import get_compressor, register_ddp_comm_hook
 from shardkit.distributed.hybrid import hybrid_groups
 from shardkit.memory import ModelStateBytes, model_state_bytes
 from shardkit.models import GPT, Block, gpt_stages, gpt_unit_init_fn
@@ -121,6 +122,10 @@ class StrategyConfig:
             its directory instead of starting a fresh one). Default False.
         shard_size: hsdp: ranks per shard group (one node's); None: torchrun's
             ``LOCAL_WORLD_SIZE``. Default None.
+        grad_compression: ddp, oss, sdp, fsdp, hsdp: a gradient compressor's name
+            (``bf16``, ``fp16``, ``powersgd``, ``int8``; :mod:`shardkit.distributed.compression`)
+            for the gradient reduction (hsdp: the cross-node all-reduce only). Default
+            None: exact.
     """
 
     name: str = "ddp"
@@ -132,6 +137,7 @@ class StrategyConfig:
     offload_dir: str | None = None
     resume: bool = False
     shard_size: int | None = None
+    grad_compression: str | None = None
 
 
 class Strategy:
@@ -230,6 +236,8 @@ def _ddp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """torch DistributedDataParallel + AdamW: every rank holds the full model state."""
     device_ids = [device] if device.type == "cuda" else None
     module = DistributedDataParallel(model, device_ids=device_ids)
+    if config.grad_compression is not None:
+        register_ddp_comm_hook(module, config.grad_compression)
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(config))
     return Strategy(module=module, optimizer=optimizer, model=model)
 
@@ -249,14 +257,14 @@ def _oss(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     device_ids = [device] if device.type == "cuda" else None
     module = DistributedDataParallel(model, device_ids=device_ids)
     optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, **adamw_kwargs(config))
-    register_reduce_to_owner_hook(module, optimizer)
+    register_reduce_to_owner_hook(module, optimizer, grad_compression=config.grad_compression)
     return _OSSStrategy(module=module, optimizer=optimizer, model=model)
 
 
 def _sdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """ShardedDataParallel + OSS(AdamW): gradients and optimizer state sharded (ZeRO-2)."""
     optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, **adamw_kwargs(config))
-    module = ShardedDataParallel(model, optimizer)
+    module = ShardedDataParallel(model, optimizer, grad_compression=config.grad_compression)
     return _OSSStrategy(module=module, optimizer=optimizer, model=model)
 
 
@@ -492,6 +500,8 @@ def _fully_sharded(model: GPT, config: StrategyConfig, extra: dict[str, Any]) ->
     # a GPT built on meta is materialised unit by unit (deferred initialisation)
     init = gpt_unit_init_fn if any(p.is_meta for p in model.parameters()) else None
     fsdp_kwargs: dict[str, Any] = {"mixed_precision": policy, "param_init_fn": init, **extra}
+    if config.grad_compression is not None:  # one compressor: its state is kept per unit
+        fsdp_kwargs["grad_compression"] = get_compressor(config.grad_compression)
     with enable_wrap(wrapper_cls=FullyShardedDataParallel, **fsdp_kwargs):
         wrapped = auto_wrap(model, transformer_auto_wrap_policy(blocks))
     module = FullyShardedDataParallel(wrapped, **fsdp_kwargs)
@@ -594,6 +604,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             zero_stage=0,
             precision="autocast",
             loss_scaler="torch",
+            options=("grad_compression",),
         ),
         StrategySpec(
             "oss",
@@ -603,6 +614,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             precision="autocast",
             loss_scaler="sharded",
             checkpoint_layout="the full model, this rank's optimizer shard",
+            options=("grad_compression",),
         ),
         StrategySpec(
             "sdp",
@@ -612,6 +624,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             precision="autocast",
             loss_scaler="sharded",
             checkpoint_layout="the full model, this rank's optimizer shard",
+            options=("grad_compression",),
         ),
         StrategySpec(
             "fsdp",
@@ -622,6 +635,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             precision="native",
             loss_scaler="sharded",
             checkpoint_layout="this rank's parameter and optimizer shards",
+            options=("grad_compression",),
         ),
         StrategySpec(
             "hsdp",
@@ -633,7 +647,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             precision="native",
             loss_scaler="sharded",
             checkpoint_layout="this rank's parameter and optimizer shards",
-            options=("shard_size",),
+            options=("shard_size", "grad_compression"),
         ),
         StrategySpec(
             "pipe",
@@ -663,6 +677,7 @@ _OPTION_ROLE = {
     "schedule": "its schedule",
     "offload_dir": "its disk tier",
     "shard_size": "its shard groups",
+    "grad_compression": "gradient compression",
 }
 """What each strategy-only option is, for :func:`option_error`'s message."""
 

@@ -39,6 +39,7 @@ from gpt_checkpoint import (
 )
 from gpt_data import VOCAB_SIZE, BatchSampler, InputError, eval_windows, load_bytes, split_tokens
 from gpt_dist import Env, all_gather_ints, setup_distributed
+from gpt_report import SAMPLE_PROMPT, StepProfiler, parse_steps, plot_metrics, sample_text
 from strategies import (
     PRECISIONS,
     STRATEGIES,
@@ -96,6 +97,8 @@ class JobConfig:
         keep: checkpoints kept; 0: all.
         stop_after: end this run after this step (None: at ``steps``).
         data: a text file or a directory of ``.txt`` files; None: the default text.
+        profile_steps: ``"a:b"``: a ``torch.profiler`` trace of steps a..b per rank
+            (``trace-rank<r>.json`` in ``out_dir``); None: no profiling.
     """
 
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
@@ -113,6 +116,7 @@ class JobConfig:
     keep: int = 2
     stop_after: int | None = None
     data: str | None = None
+    profile_steps: str | None = None
 
     @property
     def warmup(self) -> int:
@@ -170,7 +174,19 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--activation-checkpointing", action="store_true", help="recompute each Block")
     add("--offload-dir", default=None, help="offload: disk-tier directory (default: CPU memory)")
     add("--shard-size", type=_positive, default=None, help="hsdp: ranks per shard group")
+    add(
+        "--grad-compression",
+        default=None,
+        choices=["bf16", "fp16", "powersgd", "int8"],
+        help="ddp/oss/sdp/fsdp/hsdp: compress the gradient reduction (hsdp: across nodes)",
+    )
+    add("--profile-steps", default=None, metavar="A:B", help="torch.profiler trace of steps A..B")
     config = JobConfig.from_flags(vars(p.parse_args(argv)))
+    if config.profile_steps is not None:
+        try:
+            parse_steps(config.profile_steps)
+        except ValueError as err:
+            raise InputError(str(err)) from None
     problem = option_error(config.strategy)
     if problem is not None:
         raise InputError(problem)
@@ -369,8 +385,11 @@ def train_loop(run: Run, out_dir: Path) -> None:
         report(run, None)
     bar = tqdm(total=stop, initial=run.step, disable=run.env.rank != 0, desc="train", ncols=90)
     window_s, window_steps = 0.0, 0
+    steps = parse_steps(config.profile_steps) if config.profile_steps else None
+    profiler = StepProfiler(steps, out_dir, run.env.rank)
     try:  # closed also when a step raises, so an error line starts a line of its own
         while run.step < stop:
+            profiler.before_step(run.step + 1)
             t0 = time.perf_counter()
             loss = train_step(run)
             dt = time.perf_counter() - t0
@@ -381,6 +400,7 @@ def train_loop(run: Run, out_dir: Path) -> None:
                 window_steps + 1,
             )
             run.history.train_loss.append([run.step, loss])
+            profiler.after_step(run.step)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
             tps = window_steps * tokens_per_step / window_s
@@ -404,6 +424,7 @@ def train_loop(run: Run, out_dir: Path) -> None:
                 )
     finally:
         bar.close()
+        profiler.close()
 
 
 def summary(run: Run, wall_s: float) -> dict[str, Any]:
@@ -438,13 +459,20 @@ def finish(run: Run, out_dir: Path, wall_s: float) -> None:
         json.dump(metrics, handle, indent=1)
     if state is not None:
         atomic_save(state, out_dir / "model.pt")
+    plot_metrics(metrics, out_dir / "loss.png")
     h = run.history
     say(
         run,
         f"done: step {run.step}, train loss {h.train_loss[0][1]:.4f} -> {h.train_loss[-1][1]:.4f}, "
         f"val loss {h.val_loss[0][1]:.4f} -> {h.val_loss[-1][1]:.4f}, "
-        f"{metrics['tokens_per_s_run']:,.0f} tok/s, {wall_s:.1f} s; wrote {out_dir}/metrics.json",
+        f"{metrics['tokens_per_s_run']:,.0f} tok/s, {wall_s:.1f} s; wrote {out_dir}/metrics.json "
+        "and loss.png",
     )
+    if state is not None:  # the trained model continues a prompt: did it learn?
+        config = run.config
+        text = sample_text(state, config.model_size, VOCAB_SIZE, config.seq_len, SAMPLE_PROMPT)
+        (out_dir / "sample.txt").write_text(text, encoding="utf-8")
+        say(run, f"sample (prompt {SAMPLE_PROMPT!r}):\n{text}")
 
 
 Callback = Callable[[Run], None]
