@@ -83,7 +83,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 REPO = Path(__file__).resolve().parents[1]
 NS_PREFIX = "skt2n-"
@@ -98,10 +98,15 @@ __all__ = [
     "agent_command",
     "bytes_formula",
     "cluster_for",
+    "leftover_namespaces",
     "parse_rate",
     "preflight",
     "render_markdown",
     "setup_commands",
+    "strategies",
+    "summarize",
+    "tbf_burst_bytes",
+    "teardown",
     "teardown_commands",
 ]
 
@@ -271,11 +276,16 @@ def preflight() -> str | None:
 
 
 # --------------------------------------------------------------------------- formulas
-def bytes_formula(kind: str, psi: int, replicas: int, shard: int, bytes_per_element: int = 4):
+def bytes_formula(
+    kind: str, psi: int, replicas: int, shard: int, bytes_per_element: int = 4
+) -> float | None:
     """Bytes each rank sends across nodes per step, by the formulas of [Note: what is
-    measured]; ``kind``: ``ddp``, ``full_shard`` or ``hybrid``. None for another kind
-    (compressed, not applicable)."""
+    measured]; ``kind``: ``ddp``, ``full_shard``, ``hybrid`` or ``hybrid_half`` (hybrid
+    with bf16 / fp16 compression: 2 bytes per element). None for another kind
+    (PowerSGD: depends on the shard shapes)."""
     world = replicas * shard
+    if kind == "hybrid_half":  # hybrid + bf16 / fp16 compression: 2 bytes per element
+        return bytes_formula("hybrid", psi, replicas, shard, bytes_per_element=2)
     if kind == "hybrid":
         elements = 2 * psi * (replicas - 1) / (replicas * shard)
     elif kind == "ddp":
@@ -292,6 +302,7 @@ def _fsdp2_hsdp(config: Any, spec: Mapping[str, Any]) -> Any:
     """torch FSDP2 ``fully_shard`` on a 2-D DeviceMesh (replicate x shard = HSDP):
     every Block, then the root; AdamW."""
     import torch
+    from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -303,7 +314,7 @@ def _fsdp2_hsdp(config: Any, spec: Mapping[str, Any]) -> Any:
     model = GPT(config)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
-    module = fully_shard(model, mesh=mesh)
+    module = cast(nn.Module, fully_shard(model, mesh=mesh))
     opt = torch.optim.AdamW(module.parameters(), **ADAMW)
 
     def step() -> None:
@@ -328,7 +339,7 @@ def _hsdp_compressed(compression: str) -> Callable[[Any, Mapping[str, Any]], Any
         from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 
         groups = hybrid_groups(NPROC_PER_NODE)
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "sharding_strategy": "HYBRID_SHARD",
             "process_group": (groups.shard, groups.replicate),
             "grad_compression": compression,
@@ -358,7 +369,7 @@ def _deepspeed_hpz(config: Any, spec: Mapping[str, Any]) -> Any:
     from shardkit.models import GPT
 
     deepspeed_on_cpu()
-    import deepspeed
+    import deepspeed  # type: ignore[import-not-found]
 
     ds_config = {
         "train_micro_batch_size_per_gpu": spec["batch"],
@@ -418,7 +429,7 @@ def strategies() -> dict[str, TwoNodeStrategy]:
         TwoNodeStrategy("DeepSpeed ZeRO-3 hpZ + qgZ", None, _deepspeed_hpz, "deepspeed"),
         TwoNodeStrategy("shardkit fsdp", "full_shard", "shardkit fsdp"),
         TwoNodeStrategy("shardkit hsdp", "hybrid", "shardkit hsdp"),
-        TwoNodeStrategy("shardkit hsdp + bf16", None, _hsdp_compressed("bf16")),
+        TwoNodeStrategy("shardkit hsdp + bf16", "hybrid_half", _hsdp_compressed("bf16")),
         TwoNodeStrategy("shardkit hsdp + PowerSGD", None, _hsdp_compressed("powersgd")),
     ]
     return {row.name: row for row in rows}
@@ -875,7 +886,7 @@ def _bench(args: argparse.Namespace, argv: list[str] | None) -> int:
         *notes,
     ]
     table = render_markdown(rows, notes)
-    out = {
+    out: dict[str, Any] = {
         "command": command("benchmarks.two_nodes", argv),
         "machine_start": start_machine,
         "machine_end": machine(),
