@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from shardkit.distributed.mesh import ParallelDims, ProcessMesh
+
 __all__ = ["HybridGroups", "hybrid_groups"]
 
 
@@ -42,9 +44,11 @@ _CACHE: dict[tuple[int, int], HybridGroups] = {}
 
 
 def hybrid_groups(shard_size: int | None = None) -> HybridGroups:
-    """The hybrid groups for shard groups of ``shard_size`` consecutive ranks (a
-    collective the first time: every rank creates every group, in the same order;
-    cached afterwards).
+    """The hybrid groups for shard groups of ``shard_size`` consecutive ranks: the
+    ``dp_shard`` and ``dp_replicate`` groups of a :class:`~shardkit.distributed.mesh.ProcessMesh`
+    (a collective the first time: every rank creates every group, in the same order;
+    cached afterwards). With a mesh of your own, pass its groups to FSDP directly:
+    ``process_group=(mesh.group("dp_shard"), mesh.group("dp_replicate"))``.
 
     Args:
         shard_size: S, ranks per shard group. Default None: torchrun's
@@ -74,15 +78,9 @@ def hybrid_groups(shard_size: int | None = None) -> HybridGroups:
 
 
 def _build(world: int, shard_size: int) -> HybridGroups:
-    rank, replicas = dist.get_rank(), world // shard_size
-    shard = replicate = None
-    for r in range(replicas):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(r * shard_size, (r + 1) * shard_size)))
-        if rank // shard_size == r:
-            shard = group
-    for s in range(shard_size):
-        group = dist.new_group(list(range(s, world, shard_size)))
-        if rank % shard_size == s:
-            replicate = group
-    assert shard is not None and replicate is not None
-    return HybridGroups(shard, replicate, shard_size, replicas)
+    """The groups of a ``dp_replicate x dp_shard`` process mesh (its own layout: the
+    shard dimension inner, so a shard group is consecutive ranks)."""
+    mesh = ProcessMesh(ParallelDims(world, dp_replicate=world // shard_size, dp_shard=shard_size))
+    return HybridGroups(
+        mesh.group("dp_shard"), mesh.group("dp_replicate"), shard_size, world // shard_size
+    )
