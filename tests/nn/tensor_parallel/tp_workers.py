@@ -9,6 +9,8 @@ values. One ``pool.run(run_jobs, jobs)`` per world size runs every configuration
 from __future__ import annotations
 
 import copy
+import os
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -44,10 +46,13 @@ def run_jobs(jobs: list[tuple[str, dict[str, Any]]]) -> list[Any]:
     out = []
     for name, cfg in jobs:
         torch.manual_seed(0)
+        start = time.perf_counter()
         try:
             out.append(globals()[name](cfg))
         except Exception:
             out.append({"error": traceback.format_exc()})
+        if os.environ.get("SHARDKIT_TP_TIMING") and dist.get_rank() == 0:
+            print(f"{name} {cfg}: {time.perf_counter() - start:.2f} s", flush=True)
     return out
 
 
@@ -295,4 +300,116 @@ def plan_errors(cfg: dict[str, Any]) -> dict[str, str]:
             out[key] = "no error"
         except (ValueError, TypeError) as err:
             out[key] = f"{type(err).__name__}: {err}"
+    return out
+
+
+# composition -----------------------------------------------------------------------------------
+STEPS, BATCH, SEQ, LR = 3, 4, 12, 0.2
+
+
+def _batches() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, TINY["vocab_size"], (STEPS, BATCH, SEQ), generator=g)
+    tgt = torch.randint(0, TINY["vocab_size"], (STEPS, BATCH, SEQ), generator=g)
+    return idx, tgt
+
+
+def _train_reference(ref: nn.Module, clip: float | None = None) -> list[float]:
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    idx, tgt = _batches()
+    losses = []
+    for s in range(STEPS):
+        _, loss = ref(idx[s], tgt[s])
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _dp_mean(value: float, group: dist.ProcessGroup) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return float(t) / dist.get_world_size(group)
+
+
+def tp_with_data_parallel(cfg: dict[str, Any]) -> dict[str, Any]:
+    """TP x FSDP or TP x ShardedDDP/OSS: 2-D parity with the plain GPT over STEPS steps.
+
+    The data-parallel wrapper takes the mesh's data-parallel group; each data-parallel
+    rank trains on its rows of the global batch (DDP semantics: gradients averaged).
+    """
+    from shardkit.nn import FullyShardedDataParallel, ShardedDataParallel
+    from shardkit.optim import OSS
+
+    mesh = mesh_of(tp=cfg["tp"])
+    tpg, dpg = mesh.group("tp"), mesh.group("dp")
+    dp_rank, dp = mesh.local_rank("dp"), mesh.size("dp")
+    ref = GPT(GPTConfig(**TINY))
+    model = tp.parallelize(copy.deepcopy(ref), tp.gpt_plan(), tpg)
+    split = {
+        n: (p.partition_dim, p.partition_stride)
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if tp.is_tensor_parallel(p)
+    }
+    ref_losses = _train_reference(ref, cfg.get("clip"))
+    wrapped: nn.Module
+    if cfg["wrapper"] == "fsdp":
+        wrapped = FullyShardedDataParallel(model, process_group=dpg)
+        opt: torch.optim.Optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    else:
+        opt = OSS(model.parameters(), torch.optim.SGD, process_group=dpg, lr=LR)
+        wrapped = ShardedDataParallel(model, opt, process_group=dpg)
+    idx, tgt = _batches()
+    rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+    losses, norms = [], []
+    for s in range(STEPS):
+        _, loss = wrapped(idx[s, rows], tgt[s, rows])
+        loss.backward()
+        if cfg.get("clip") is not None:  # each dp rank clips the gradients it owns
+            assert isinstance(opt, OSS)
+            norm = tp.clip_grad_norm_(opt.local_params(), cfg["clip"], 2.0, tpg, shard_group=dpg)
+            norms.append(float(norm))
+        opt.step()
+        opt.zero_grad()
+        losses.append(_dp_mean(float(loss), dpg))
+    state = wrapped.state_dict() if cfg["wrapper"] == "fsdp" else model.state_dict()
+    full = {}
+    for name, value in state.items():
+        if name in split:
+            dim, stride = split[name]
+            value = full_tensor(value, dim, tpg, stride)
+        full[name] = value
+    ref_state = ref.state_dict()
+    assert sorted(full) == sorted(ref_state), (sorted(full), sorted(ref_state))
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": {n: diff(full[n], ref_state[n]) for n in ref_state},
+        "norms": norms,
+    }
+
+
+def clip_parity(cfg: dict[str, Any]) -> dict[str, Any]:
+    """tp.clip_grad_norm_ against torch's on the plain GPT: total norm, clipped grads."""
+    mesh = mesh_of(tp=cfg["tp"])
+    group = mesh.group("tp")
+    ref = GPT(GPTConfig(**TINY))
+    model = tp.parallelize(copy.deepcopy(ref), tp.gpt_plan(), group)
+    idx, tgt = _batches()
+    out = {}
+    for norm_type in (1.0, 2.0, float("inf")):
+        for m in (ref, model):
+            m.zero_grad()
+            m(idx[0], tgt[0])[1].backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type)
+        got = tp.clip_grad_norm_(model.parameters(), 0.05, norm_type, group)
+        grads, ref_params = _full_grads(model, group), dict(ref.named_parameters())
+        out[norm_type] = {
+            "total": abs(float(got) - float(want)) / float(want),
+            "clipped": float(want) > 0.05,
+            "grads": max(diff(g, ref_params[n].grad) for n, g in grads.items()),
+        }
     return out
