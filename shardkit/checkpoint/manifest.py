@@ -339,7 +339,9 @@ def load_tensors_only(
     variable ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` does not turn it off.
 
     Args:
-        map_location, mmap: as in ``torch.load``.
+        path: the file.
+        map_location: as in ``torch.load``. Default None.
+        mmap: as in ``torch.load`` (memory-map the file). Default False.
 
     Raises:
         CheckpointUnsafeError: the file holds another object (a class instance, a
