@@ -832,7 +832,11 @@ def main(argv: list[str] | None = None) -> int:
             _run(["ip", "netns", "delete", ns], check=False)
             print(f"removed {ns}")
         return 0
-    return _bench(args, argv)
+    try:
+        return _bench(args, argv)
+    except _Interrupted as err:  # the namespaces are gone already (emulated_cluster)
+        print(f"benchmarks.two_nodes: interrupted by {err}; namespaces removed", file=sys.stderr)
+        return 130
 
 
 def _bench(args: argparse.Namespace, argv: list[str] | None) -> int:
