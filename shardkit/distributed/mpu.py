@@ -187,9 +187,10 @@ def initialize_model_parallel(
     Args:
         model_parallel_size_: tensor-parallel degree.
         pipeline_length: pipeline-parallel degree. Default 1.
-        model_parallel_backend, pipeline_backend, ddp_backend: backends of the
-            tensor-parallel, pipeline and data-parallel groups; default None (the
-            default group's).
+        model_parallel_backend: backend of the tensor-parallel groups; default None
+            (the default group's).
+        pipeline_backend: backend of the pipeline groups; default None.
+        ddp_backend: backend of the data-parallel groups; default None.
 
     Returns:
         The mesh (also reachable through :func:`get_mesh`).

@@ -35,13 +35,17 @@ class VocabParallelEmbedding(nn.Module):
     Args:
         num_embeddings: vocabulary size V (all ranks together); divisible by ``tp``.
         embedding_dim: width C.
-        padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse: as
-            ``torch.nn.Embedding`` (``padding_idx`` is a global token id; its row is
-            zero-initialised on the rank that holds it and gets no gradient).
+        padding_idx: as ``torch.nn.Embedding``, a global token id: its row is
+            zero-initialised on the rank that holds it and gets no gradient. Default None.
+        max_norm: as ``torch.nn.Embedding``. Default None.
+        norm_type: as ``torch.nn.Embedding``. Default 2.0.
+        scale_grad_by_freq: as ``torch.nn.Embedding``. Default False.
+        sparse: as ``torch.nn.Embedding``. Default False.
         init_method: initialises the full master weight ``(V, C)`` in place. Default
             ``torch.nn.init.xavier_normal_`` (as FairScale).
-        process_group, dtype, device: as
-            :class:`~shardkit.nn.tensor_parallel.ColumnParallelLinear`.
+        process_group: the tensor-parallel group; default None (the mesh's).
+        dtype: of the local shard; default None (torch's default dtype).
+        device: of the local shard; default None (CPU).
 
     Shapes: ids ``(*)`` int64 -> ``(*, C)``, the same on every rank. ``weight``
     ``(V / tp, C)``, marked tensor-parallel along dim 0.
@@ -140,13 +144,17 @@ class ParallelEmbedding(nn.Module):
     Args:
         num_embeddings: vocabulary size V.
         embedding_dim: width C (all ranks together); divisible by ``tp``.
-        padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse: as
-            ``torch.nn.Embedding``.
+        padding_idx: as ``torch.nn.Embedding``. Default None.
+        max_norm: as ``torch.nn.Embedding`` (of each row's shard). Default None.
+        norm_type: as ``torch.nn.Embedding``. Default 2.0.
+        scale_grad_by_freq: as ``torch.nn.Embedding``. Default False.
+        sparse: as ``torch.nn.Embedding``. Default False.
         init_method: initialises the full master weight ``(V, C)`` in place. Default
             ``torch.nn.init.xavier_normal_`` (as FairScale).
         keep_master_weight_for_test: keep the master weight as ``self.master_weight``.
-        process_group, dtype, device: as
-            :class:`~shardkit.nn.tensor_parallel.ColumnParallelLinear`.
+        process_group: the tensor-parallel group; default None (the mesh's).
+        dtype: of the local shard; default None (torch's default dtype).
+        device: of the local shard; default None (CPU).
 
     Shapes: ids ``(*)`` -> ``(*, C)`` (all-gathered). ``weight`` ``(V, C / tp)``, marked
     tensor-parallel along dim 1.

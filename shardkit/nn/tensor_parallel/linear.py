@@ -90,7 +90,8 @@ class ColumnParallelLinear(nn.Module):
             Default False.
         process_group: the tensor-parallel group; default None (the mesh's, see
             :func:`~shardkit.nn.tensor_parallel.groups.resolve_group`).
-        dtype, device: of the local shard; default torch's default dtype, CPU.
+        dtype: of the local shard; default None (torch's default dtype).
+        device: of the local shard; default None (CPU).
 
     Shapes: input ``(..., in_features)``; output ``(..., out_features)`` or
     ``(..., out_features / tp)``. Parameters: ``weight`` ``(out_features / tp,
@@ -201,7 +202,9 @@ class RowParallelLinear(nn.Module):
             in place. Default ``torch.nn.init.xavier_normal_``.
         stride: interleaved blocks per rank along the input. Default 1.
         keep_master_weight_for_test: keep the master weight as ``self.master_weight``.
-        process_group, dtype, device: as :class:`ColumnParallelLinear`.
+        process_group: the tensor-parallel group; default None (the mesh's).
+        dtype: of the local shard; default None (torch's default dtype).
+        device: of the local shard; default None (CPU).
 
     Shapes: input ``(..., in_features / tp)`` or ``(..., in_features)``; output
     ``(..., out_features)``. Parameters: ``weight`` ``(out_features, in_features / tp)``
