@@ -189,22 +189,19 @@ def test_convert_padding_and_buffers(
         assert torch.equal(v, full["padded"][k]), k
 
 
-def test_convert_tied_gpt_notes_missing_alias(
+def test_convert_tied_gpt_keeps_every_name(
     saved: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Format version 1 keeps a tied parameter under its first name only: the output
-    lacks lm_head.weight (and says so); the rest loads and equals the FSDP model's."""
+    """The format records every state-dict key of a parameter (a tied LM head under
+    both names): the output loads strictly and equals the FSDP model's state dict."""
     root, full = saved
     code, text, _ = _run(capsys, "convert", str(root / "tied"), str(tmp_path / "t.pt"))
     assert code == 0
-    assert (
-        "note: format shardkit.fsdp_sharded/1 records each parameter under its first name" in text
-    )
+    assert "records each parameter under its first name" not in text
     state = torch.load(tmp_path / "t.pt", weights_only=True)
-    assert set(full["tied"]) - set(state) == {"lm_head.weight"}
+    assert sorted(state) == sorted(full["tied"])
     model = _gpt(tied=True)
-    result = model.load_state_dict(state, strict=False)
-    assert (result.missing_keys, result.unexpected_keys) == (["lm_head.weight"], [])
+    model.load_state_dict(state, strict=True)
     assert all(torch.equal(v, full["tied"][k]) for k, v in model.state_dict().items())
 
 

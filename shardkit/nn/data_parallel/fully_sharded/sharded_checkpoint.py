@@ -13,8 +13,9 @@ files (written before the manifest existed) still loads, unchecked::
     fsdp-shard-<rank>-of-<world_size>.pt  holds
     {"format": "shardkit.fsdp_sharded/1", "rank": r, "world_size": N,
      "units": {unit key: {"total": T, "shard_numel": S, "names": [...],
-                          "shapes": [...], "flat": (S,) tensor}},
-     "buffers": {name: tensor},
+                          "shapes": [...], "keys": [[state-dict keys], ...],
+                          "flat": (S,) tensor}},
+     "buffers": {name: tensor}, "buffer_keys": {name: state-dict key},
      "optim": None | {"param_groups": [...], "scalars": {param name: {...}},
                       "flat": {unit key: {state key: (S,) tensor}}}}
 
@@ -44,7 +45,7 @@ from shardkit.nn.data_parallel.fully_sharded.optim_state import (
     flat_optim_state,
     load_flat_optim_state,
 )
-from shardkit.nn.data_parallel.fully_sharded.unit import UnitRuntime, named_units
+from shardkit.nn.data_parallel.fully_sharded.unit import WRAPPED, UnitRuntime, named_units, units_in
 
 __all__ = [
     "FSDP_SHARD_FORMAT",
@@ -63,15 +64,41 @@ def fsdp_shard_path(directory: PathLike, rank: int, world_size: int) -> Path:
     return Path(directory) / f"fsdp-shard-{rank}-of-{world_size}.pt"
 
 
-def _unit_record(unit: UnitRuntime) -> dict[str, Any]:
+def _unit_record(unit: UnitRuntime, keys: dict[int, list[str]]) -> dict[str, Any]:
     handle = unit.handle
     return {
         "total": handle.layout.total,
         "shard_numel": handle.layout.shard_numel,
         "names": [info.name for info in handle.infos],
         "shapes": [list(info.shape) for info in handle.infos],
+        "keys": [keys.get(id(param), []) for param in handle.sharded_params],
         "flat": handle.local_shard.detach().clone(),
     }
+
+
+def _state_dict_keys(model: nn.Module) -> tuple[dict[int, list[str]], dict[int, str]]:
+    """The plain model's state-dict keys of every sharded parameter (every name of a
+    tied one) and persistent buffer, by object id, from the module tree as it stands
+    (no gathering: ``keep_vars`` state dict of the wrapped module, units in gathering
+    mode so that their own state-dict hooks let it through)."""
+    units = units_in(model)
+    for unit in units:
+        unit.gathering_state_dict = True
+    try:
+        raw = nn.Module.state_dict(getattr(model, WRAPPED), keep_vars=True)
+    finally:
+        for unit in units:
+            unit.gathering_state_dict = False
+    params: dict[int, list[str]] = {}
+    buffers: dict[int, str] = {}
+    for key, value in raw.items():
+        if isinstance(value, nn.Parameter):
+            for unit in units:
+                value = unit.handle.as_sharded(value)
+            params.setdefault(id(value), []).append(key)
+        elif isinstance(value, torch.Tensor):
+            buffers[id(value)] = key
+    return params, buffers
 
 
 def save_fsdp_sharded(
@@ -104,13 +131,18 @@ def save_fsdp_sharded(
     """
     runtimes = named_units(model)
     root = _root(runtimes)
-    units = {key: _unit_record(unit) for key, unit in runtimes.items()}
+    param_keys, buffer_keys = _state_dict_keys(model)
+    units = {key: _unit_record(unit, param_keys) for key, unit in runtimes.items()}
+    named_buffers = dict(model.named_buffers())
     record: dict[str, Any] = {
         "format": FSDP_SHARD_FORMAT,
         "rank": root.rank,
         "world_size": root.world_size,
         "units": units,
-        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "buffers": {n: b.detach().clone() for n, b in named_buffers.items()},
+        "buffer_keys": {
+            n: buffer_keys[id(b)] for n, b in named_buffers.items() if id(b) in buffer_keys
+        },
         "optim": None,
     }
     if optim is not None:
