@@ -413,3 +413,59 @@ def clip_parity(cfg: dict[str, Any]) -> dict[str, Any]:
             "grads": max(diff(g, ref_params[n].grad) for n, g in grads.items()),
         }
     return out
+
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def three_d(cfg: dict[str, Any]) -> dict[str, Any]:
+    """pp 2 x dp 2 x tp 2 on 8 ranks: the tensor-parallel GPT cut into two pipeline
+    stages (ScheduleGPipe, 2 micro-batches), gradients averaged over the data-parallel
+    group by hand (DDP semantics), against the plain GPT on the global batch.
+
+    The LM head is untied first (a weight used by the first and the last stage would
+    need Megatron-LM's embedding group, which the pipeline does not have)."""
+    from shardkit.models.gpt import gpt_stages
+    from shardkit.nn import PipelineStage, ScheduleGPipe
+
+    mesh = mesh_of(pp=2, tp=2)
+    tpg, ppg, dpg = mesh.group("tp"), mesh.group("pp"), mesh.group("dp")
+    dp_rank, dp, stage_idx = mesh.local_rank("dp"), mesh.size("dp"), mesh.coordinates["pp"]
+    ref = GPT(GPTConfig(**TINY))
+    ref.lm_head.weight = nn.Parameter(ref.wte.weight.detach().clone())
+    model = tp.parallelize(copy.deepcopy(ref), tp.gpt_plan(), tpg)
+    stages = gpt_stages(model)
+    half = len(stages) // 2
+    part = nn.Sequential(*(stages[:half] if stage_idx == 0 else stages[half:]))
+    schedule = ScheduleGPipe(PipelineStage(part, process_group=ppg), chunks=2, loss_fn=_lm_loss)
+    opt = torch.optim.SGD(part.parameters(), lr=LR)
+    ref_losses = _train_reference(ref)
+    idx, tgt = _batches()
+    rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+    losses = []
+    for s in range(STEPS):
+        loss = schedule.step(
+            idx[s, rows] if stage_idx == 0 else None,
+            target=tgt[s, rows] if stage_idx == 1 else None,
+        )
+        for p in part.parameters():
+            assert p.grad is not None
+            dist.all_reduce(p.grad, group=dpg)
+            p.grad /= dp
+        opt.step()
+        opt.zero_grad()
+        if loss is not None:
+            losses.append(_dp_mean(float(loss.detach()), dpg))
+    mine = {id(p) for p in part.parameters()}
+    ref_state = dict(ref.named_parameters())
+    params = {}
+    for name, p in model.named_parameters():
+        if id(p) in mine:
+            full = (
+                full_tensor(p, p.partition_dim, tpg, p.partition_stride)
+                if tp.is_tensor_parallel(p)
+                else p
+            )
+            params[name] = diff(full, ref_state[name])
+    return {"losses": losses, "ref_losses": ref_losses, "params": params, "stage": stage_idx}
