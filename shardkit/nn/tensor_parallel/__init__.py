@@ -12,7 +12,9 @@
   plan (:func:`gpt_plan` for the GPT);
 - :mod:`~shardkit.nn.tensor_parallel.partition`: :func:`shard` / :func:`full_tensor` and
   the tensor-parallel parameter attributes;
-- :mod:`~shardkit.nn.tensor_parallel.grad_norm`: :func:`clip_grad_norm_` (global norm).
+- :mod:`~shardkit.nn.tensor_parallel.grad_norm`: :func:`clip_grad_norm_` (global norm);
+- :mod:`~shardkit.nn.tensor_parallel.state_dict`: consolidated and sharded state dicts
+  that load at any tensor-parallel degree.
 
 Process groups come from :mod:`shardkit.distributed.mesh` / :mod:`shardkit.distributed.mpu`.
 """
@@ -46,6 +48,12 @@ from shardkit.nn.tensor_parallel.random import (
     model_parallel_cuda_manual_seed,
     model_parallel_manual_seed,
 )
+from shardkit.nn.tensor_parallel.state_dict import (
+    consolidated_state_dict,
+    load_consolidated_state_dict,
+    load_sharded,
+    save_sharded,
+)
 
 __all__ = [
     "ColumnParallel",
@@ -57,6 +65,7 @@ __all__ = [
     "VocabParallel",
     "VocabParallelEmbedding",
     "clip_grad_norm_",
+    "consolidated_state_dict",
     "copy_to_model_parallel_region",
     "copy_to_tensor_parallel_region",
     "full_tensor",
@@ -66,11 +75,14 @@ __all__ = [
     "get_rng_tracker",
     "gpt_plan",
     "is_tensor_parallel",
+    "load_consolidated_state_dict",
+    "load_sharded",
     "model_parallel_cuda_manual_seed",
     "model_parallel_manual_seed",
     "parallelize",
     "reduce_from_model_parallel_region",
     "reduce_from_tensor_parallel_region",
+    "save_sharded",
     "scatter_to_model_parallel_region",
     "scatter_to_tensor_parallel_region",
     "shard",

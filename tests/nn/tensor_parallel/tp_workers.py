@@ -13,6 +13,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -469,3 +470,80 @@ def three_d(cfg: dict[str, Any]) -> dict[str, Any]:
             )
             params[name] = diff(full, ref_state[name])
     return {"losses": losses, "ref_losses": ref_losses, "params": params, "stage": stage_idx}
+
+
+# checkpoints and memory ----------------------------------------------------------------------
+def _trained_tp_gpt(group: dist.ProcessGroup) -> tuple[nn.Module, torch.Tensor]:
+    """A TP GPT after one SGD step (weights away from their init), and a batch."""
+    model = tp.parallelize(GPT(GPTConfig(**TINY)), tp.gpt_plan(), group)
+    idx, tgt = _batches()
+    model(idx[0], tgt[0])[1].backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= LR * p.grad
+    return model, idx[1]
+
+
+def checkpoints(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Consolidated and sharded state dicts across degrees: TP 2 -> plain, -> TP 4,
+    -> TP 2; TP 2 x DP 2 -> FSDP over 4 data-parallel ranks."""
+    from shardkit.nn import FullyShardedDataParallel
+    from shardkit.nn.tensor_parallel import state_dict as tsd
+
+    mesh2, mesh4 = mesh_of(tp=2), mesh_of(tp=4)
+    g2, g4 = mesh2.group("tp"), mesh4.group("tp")
+    model, idx = _trained_tp_gpt(g2)
+    want_logits = model(idx)[0]
+    full = tsd.consolidated_state_dict(model, g2)
+    out: dict[str, Any] = {}
+    plain = GPT(GPTConfig(**TINY))
+    plain.load_state_dict(full)  # strict: the plain model's keys and shapes
+    out["consolidated->plain"] = diff(plain(idx)[0], want_logits)
+
+    if mesh2.coordinates["dp_shard"] == 0:
+        tsd.save_sharded(model, cfg["dir"], g2)
+    dist.barrier()
+    out["files"] = sorted(p.name for p in Path(cfg["dir"]).iterdir())
+
+    plain1 = GPT(GPTConfig(**TINY))
+    tsd.load_sharded(plain1, cfg["dir"])
+    out["sharded tp2->plain"] = max(diff(plain1.state_dict()[k], v) for k, v in full.items())
+
+    tp4 = tp.parallelize(GPT(GPTConfig(**TINY)), tp.gpt_plan(), g4)
+    tsd.load_sharded(tp4, cfg["dir"], g4)
+    back = tsd.consolidated_state_dict(tp4, g4)
+    out["sharded tp2->tp4"] = max(diff(back[k], v) for k, v in full.items())
+    out["tp4 logits"] = diff(tp4(idx)[0], want_logits)
+
+    tp2 = tp.parallelize(GPT(GPTConfig(**TINY)), tp.gpt_plan(), g2)
+    tsd.load_consolidated_state_dict(tp2, full, g2)
+    out["consolidated->tp2"] = max(
+        diff(a, b)
+        for a, b in zip(tp2.state_dict().values(), model.state_dict().values(), strict=True)
+    )
+
+    plain_dp = GPT(GPTConfig(**TINY))
+    tsd.load_sharded(plain_dp, cfg["dir"])
+    fsdp = FullyShardedDataParallel(plain_dp, process_group=mesh_of(tp=1).group("dp"))
+    out["tp2xdp2->fsdp dp4 logits"] = diff(fsdp(idx)[0], want_logits)
+    return out
+
+
+def memory_per_rank(cfg: dict[str, Any]) -> dict[str, float]:
+    """shardkit.memory on a TP GPT: 1/T of the split weights, all of the replicas."""
+    from shardkit.memory import model_state_bytes
+
+    t = cfg["tp"]
+    group = mesh_of(tp=t).group("tp")
+    plain = GPT(GPTConfig(**TINY))
+    split = ("wte.weight", "attn.qkv.", "attn.proj.weight", "mlp.0.", "mlp.2.weight")
+    expected = sum(
+        p.numel() * 4 / (t if any(s in n for s in split) else 1)
+        for n, p in plain.named_parameters()
+    )
+    model = tp.parallelize(copy.deepcopy(plain), tp.gpt_plan(), group)
+    return {
+        "got": float(model_state_bytes(model).parameters),
+        "expected": expected,
+        "plain": float(model_state_bytes(plain).parameters),
+    }
