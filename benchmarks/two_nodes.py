@@ -687,9 +687,14 @@ def run_strategy(
         record["error"] = f"{errors[0].stem[6:]}: {errors[0].read_text().strip()}"
     elif timed_out:
         record["error"] = f"timed out after {timeout_s:.0f} s"
-    else:
-        tail = (run_dir / "agent0.log").read_text(errors="replace").strip().splitlines()[-3:]
-        record["error"] = f"agents exited {codes}: " + " | ".join(tail)
+    else:  # no Python error: a worker died of a signal (e.g. SIGABRT in native code)
+        text = "\n".join((run_dir / f"agent{n}.log").read_text(errors="replace") for n in (0, 1))
+        causes = [line.strip() for line in text.splitlines() if "traceback : Signal" in line]
+        killed = ("SIGTERM", "SIGKILL")  # the agents ending the others: not the cause
+        cause = next((c for c in causes if not any(k in c for k in killed)), None)
+        cause = cause or (causes[0] if causes else None)
+        record["error"] = f"agents exited {codes}" + (f": {cause}" if cause else "")
+        record["crashed"] = True
     record["agent_log_tail"] = {
         f"node{n}": (run_dir / f"agent{n}.log").read_text(errors="replace")[-3000:] for n in (0, 1)
     }
@@ -763,9 +768,9 @@ def render_markdown(rows: list[dict[str, Any]], notes: Sequence[str] = ()) -> st
     mib = 2**20
     for row in rows:
         if row.get("status") != "ok":
+            status = " ".join(str(row.get("status", "-")).split()).replace("|", "/")[:300]
             lines.append(
-                f"| {row['rate']} | {row['strategy']} | {row.get('status', '-')} "
-                "| - | - | - | - | - | - | - |"
+                f"| {row['rate']} | {row['strategy']} | {status} | - | - | - | - | - | - | - |"
             )
             continue
         formula = row["formula_bytes_per_rank"]
@@ -796,6 +801,12 @@ def _parser() -> argparse.ArgumentParser:
     add("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     add("--strategies", nargs="+", default=list(STRATEGY_NAMES), help="rows to run")
     add("--timeout", type=float, default=300.0, help="seconds per strategy (default 300)")
+    add(
+        "--retries",
+        type=int,
+        default=1,
+        help="re-runs of a strategy whose worker crashed in native code (default 1)",
+    )
     add("--out", type=Path, default=REPO / "benchmarks" / "results", help="results folder")
     add("--dry-run", action="store_true", help="print the commands and exit")
     add("--cleanup", action="store_true", help="remove namespaces left by a killed run")
@@ -873,6 +884,12 @@ def _bench(args: argparse.Namespace, argv: list[str] | None) -> int:
                 for name in run_list:
                     print(f"[{rate}] {name} ...", file=sys.stderr, flush=True)
                     rec = run_strategy(cluster, name, spec, Path(tmp), args.timeout)
+                    failed: list[str] = []
+                    while "error" in rec and rec.get("crashed") and len(failed) < args.retries:
+                        failed.append(rec["error"])  # a native crash, not a Python error: again
+                        print(f"[{rate}] {name}: {rec['error'][:200]}; again", file=sys.stderr)
+                        rec = run_strategy(cluster, name, spec, Path(tmp), args.timeout)
+                    rec["failed_attempts"] = failed
                     print(
                         f"[{rate}] {name}: {rec.get('error') or statistics.median(rec['times'])}",
                         file=sys.stderr,

@@ -157,6 +157,8 @@ def test_summary_and_table() -> None:
     assert "| 1gbit | shardkit hsdp | 1.000 | 0.50 |" in table
     assert "| 1gbit | torch FSDP2 HSDP (2-D mesh) | rank 1: RuntimeError: nope |" in table
     assert table.rstrip().endswith("- a note")
+    crashed = summarize([{"strategy": "torch DDP", "error": "agents exited\n| x |"}], psi, "1gbit")
+    assert "| 1gbit | torch DDP | agents exited / x / | - |" in render_markdown(crashed)
 
 
 def test_dry_run_prints_the_commands_and_touches_nothing() -> None:
