@@ -35,7 +35,8 @@ def _model(extra: torch.Tensor | None = None) -> nn.Module:
 
 
 def _oss_int(group: dist.ProcessGroup, bad: bool) -> Callable[[], object]:
-    model = _model(torch.zeros(3, dtype=torch.int64) if bad else torch.zeros(3))
+    """A complex parameter (frozen integer ones are accepted, as by FairScale and DDP)."""
+    model = _model(torch.zeros(3, dtype=torch.complex64) if bad else torch.zeros(3))
     optimizer = OSS(model.parameters(), lr=0.1, group=group)
     return optimizer.step  # the first collective rank 0 would wait in
 
@@ -174,8 +175,8 @@ def _cases() -> dict[str, Outcome]:
 def test_a_bad_parameter_on_one_rank_stops_every_rank_at_once(rank_pool: Any) -> None:
     good, bad = rank_pool(2).run(_cases)
     own = {
-        "oss-int": "TypeError: OSS: parameter `param_groups[0][2]` (shape (3,)) has the dtype "
-        "torch.int64",
+        "oss-int": "TypeError: OSS: parameter `param_groups[0][2]` (shape (3,)) has the complex dtype "
+        "torch.complex64",
         "oss-meta": "ValueError: OSS: parameter `param_groups[0][0]` (shape (2, 2)) is on the "
         "meta device",
         "sdp-meta": "ValueError: ShardedDataParallel: parameter `0.extra` (shape (3,)) is on "

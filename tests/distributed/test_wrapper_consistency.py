@@ -56,7 +56,7 @@ def test_oss_and_sharded_ddp_name_the_mismatch(rank_pool) -> None:
     assert "ranks [1] have 'renamed.weight shape=(2, 4)" in results[0]["sdp-name"]
     assert results[0]["fsdp-same"] == "ok"
     assert results[0]["fsdp-shape"].startswith(
-        "FullyShardedDataParallel (the FSDP unit wrapping Sequential): ranks disagree at entry 3"
+        "FullyShardedDataParallel (the FSDP unit wrapping Sequential): ranks disagree at entry 5"
     )
     assert "ranks [1] have 'first.weight shape=(5, 4)" in results[0]["fsdp-shape"]
     assert "ranks [0] have 'option reshard_after_forward=False'" in results[0]["fsdp-option"]
