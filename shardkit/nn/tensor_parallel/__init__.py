@@ -40,6 +40,7 @@ from shardkit.nn.tensor_parallel.plan import (
     RowParallel,
     VocabParallel,
     gpt_plan,
+    hf_gpt2_plan,
     parallelize,
 )
 from shardkit.nn.tensor_parallel.random import (
@@ -74,6 +75,7 @@ __all__ = [
     "get_cuda_rng_tracker",
     "get_rng_tracker",
     "gpt_plan",
+    "hf_gpt2_plan",
     "is_tensor_parallel",
     "load_consolidated_state_dict",
     "load_sharded",

@@ -42,6 +42,7 @@ __all__ = [
     "RowParallel",
     "VocabParallel",
     "gpt_plan",
+    "hf_gpt2_plan",
     "parallelize",
 ]
 
@@ -77,20 +78,25 @@ class VocabParallel:
 
 @dataclass(frozen=True)
 class HeadParallel:
-    """Divide an attention module's head count by the degree (its forward must size its
-    views from the local projection, as the GPT's does).
+    """Divide an attention module's head count (and any other per-rank sizes) by the
+    degree; its forward must size its views from these attributes or from the local
+    projection, as the GPT's and Hugging Face GPT-2's do.
 
     Attributes:
         attribute: the module attribute holding the number of heads. Default ``"n_head"``.
+        also: further attributes divided by the degree (Hugging Face GPT-2:
+            ``("split_size",)``, the width of each of q, k, v). Default none.
     """
 
     attribute: str = "n_head"
+    also: tuple[str, ...] = ()
 
 
 ParallelStyle = ColumnParallel | RowParallel | VocabParallel | HeadParallel
 
-#: tied weights seen so far: id of the original tensor -> (dim, stride, the shard)
-_Ties = dict[int, tuple[int, int, nn.Parameter]]
+#: tied weights seen so far: id of the original tensor -> (dim, stride, the shard, the
+#: original, kept alive so that its id is not reused by another tensor)
+_Ties = dict[int, tuple[int, int, nn.Parameter, torch.Tensor]]
 
 
 def _expect(module: nn.Module, cls: type, name: str, style: ParallelStyle) -> None:
@@ -107,15 +113,39 @@ def _tie(
     """The shard to use for ``original``: the one made earlier if it is tied, else ``new``."""
     key = id(original)
     if key not in ties:
-        ties[key] = (dim, stride, new)
+        ties[key] = (dim, stride, new, original)
         return new
-    tied_dim, tied_stride, shard = ties[key]
+    tied_dim, tied_stride, shard, _ = ties[key]
     if (tied_dim, tied_stride) != (dim, stride):
         raise ValueError(
             f"a tied weight is split along dim {tied_dim} (stride {tied_stride}) by one "
             f"module and along dim {dim} (stride {stride}) by another; split both the same way"
         )
     return shard
+
+
+def _as_linear(module: nn.Module) -> nn.Module:
+    """A Hugging Face ``Conv1D`` (a linear layer with its weight stored ``(in, out)``) as
+    the ``nn.Linear`` it computes (weight transposed to ``(out, in)``); else ``module``.
+
+    Detected by name and shape, so that ``shardkit.nn`` does not import transformers.
+    """
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ != "Conv1D" or not isinstance(weight, torch.Tensor):
+        return module
+    bias = getattr(module, "bias", None)
+    linear = nn.Linear(
+        weight.shape[0],
+        weight.shape[1],
+        bias=bias is not None,
+        dtype=weight.dtype,
+        device=weight.device,
+    )
+    with torch.no_grad():
+        linear.weight.copy_(weight.t())
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
 
 
 def _apply(
@@ -130,6 +160,8 @@ def _apply(
                 f"the tensor-parallel degree {world}; choose a degree that divides {heads}"
             )
         setattr(module, style.attribute, heads // world)
+        for attribute in style.also:
+            setattr(module, attribute, getattr(module, attribute) // world)
         return module
     if isinstance(style, VocabParallel):
         _expect(module, nn.Embedding, name, style)
@@ -137,18 +169,20 @@ def _apply(
         emb = VocabParallelEmbedding.from_embedding(module, process_group=group)
         emb.weight = _tie(ties, module.weight, emb.weight, 0, 1)
         return emb
+    original = getattr(module, "weight", None)
+    module = _as_linear(module)
     _expect(module, nn.Linear, name, style)
-    assert isinstance(module, nn.Linear)
+    assert isinstance(module, nn.Linear) and isinstance(original, torch.Tensor)
     if isinstance(style, ColumnParallel):
         col = ColumnParallelLinear.from_linear(
             module, gather_output=style.gather_output, stride=style.stride, process_group=group
         )
-        col.weight = _tie(ties, module.weight, col.weight, 0, style.stride)
+        col.weight = _tie(ties, original, col.weight, 0, style.stride)
         return col
     row = RowParallelLinear.from_linear(
         module, input_is_parallel=style.input_is_parallel, process_group=group
     )
-    row.weight = _tie(ties, module.weight, row.weight, 1, 1)
+    row.weight = _tie(ties, original, row.weight, 1, 1)
     return row
 
 
@@ -211,3 +245,32 @@ def gpt_plan(loss_parallel: bool = False) -> dict[str, ParallelStyle]:
         "blocks.*.mlp.2": RowParallel(),
         "lm_head": ColumnParallel(gather_output=not loss_parallel),
     }
+
+
+def hf_gpt2_plan(
+    loss_parallel: bool = False, prefix: str = "transformer."
+) -> dict[str, ParallelStyle]:
+    """The plan for Hugging Face GPT-2 (``GPT2LMHeadModel``; ``prefix=""`` for a bare
+    ``GPT2Model``, which has no ``lm_head``): the same split as :func:`gpt_plan`.
+
+    The ``Conv1D`` projections become column- / row-parallel ``nn.Linear`` layers, so
+    their weights are stored ``(out, in)`` afterwards (transposed from Hugging Face's
+    ``(in, out)``): a consolidated state dict of the split model has that layout.
+
+    Args:
+        loss_parallel: keep the logits vocabulary-parallel (see :func:`gpt_plan`).
+            Default False.
+        prefix: the name of the ``GPT2Model`` inside the model, with a trailing dot.
+            Default ``"transformer."``.
+    """
+    plan: dict[str, ParallelStyle] = {
+        f"{prefix}wte": VocabParallel(),
+        f"{prefix}h.*.attn": HeadParallel("num_heads", also=("split_size",)),
+        f"{prefix}h.*.attn.c_attn": ColumnParallel(stride=3),
+        f"{prefix}h.*.attn.c_proj": RowParallel(),
+        f"{prefix}h.*.mlp.c_fc": ColumnParallel(),
+        f"{prefix}h.*.mlp.c_proj": RowParallel(),
+    }
+    if prefix:
+        plan["lm_head"] = ColumnParallel(gather_output=not loss_parallel)
+    return plan

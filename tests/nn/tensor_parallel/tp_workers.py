@@ -547,3 +547,47 @@ def memory_per_rank(cfg: dict[str, Any]) -> dict[str, float]:
         "expected": expected,
         "plain": float(model_state_bytes(plain).parameters),
     }
+
+
+def hf_gpt2_parity(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Hugging Face GPT2LMHeadModel with hf_gpt2_plan against the plain one: loss,
+    logits and every gradient (Conv1D weights compared transposed)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    group = mesh_of(tp=cfg["tp"]).group("tp")
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    ref = GPT2LMHeadModel(config)
+    model = tp.parallelize(copy.deepcopy(ref), tp.hf_gpt2_plan(cfg["loss_parallel"]), group)
+    idx = torch.randint(0, 64, (2, 12))
+    ref_out = ref(input_ids=idx, labels=idx)
+    ref_out.loss.backward()
+    if cfg["loss_parallel"]:
+        logits = model(input_ids=idx).logits
+        loss = tp.vocab_parallel_cross_entropy(logits[:, :-1], idx[:, 1:], group).mean()
+        logits = full_tensor(logits, -1, group)
+    else:
+        out = model(input_ids=idx, labels=idx)
+        logits, loss = out.logits, out.loss
+    loss.backward()
+    ref_params = dict(ref.named_parameters())
+    grads = {}
+    for name, g in _full_grads(model, group).items():
+        want = ref_params[name].grad
+        conv1d = name.endswith(".weight") and any(k in name for k in ("c_attn", "c_proj", "c_fc"))
+        grads[name] = diff(g.t() if conv1d else g, want)
+    assert sorted(grads) == sorted(ref_params)
+    return {
+        "loss": abs(float(loss) - float(ref_out.loss)),
+        "logits": diff(logits, ref_out.logits),
+        "grads": grads,
+        "tied": float(model.lm_head.weight is model.transformer.wte.weight),
+    }
