@@ -56,3 +56,34 @@ def test_plan_errors_name_the_sizes(results: Any) -> None:
     assert "vocabulary size 66: 66 is not divisible" in r["vocab"] and "4" in r["vocab"]
     assert "plan patterns matched no module: ['blocks.*.mlp.9']" in r["typo"]
     assert r["type"].startswith("TypeError") and "'wte', a Embedding" in r["type"]
+
+
+@pytest.mark.parametrize("loss_parallel", [False, True])
+def test_communication_is_megatrons_count(rank_pool: Any, loss_parallel: bool) -> None:
+    """Counted elements per collective, one step of the TP GPT at tp 2 and 4, against
+    Megatron-LM's exact count (Shoeybi et al. 2019, section 3): per transformer layer 2
+    all-reduces of b x s x h in forward and 2 in backward; plus the vocabulary-parallel
+    embedding (1 in forward) and the LM head's input (1 in backward); the logits are
+    all-gathered (b x s x V/T per rank) or, with loss_parallel, never: 3 all-reduces of
+    b x s for the cross-entropy instead."""
+    jobs = [("communication_count", {"tp": t, "loss_parallel": loss_parallel}) for t in (2, 4)]
+    per_rank = rank_pool(4).run(w.run_jobs, jobs)
+    b, s, h, layers, vocab = (
+        w.BATCH,
+        w.SEQ,
+        w.TINY["n_embd"],
+        w.TINY["n_layer"],
+        w.TINY["vocab_size"],
+    )
+    bsh = b * s * h
+    for t, counts in zip((2, 4), per_rank[0], strict=True):
+        assert "error" not in counts, counts.get("error")
+        want = {
+            "forward all_reduce": [bsh] * (2 * layers + 1),
+            "backward all_reduce": [bsh] * (2 * layers + 1),
+        }
+        if loss_parallel:
+            want["forward all_reduce"] += [b * s] * 3
+        else:
+            want["forward all_gather"] = [b * s * vocab // t]
+        assert counts == want, f"tp {t}: {counts}"

@@ -591,3 +591,38 @@ def hf_gpt2_parity(cfg: dict[str, Any]) -> dict[str, Any]:
         "grads": grads,
         "tied": float(model.lm_head.weight is model.transformer.wte.weight),
     }
+
+
+def communication_count(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Elements moved by each collective in one forward and one backward of the TP GPT
+    (``torch.distributed`` wrapped for the duration): Megatron-LM's count is 2
+    all-reduces of ``b x s x h`` per layer in forward and 2 in backward."""
+    group = mesh_of(tp=cfg["tp"]).group("tp")
+    model = tp.parallelize(GPT(GPTConfig(**TINY)), tp.gpt_plan(cfg["loss_parallel"]), group)
+    idx, tgt = _batches()
+    counts: dict[str, list[int]] = {}
+    phase = ["forward"]
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+
+    def counting(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[1] if name == "all_gather" else args[0]
+            counts.setdefault(f"{phase[0]} {name}", []).append(tensor.numel())
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        if cfg["loss_parallel"]:
+            logits, _ = model(idx[0])
+            loss = tp.vocab_parallel_cross_entropy(logits, tgt[0], group).mean()
+        else:
+            loss = model(idx[0], tgt[0])[1]
+        phase[0] = "backward"
+        loss.backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return counts
