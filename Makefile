@@ -33,13 +33,15 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.compare $(BENCH_ARGS)
 
 # lint-imports: the import contracts of docs/architecture.md ([tool.importlinter] in
-# pyproject.toml); a lower layer importing an upper one fails here.
+# pyproject.toml); a lower layer importing an upper one fails here. test_wording: no
+# "session" / "the issue's" words in docs/ and README.md.
 lint: $(STAMP) docs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy shardkit
 	$(VENV)/bin/mypy examples
 	$(VENV)/bin/lint-imports --no-cache --no-logo
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/docs/test_wording.py  # docs speak to users
 
 test: lint
 	$(VENV)/bin/pytest -q
