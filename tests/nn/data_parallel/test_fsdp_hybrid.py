@@ -123,8 +123,25 @@ def _reshape_cases() -> dict[str, Any]:
     return out
 
 
+def _step_while_deferred() -> str:
+    model = _wrapped("HYBRID_SHARD", 2, "flat")
+    opt = _sgd(model.parameters())
+    x, y = global_batch(0, dist.get_world_size())
+    with model.no_replica_sync():
+        model(local_part(x, dist.get_rank()), local_part(y, dist.get_rank()))[1].backward()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    model(local_part(x, dist.get_rank()), local_part(y, dist.get_rank()))[1].backward()
+    opt.step()  # the synced backward released the deferred shards: steps again
+    return message
+
+
 def _errors() -> dict[str, str]:
-    out = {}
+    out = {"step-while-deferred": _step_while_deferred()}
     for key, make in {
         "not-divisible": lambda: hybrid_groups(3),
         "pair-without-hybrid": lambda: FSDP(
@@ -212,3 +229,4 @@ def test_errors_name_the_fix(results: list[Any]) -> None:
     assert "sharding_strategy='HYBRID_SHARD'" in errors["pair-without-hybrid"]
     assert "needs a (shard group, replica group) pair" in errors["one-group-with-hybrid"]
     assert "unknown sharding_strategy 'half_shard'" in errors["unknown"]
+    assert "optimizer.step() while its gradient is still deferred" in errors["step-while-deferred"]

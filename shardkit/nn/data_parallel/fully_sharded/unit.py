@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -381,8 +382,10 @@ class UnitRuntime:
         total = shard if self._deferred is None else self._deferred.add_(shard)
         if not self.requires_all_reduce:
             self._deferred = total
+            _watch_deferred(self)
             return
         self._deferred = None
+        _DEFERRED.pop(self, None)
         compressor = self.config.grad_compression
         if compressor is None:
             all_reduce_sum(total, self.replicate_group).wait()
@@ -458,6 +461,39 @@ class UnitRuntime:
     def busy(self) -> bool:
         """True unless IDLE (forward, backward or a summon is under way)."""
         return self.training_state is not TrainingState.IDLE
+
+
+_DEFERRED: Any = WeakIdKeyDictionary()  # units holding deferred gradient shards -> None
+
+
+@functools.cache
+def _deferred_guard() -> None:
+    register_optimizer_step_pre_hook(_refuse_step_with_deferred)
+
+
+def _watch_deferred(unit: UnitRuntime) -> None:
+    _DEFERRED[unit] = None
+    _deferred_guard()
+
+
+def _refuse_step_with_deferred(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """Optimizer step pre-hook: a step over parameters whose gradient shards still wait
+    for the cross-replica all-reduce would use a part of the gradient only.
+
+    Raises:
+        RuntimeError: naming the unit and the fix.
+    """
+    if not _DEFERRED:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for unit in list(_DEFERRED):
+        if unit._deferred is not None and any(id(p) in held for p in unit.handle.sharded_params):
+            raise RuntimeError(
+                f"{unit.label}: optimizer.step() while its gradient is still deferred "
+                "(no_replica_sync / set_requires_all_reduce(False)): the gradient would "
+                "miss the other replicas' part. Run the last micro-batch's backward with "
+                "the cross-replica all-reduce enabled, then step"
+            )
 
 
 @contextlib.contextmanager
