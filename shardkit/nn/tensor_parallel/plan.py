@@ -34,6 +34,7 @@ from torch import nn
 from shardkit.nn.tensor_parallel.embedding import VocabParallelEmbedding
 from shardkit.nn.tensor_parallel.groups import TPGroup, rank_and_size, resolve_group
 from shardkit.nn.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from shardkit.nn.tensor_parallel.random import get_rng_tracker
 
 __all__ = [
     "ColumnParallel",
@@ -86,10 +87,36 @@ class HeadParallel:
         attribute: the module attribute holding the number of heads. Default ``"n_head"``.
         also: further attributes divided by the degree (Hugging Face GPT-2:
             ``("split_size",)``, the width of each of q, k, v). Default none.
+        fork_rng: in training mode, run the module's forward inside the model-parallel
+            RNG tracker's fork (``[Note: two random streams]`` in
+            :mod:`~shardkit.nn.tensor_parallel.random`), so the attention dropout of
+            different tensor-parallel ranks is independent. Only for a module whose
+            every random draw is on its own heads (the GPT's attention, not Hugging
+            Face GPT-2's, which also drops its replicated output). Needs
+            :func:`~shardkit.nn.tensor_parallel.model_parallel_manual_seed`. Default False.
     """
 
     attribute: str = "n_head"
     also: tuple[str, ...] = ()
+    fork_rng: bool = False
+
+
+_FORKS = "_tensor_parallel_rng_forks"
+
+
+def _enter_rng_fork(module: nn.Module, args: object) -> None:
+    """Forward pre-hook of a ``HeadParallel(fork_rng=True)`` module."""
+    if module.training:
+        fork = get_rng_tracker().fork()
+        fork.__enter__()
+        module.__dict__.setdefault(_FORKS, []).append(fork)
+
+
+def _exit_rng_fork(module: nn.Module, args: object, output: object) -> None:
+    """Forward hook (also called when forward raises): leave the fork entered before."""
+    forks = module.__dict__.get(_FORKS)
+    if forks:
+        forks.pop().__exit__(None, None, None)
 
 
 ParallelStyle = ColumnParallel | RowParallel | VocabParallel | HeadParallel
@@ -162,6 +189,9 @@ def _apply(
         setattr(module, style.attribute, heads // world)
         for attribute in style.also:
             setattr(module, attribute, getattr(module, attribute) // world)
+        if style.fork_rng:
+            module.register_forward_pre_hook(_enter_rng_fork)
+            module.register_forward_hook(_exit_rng_fork, always_call=True)
         return module
     if isinstance(style, VocabParallel):
         _expect(module, nn.Embedding, name, style)
@@ -227,7 +257,7 @@ def parallelize(
     return model
 
 
-def gpt_plan(loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+def gpt_plan(loss_parallel: bool = False, fork_rng: bool = False) -> dict[str, ParallelStyle]:
     """The plan for :class:`shardkit.models.gpt.GPT` (see ``[Note: the GPT plan]``).
 
     Args:
@@ -235,10 +265,16 @@ def gpt_plan(loss_parallel: bool = False) -> dict[str, ParallelStyle]:
             :func:`~shardkit.nn.tensor_parallel.vocab_parallel_cross_entropy` (call the
             model without targets); False all-gathers them to ``(B, T, V)`` so the
             model's own loss works unchanged. Default False.
+        fork_rng: attention dropout from the RNG tracker's tensor-parallel stream
+            (independent across tensor-parallel ranks, as Megatron-LM); the MLP's dropout
+            stays on the default stream (the same on every tensor-parallel rank). For a
+            GPT with ``dropout > 0``; call
+            :func:`~shardkit.nn.tensor_parallel.model_parallel_manual_seed` first.
+            Default False.
     """
     return {
         "wte": VocabParallel(),
-        "blocks.*.attn": HeadParallel("n_head"),
+        "blocks.*.attn": HeadParallel("n_head", fork_rng=fork_rng),
         "blocks.*.attn.qkv": ColumnParallel(stride=3),
         "blocks.*.attn.proj": RowParallel(),
         "blocks.*.mlp.0": ColumnParallel(),

@@ -45,6 +45,7 @@ def _jobs() -> dict[str, tuple[str, dict[str, Any]]]:
         jobs[f"ce-{t}"] = ("cross_entropy_parity", {"tp": t})
         jobs[f"map-{t}"] = ("mappings_roundtrip", {"tp": t})
     jobs["rng-2"] = ("rng_tracker", {"tp": 2})
+    jobs["dropout-2"] = ("dropout_streams", {})
     return jobs
 
 
@@ -113,6 +114,19 @@ def test_rng_tracker_streams(results: Any) -> None:
             same_tp = coords[a]["tp"] == coords[b]["tp"]
             # inside: independent across tensor-parallel ranks, equal across replicas
             assert torch.equal(masks["inside"][a], masks["inside"][b]) == same_tp, (a, b)
+
+
+def test_gpt_attention_dropout_forks_the_rng(results: Any) -> None:
+    """All heads identical: only the RNG stream can make two ranks' heads differ."""
+    for rank, r in enumerate(_ok(results, "dropout-2")):
+        off, on = r["fork=False"], r["fork=True"]
+        assert off["attn_equal_across_tp"] == 1.0, "identical heads differ without the fork"
+        assert off["tracker_advanced"] == 0.0
+        assert on["attn_equal_across_tp"] == 0.0, f"rank {rank}: same attention dropout masks"
+        assert on["tracker_advanced"] == 1.0
+        for mode in (off, on):  # the replicated MLP output drops the same elements
+            assert mode["mlp_equal_across_tp"] == 1.0
+            assert 0.2 < mode["mlp_has_drops"] < 0.4
 
 
 # pure: shard then merge is the identity -----------------------------------------------------

@@ -626,3 +626,47 @@ def communication_count(cfg: dict[str, Any]) -> dict[str, Any]:
         for name, fn in originals.items():
             setattr(dist, name, fn)
     return counts
+
+
+def _gather_tp(t: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def dropout_streams(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GPT with dropout at tp 2, all heads made identical: without fork_rng the ranks'
+    (identical) heads get the same attention-dropout masks; with it, different ones,
+    while the MLP's dropout (replicated region) stays the same on both ranks."""
+    group = mesh_of(tp=2).group("tp")
+    idx, tgt = _batches()
+    out: dict[str, Any] = {}
+    for fork in (False, True):
+        torch.manual_seed(0)
+        plain = GPT(GPTConfig(**{**TINY, "dropout": 0.3}))
+        h, c = TINY["n_head"], TINY["n_embd"]
+        with torch.no_grad():
+            for block in plain.blocks:
+                w = block.attn.qkv.weight.view(3, h, c // h, c)
+                w.copy_(w[:, :1].expand_as(w).clone())
+        model = tp.parallelize(plain, tp.gpt_plan(fork_rng=fork), group).train()
+        tp.model_parallel_manual_seed(11, group)
+        before = tp.get_rng_tracker().get_states()["model-parallel-rng"]["cpu"].clone()
+        seen: dict[str, torch.Tensor] = {}
+        model.blocks[0].attn.proj.register_forward_hook(
+            lambda m, a, o, seen=seen: seen.__setitem__("attn", a[0].detach())
+        )
+        model.blocks[0].mlp[3].register_forward_hook(
+            lambda m, a, o, seen=seen: seen.__setitem__("mlp", o.detach())
+        )
+        loss = model(idx[0], tgt[0])[1]
+        loss.backward()
+        after = tp.get_rng_tracker().get_states()["model-parallel-rng"]["cpu"]
+        attn, mlp = _gather_tp(seen["attn"], group), _gather_tp(seen["mlp"], group)
+        out[f"fork={fork}"] = {
+            "attn_equal_across_tp": float(torch.equal(attn[0], attn[1])),
+            "mlp_equal_across_tp": float(torch.equal(mlp[0], mlp[1])),
+            "mlp_has_drops": float((seen["mlp"] == 0).float().mean()),
+            "tracker_advanced": float(not torch.equal(before, after)),
+        }
+    return out
