@@ -446,15 +446,27 @@ def unavailable_reason(row: TwoNodeStrategy) -> str | None:
 
 
 # ----------------------------------------------------------------------- worker side
-def link_bytes(interface: str) -> tuple[int, int]:
-    """``(tx, rx)`` bytes of ``interface`` in this process's network namespace
-    (``/proc/net/dev``: that of the namespace, whatever /sys shows)."""
+def link_bytes(interface: str) -> tuple[int, int, int]:
+    """``(tx bytes, rx bytes, tx packets)`` of ``interface`` in this process's network
+    namespace (``/proc/net/dev``: that of the namespace, whatever /sys shows)."""
     for line in Path("/proc/net/dev").read_text().splitlines():
         name, _, rest = line.partition(":")
         if name.strip() == interface:
             fields = rest.split()
-            return int(fields[8]), int(fields[0])
+            return int(fields[8]), int(fields[0]), int(fields[9])
     raise KeyError(f"no interface {interface!r} in /proc/net/dev")
+
+
+def qdisc_drops(interface: str) -> int | None:
+    """Packets the tbf on ``interface`` dropped so far (``tc -s qdisc``); None where
+    ``tc`` cannot say."""
+    done = subprocess.run(
+        ["tc", "-s", "qdisc", "show", "dev", interface], capture_output=True, text=True
+    )
+    words = done.stdout.replace(",", " ").replace("(", " ").split()
+    if done.returncode != 0 or "dropped" not in words:
+        return None
+    return int(words[words.index("dropped") + 1])
 
 
 def _batch(config: Any, batch: int, rank: int, step: int) -> tuple[Any, Any]:
@@ -508,7 +520,8 @@ def worker(spec_path: str) -> int:
         for step in range(spec["warmup"]):
             losses.append(mean_loss(runner.train_step(*_batch(config, spec["batch"], rank, step))))
         dist.barrier()
-        before = link_bytes(veth) if local_rank == 0 else (0, 0)
+        before = link_bytes(veth) if local_rank == 0 else (0, 0, 0)
+        drops_before = qdisc_drops(veth) if local_rank == 0 else None
         dist.barrier()
         times = []
         for step in range(spec["warmup"], spec["warmup"] + spec["steps"]):
@@ -520,7 +533,8 @@ def worker(spec_path: str) -> int:
             losses.append(mean_loss(loss))
             times.append(slowest(elapsed))
         dist.barrier()
-        after = link_bytes(veth) if local_rank == 0 else (0, 0)
+        after = link_bytes(veth) if local_rank == 0 else (0, 0, 0)
+        drops_after = qdisc_drops(veth) if local_rank == 0 else None
         record = {
             "rank": rank,
             "node": node,
@@ -528,6 +542,12 @@ def worker(spec_path: str) -> int:
             "local_rank": local_rank,
             "tx_bytes": after[0] - before[0] if local_rank == 0 else None,
             "rx_bytes": after[1] - before[1] if local_rank == 0 else None,
+            "tx_packets": after[2] - before[2] if local_rank == 0 else None,
+            "tbf_drops": (
+                drops_after - drops_before
+                if drops_after is not None and drops_before is not None
+                else None
+            ),
             "comm": counter.snapshot(),
             "rss_peak": peak_rss_bytes(),
             "master_addr": os.environ.get("MASTER_ADDR"),
@@ -725,6 +745,9 @@ def summarize(
         formula = rows_by_name[rec["strategy"]].formula
         expected = bytes_formula(formula, psi, replicas, NPROC_PER_NODE) if formula else None
         comm_volume = statistics.mean(r["comm"]["total_volume_bytes"] for r in rec["ranks"])
+        nodes = [r for r in rec["ranks"] if r["tx_bytes"] is not None]
+        packets = sum(r.get("tx_packets") or 0 for r in nodes)
+        drops = [r.get("tbf_drops") for r in nodes]
         row.update(
             status="ok",
             step_s=median,
@@ -735,6 +758,8 @@ def summarize(
             formula_bytes_per_rank=expected,
             x_formula=per_rank / expected if expected else None,
             comm_volume_per_step_per_rank=comm_volume / steps,
+            link_bytes_per_packet=link / packets if packets else None,
+            tbf_drops=sum(drops) if drops and None not in drops else None,
             loss_final=rec["losses"][-1],
             loss_vs_ddp=(
                 max(abs(a - b) for a, b in zip(rec["losses"], base["losses"])) if base else None

@@ -1,5 +1,5 @@
 """benchmarks.two_nodes: the commands it builds (pure), the formulas, the table; the live
-run only with SHARDKIT_TWO_NODES_LIVE=1 (root, ip, tc; about a minute on 2 cores)."""
+run only with SHARDKIT_TWO_NODES_LIVE=1 (root, ip, tc; 2-3 minutes on 2 cores)."""
 
 from __future__ import annotations
 
@@ -193,7 +193,7 @@ def _live_skip_reason() -> str | None:
     if os.environ.get("SHARDKIT_TWO_NODES_LIVE") != "1":
         return (
             "live two-node run is opt-in (SHARDKIT_TWO_NODES_LIVE=1): it needs root, ip and "
-            "tc, and takes about a minute on 2 cores"
+            "tc, and takes 2-3 minutes on 2 cores"
         )
     return preflight()
 
