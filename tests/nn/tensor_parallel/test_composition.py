@@ -1,7 +1,7 @@
 """Tensor parallelism composed with the data-parallel wrappers (issue 18), on 4 ranks.
 
-2-D: ``tp = 2`` x data parallel 2, the data-parallel wrapper (FSDP, or ShardedDDP with
-OSS) over the mesh's data-parallel group, the tensor-parallel GPT inside. Three SGD
+2-D: ``tp = 2`` x data parallel 2, the data-parallel wrapper (FSDP with one root unit or
+one unit per block, or ShardedDDP with OSS) over the mesh's data-parallel group, the tensor-parallel GPT inside. Three SGD
 steps on a global batch of 4 sequences (2 per data-parallel rank) against the plain GPT
 on the whole batch: losses per step and the final parameters (tensor-parallel shards
 gathered, FSDP's full state dict) agree to fp32 rounding. ``clip_grad_norm_`` of the
@@ -20,6 +20,7 @@ LOSS_TOL, PARAM_TOL = 1e-5, 2e-5
 JOBS: dict[str, tuple[str, dict[str, Any]]] = {
     "sdp": ("tp_with_data_parallel", {"tp": 2, "wrapper": "sdp"}),
     "fsdp": ("tp_with_data_parallel", {"tp": 2, "wrapper": "fsdp"}),
+    "fsdp-nested": ("tp_with_data_parallel", {"tp": 2, "wrapper": "fsdp", "nested": True}),
     "sdp-clip": ("tp_with_data_parallel", {"tp": 2, "wrapper": "sdp", "clip": 0.5}),
     "clip-2": ("clip_parity", {"tp": 2}),
     "clip-4": ("clip_parity", {"tp": 4}),
@@ -32,7 +33,7 @@ def results(rank_pool: Any) -> dict[str, list[Any]]:
     return {key: [r[i] for r in per_rank] for i, key in enumerate(JOBS)}
 
 
-@pytest.mark.parametrize("key", ["fsdp", "sdp", "sdp-clip"])
+@pytest.mark.parametrize("key", ["fsdp", "fsdp-nested", "sdp", "sdp-clip"])
 def test_tp_times_data_parallel_equals_plain(results: Any, key: str) -> None:
     for rank, r in enumerate(results[key]):
         assert "error" not in r, f"rank {rank}:\n{r['error']}"

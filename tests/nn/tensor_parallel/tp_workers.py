@@ -345,7 +345,7 @@ def tp_with_data_parallel(cfg: dict[str, Any]) -> dict[str, Any]:
     from shardkit.nn import FullyShardedDataParallel, ShardedDataParallel
     from shardkit.optim import OSS
 
-    mesh = mesh_of(tp=cfg["tp"])
+    mesh = mesh_of(tp=cfg["tp"], dp_replicate=cfg.get("dp_replicate", 1))
     tpg, dpg = mesh.group("tp"), mesh.group("dp")
     dp_rank, dp = mesh.local_rank("dp"), mesh.size("dp")
     ref = GPT(GPTConfig(**TINY))
@@ -357,8 +357,20 @@ def tp_with_data_parallel(cfg: dict[str, Any]) -> dict[str, Any]:
     }
     ref_losses = _train_reference(ref, cfg.get("clip"))
     wrapped: nn.Module
-    if cfg["wrapper"] == "fsdp":
-        wrapped = FullyShardedDataParallel(model, process_group=dpg)
+    if cfg["wrapper"] in ("fsdp", "hsdp"):
+        from shardkit.models.gpt import Block
+        from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
+
+        kwargs: dict[str, Any] = {"process_group": dpg}
+        if cfg["wrapper"] == "hsdp":  # shard inside dp_shard, replicate across dp_replicate
+            kwargs = {
+                "process_group": (mesh.group("dp_shard"), mesh.group("dp_replicate")),
+                "sharding_strategy": "HYBRID_SHARD",
+            }
+        if cfg.get("nested"):  # one unit per block, as the main job wraps
+            with enable_wrap(wrapper_cls=FullyShardedDataParallel, **kwargs):
+                model = auto_wrap(model, transformer_auto_wrap_policy({Block}))
+        wrapped = FullyShardedDataParallel(model, **kwargs)
         opt: torch.optim.Optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     else:
         opt = OSS(model.parameters(), torch.optim.SGD, process_group=dpg, lr=LR)
@@ -376,7 +388,7 @@ def tp_with_data_parallel(cfg: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(_dp_mean(float(loss), dpg))
-    state = wrapped.state_dict() if cfg["wrapper"] == "fsdp" else model.state_dict()
+    state = wrapped.state_dict() if cfg["wrapper"] != "sdp" else model.state_dict()
     full = {}
     for name, value in state.items():
         if name in split:
