@@ -13,16 +13,13 @@ Two interfaces over one :class:`~shardkit.distributed.mesh.ProcessMesh`:
 [Note: what "model parallel" means]
 The name differs between the codebases users come from, and shardkit follows each:
 
-============================================  ===============================
-call                                          ranks in the group
-============================================  ===============================
-``mpu.get_tensor_model_parallel_group()``     tensor-parallel (``tp``)
-``mpu.get_model_parallel_group()``            ``tp x pp`` (Megatron-LM, DeepSpeed:
-                                              "both intra- and pipeline")
-``get_model_parallel_group()`` (module)       ``tp`` only (FairScale)
-``get_data_parallel_group()`` (both)          ``dp_replicate x dp_shard``
-``get_pipeline_parallel_group()`` (module)    ``pp`` (FairScale's name)
-============================================  ===============================
+| call | ranks in the group |
+|---|---|
+| ``mpu.get_tensor_model_parallel_group()`` | tensor-parallel (``tp``) |
+| ``mpu.get_model_parallel_group()`` | ``tp x pp`` (Megatron-LM, DeepSpeed: "both intra- and pipeline") |
+| ``get_model_parallel_group()`` (module) | ``tp`` only (FairScale) |
+| ``get_data_parallel_group()`` (both) | ``dp_replicate x dp_shard`` |
+| ``get_pipeline_parallel_group()`` (module) | ``pp`` (FairScale's name) |
 
 With one pipeline stage (the common case) the two meanings of "model parallel" agree.
 

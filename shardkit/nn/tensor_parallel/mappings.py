@@ -2,14 +2,12 @@
 
 Shoeybi et al. 2019 (Megatron-LM), section 3, call the first two ``f`` and ``g``:
 
-============================  ========================  ==========================
-operator                      forward                   backward
-============================  ========================  ==========================
-:func:`copy_to_tensor_parallel_region`   identity       all-reduce (sum)
-:func:`reduce_from_tensor_parallel_region` all-reduce   identity
-:func:`scatter_to_tensor_parallel_region`  keep own last-dim chunk  all-gather last dim
-:func:`gather_from_tensor_parallel_region` all-gather last dim      keep own chunk
-============================  ========================  ==========================
+| operator | forward | backward |
+|---|---|---|
+| :func:`copy_to_tensor_parallel_region` | identity | all-reduce (sum) |
+| :func:`reduce_from_tensor_parallel_region` | all-reduce (sum) | identity |
+| :func:`scatter_to_tensor_parallel_region` | keep own last-dim chunk | all-gather last dim |
+| :func:`gather_from_tensor_parallel_region` | all-gather last dim | keep own chunk |
 
 ``copy`` enters a region whose ranks each use the whole input for a different part of
 the output (so each contributes a partial gradient of the input: summed in backward);
