@@ -725,34 +725,55 @@ def run_strategy(
 def summarize(
     records: list[dict[str, Any]], psi: int, rate: str, replicas: int = NNODES
 ) -> list[dict[str, Any]]:
-    """One row per record of one rate: step time (median), ratio to DDP, link bytes per
-    step (total and per rank) against the formula, loss vs DDP."""
+    """One row per strategy of one rate (its records of every round together): step
+    time (median over every timed step), ratio to DDP (the median over rounds of the
+    round's median over DDP's in the same round, and each round's), link bytes per step
+    (total and per rank) against the formula, loss vs DDP (largest difference, same
+    round)."""
     rows_by_name = strategies()
     world = replicas * NPROC_PER_NODE
-    base = next((r for r in records if r["strategy"] == "torch DDP" and "times" in r), None)
-    base_median = statistics.median(base["times"]) if base else None
+    names = list(dict.fromkeys(rec["strategy"] for rec in records))
+    ok = [rec for rec in records if "times" in rec]
+    ddp = {rec.get("round", 0): rec for rec in ok if rec["strategy"] == "torch DDP"}
     rows = []
-    for rec in records:
-        row: dict[str, Any] = {"strategy": rec["strategy"], "rate": rate}
-        if "times" not in rec:
-            row["status"] = rec.get("error", "not run")
+    for name in names:
+        row: dict[str, Any] = {"strategy": name, "rate": rate}
+        mine = [rec for rec in ok if rec["strategy"] == name]
+        if not mine:
+            failed = next(rec for rec in records if rec["strategy"] == name)
+            row["status"] = failed.get("error", "not run")
             rows.append(row)
             continue
-        steps = len(rec["times"])
-        median = statistics.median(rec["times"])
-        link = sum(r["tx_bytes"] for r in rec["ranks"] if r["tx_bytes"] is not None)
+        times = [t for rec in mine for t in rec["times"]]
+        steps = len(times)
+        rounds = [
+            statistics.median(rec["times"]) / statistics.median(ddp[rec.get("round", 0)]["times"])
+            for rec in mine
+            if rec.get("round", 0) in ddp
+        ]
+        nodes = [r for rec in mine for r in rec["ranks"] if r["tx_bytes"] is not None]
+        link = sum(r["tx_bytes"] for r in nodes)
         per_rank = link / steps / world
-        formula = rows_by_name[rec["strategy"]].formula
+        formula = rows_by_name[name].formula
         expected = bytes_formula(formula, psi, replicas, NPROC_PER_NODE) if formula else None
-        comm_volume = statistics.mean(r["comm"]["total_volume_bytes"] for r in rec["ranks"])
-        nodes = [r for r in rec["ranks"] if r["tx_bytes"] is not None]
+        comm_volume = sum(
+            statistics.mean(r["comm"]["total_volume_bytes"] for r in rec["ranks"]) for rec in mine
+        )
         packets = sum(r.get("tx_packets") or 0 for r in nodes)
         drops = [r.get("tbf_drops") for r in nodes]
+        losses = [
+            abs(a - b)
+            for rec in mine
+            if rec.get("round", 0) in ddp
+            for a, b in zip(rec["losses"], ddp[rec.get("round", 0)]["losses"])
+        ]
         row.update(
             status="ok",
-            step_s=median,
-            step_s_all=rec["times"],
-            x_ddp=median / base_median if base_median else None,
+            rounds=len(mine),
+            step_s=statistics.median(times),
+            step_s_all=times,
+            x_ddp=statistics.median(rounds) if rounds else None,
+            x_ddp_rounds=rounds,
             link_bytes_per_step=link / steps,
             link_bytes_per_step_per_rank=per_rank,
             formula_bytes_per_rank=expected,
@@ -760,10 +781,8 @@ def summarize(
             comm_volume_per_step_per_rank=comm_volume / steps,
             link_bytes_per_packet=link / packets if packets else None,
             tbf_drops=sum(drops) if drops and None not in drops else None,
-            loss_final=rec["losses"][-1],
-            loss_vs_ddp=(
-                max(abs(a - b) for a, b in zip(rec["losses"], base["losses"])) if base else None
-            ),
+            loss_final=mine[-1]["losses"][-1],
+            loss_vs_ddp=max(losses) if losses else None,
         )
         rows.append(row)
     full = next((r for r in rows if r["strategy"] == "shardkit fsdp" and "step_s" in r), None)
@@ -781,6 +800,15 @@ def _fmt(value: Any, spec: str) -> str:
     return (
         "-" if value is None or (isinstance(value, float) and math.isnan(value)) else spec % value
     )
+
+
+def _ratio(row: Mapping[str, Any]) -> str:
+    """x DDP, with each round's ratio in brackets where there were several rounds."""
+    text = _fmt(row.get("x_ddp"), "%.2f")
+    rounds = row.get("x_ddp_rounds") or []
+    if len(rounds) > 1:
+        text += " [" + ", ".join(f"{r:.2f}" for r in rounds) + "]"
+    return text
 
 
 def render_markdown(rows: list[dict[str, Any]], notes: Sequence[str] = ()) -> str:
@@ -801,7 +829,7 @@ def render_markdown(rows: list[dict[str, Any]], notes: Sequence[str] = ()) -> st
         formula = row["formula_bytes_per_rank"]
         lines.append(
             f"| {row['rate']} | {row['strategy']} | {row['step_s']:.3f} "
-            f"| {_fmt(row['x_ddp'], '%.2f')} | {row['link_bytes_per_step'] / mib:.2f} "
+            f"| {_ratio(row)} | {row['link_bytes_per_step'] / mib:.2f} "
             f"| {row['link_bytes_per_step_per_rank'] / mib:.3f} "
             f"| {_fmt(formula / mib if formula else None, '%.3f')} "
             f"| {_fmt(row['x_formula'], '%.2f')} | {_fmt(row.get('x_full_shard_bytes'), '%.2f')} "
@@ -824,6 +852,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--batch", type=int, default=4, help="sequences per rank (default 4)")
     add("--steps", type=int, default=3, help="timed steps (default 3)")
     add("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    add("--rounds", type=int, default=1, help="rounds, the order rotated each (default 1)")
     add("--strategies", nargs="+", default=list(STRATEGY_NAMES), help="rows to run")
     add("--timeout", type=float, default=300.0, help="seconds per strategy (default 300)")
     add(
@@ -906,7 +935,14 @@ def _bench(args: argparse.Namespace, argv: list[str] | None) -> int:
             spec["veths"] = list(cluster.veths)
             records = []
             with emulated_cluster(cluster):
-                for name in run_list:
+                # round r runs the strategies rotated by r: the load of the moment falls
+                # on all of them alike and none always runs first
+                order = [
+                    (r, run_list[(i + r) % len(run_list)])
+                    for r in range(args.rounds)
+                    for i in range(len(run_list))
+                ]
+                for round_index, name in order:
                     print(f"[{rate}] {name} ...", file=sys.stderr, flush=True)
                     rec = run_strategy(cluster, name, spec, Path(tmp), args.timeout)
                     failed: list[str] = []
@@ -915,6 +951,7 @@ def _bench(args: argparse.Namespace, argv: list[str] | None) -> int:
                         print(f"[{rate}] {name}: {rec['error'][:200]}; again", file=sys.stderr)
                         rec = run_strategy(cluster, name, spec, Path(tmp), args.timeout)
                     rec["failed_attempts"] = failed
+                    rec["round"] = round_index
                     print(
                         f"[{rate}] {name}: {rec.get('error') or statistics.median(rec['times'])}",
                         file=sys.stderr,
@@ -928,7 +965,7 @@ def _bench(args: argparse.Namespace, argv: list[str] | None) -> int:
     notes = [
         f"GPT {args.model_size}: psi = {psi} parameters; {NNODES} nodes x {NPROC_PER_NODE} "
         f"ranks, batch {args.batch} x {args.seq_len} per rank, {args.steps} timed steps "
-        f"after {args.warmup} warm-up, fp32 AdamW, gloo",
+        f"after {args.warmup} warm-up in each of {args.rounds} round(s), fp32 AdamW, gloo",
         *notes,
     ]
     table = render_markdown(rows, notes)

@@ -213,3 +213,30 @@ def test_live_two_nodes_ddp_and_hybrid(tmp_path: Path) -> None:
     assert rows["shardkit hsdp"]["x_formula"] == pytest.approx(1.0, abs=0.1)
     assert rows["shardkit hsdp"]["loss_vs_ddp"] < 1e-4
     assert set(leftover_namespaces()) <= before  # the run removed its namespaces
+
+
+def test_rounds_pool_steps_and_pair_the_ratio_with_ddp_of_the_same_round() -> None:
+    def rec(name: str, rnd: int, t: float, loss: float) -> dict[str, Any]:
+        record = _record(name, [t, t], 1000 * 2, [5.0, loss])
+        record["round"] = rnd
+        return record
+
+    records = [
+        rec("torch DDP", 0, 1.0, 4.0),
+        rec("shardkit hsdp", 0, 0.5, 4.0),
+        rec("shardkit hsdp", 1, 2.0, 4.25),  # the box was busier in round 1
+        rec("torch DDP", 1, 4.0, 4.0),
+        {"strategy": "shardkit fsdp", "error": "boom", "round": 0},
+        rec("shardkit fsdp", 1, 8.0, 4.0),
+    ]
+    rows = {r["strategy"]: r for r in summarize(records, 1000, "100mbit")}
+    assert list(rows) == ["torch DDP", "shardkit hsdp", "shardkit fsdp"]
+    hsdp = rows["shardkit hsdp"]
+    assert hsdp["rounds"] == 2 and hsdp["x_ddp_rounds"] == [0.5, 0.5] and hsdp["x_ddp"] == 0.5
+    assert hsdp["step_s"] == pytest.approx(1.25)  # median of every step of both rounds
+    assert hsdp["link_bytes_per_step"] == 2000 and hsdp["loss_vs_ddp"] == 0.25
+    fsdp = rows["shardkit fsdp"]  # one round failed: the other still counts
+    assert fsdp["status"] == "ok" and fsdp["rounds"] == 1 and fsdp["x_ddp"] == 2.0
+    assert "| 100mbit | shardkit hsdp | 1.250 | 0.50 [0.50, 0.50] |" in render_markdown(
+        list(rows.values())
+    )
