@@ -399,9 +399,10 @@ def _fsdp_has_grad_compression() -> bool:
 @dataclass(frozen=True)
 class TwoNodeStrategy:
     """A row: ``name``, ``formula`` (a :func:`bytes_formula` kind, or None),
-    ``build(config, spec) -> Runner`` (a name of :data:`benchmarks.runners.BY_NAME`
-    for the shared ones), ``requires`` (a module that must import), ``available``
-    (False: the row is listed as not available, with ``why``)."""
+    ``build(config, spec) -> Runner`` (or the name of a
+    :data:`benchmarks.runners.BY_NAME` entry, for the rows the compare harness has
+    too), ``requires`` (a module that must import, else the run lists the row as not
+    installed: :func:`unavailable_reason`)."""
 
     name: str
     formula: str | None
