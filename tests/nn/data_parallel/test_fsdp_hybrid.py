@@ -93,6 +93,7 @@ def _parity_cases() -> dict[str, Any]:
         "hybrid-2x2-defer": ("HYBRID_SHARD", 2, "block", True, None),
         "hybrid-zero2-2x2": ("HYBRID_SHARD_ZERO2", 2, "flat", True, None),
         "hybrid-4x1": ("HYBRID_SHARD", 1, "flat", False, None),
+        "hybrid-1x4": ("HYBRID_SHARD", 4, "block", True, None),  # one replica
         "shard-grad-op": ("SHARD_GRAD_OP", 4, "block", False, None),
         "hybrid-2x2-identity": ("HYBRID_SHARD", 2, "block", False, "identity"),
         "hybrid-2x2-bf16": ("HYBRID_SHARD", 2, "block", False, "bf16"),
@@ -174,7 +175,14 @@ def _all() -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     "key",
-    ["hybrid-2x2-block", "hybrid-2x2-defer", "hybrid-zero2-2x2", "hybrid-4x1", "shard-grad-op"],
+    [
+        "hybrid-2x2-block",
+        "hybrid-2x2-defer",
+        "hybrid-zero2-2x2",
+        "hybrid-4x1",
+        "hybrid-1x4",
+        "shard-grad-op",
+    ],
 )
 def test_parity_with_the_plain_model(results: list[Any], key: str) -> None:
     for rank, per_rank in enumerate(results):

@@ -157,9 +157,10 @@ def all_reduce_sum(
     tensor: torch.Tensor, group: dist.ProcessGroup | None, *, async_op: bool = False
 ) -> Pending:
     """Sum ``tensor`` over ``group`` in place (the cross-replica gradient of hybrid
-    sharding)."""
+    sharding). The returned :class:`Pending` runs its ``then`` at ``wait()``, also when
+    there was nothing to send (one replica)."""
     if tensor.numel() == 0 or dist.get_world_size(group) == 1:
-        return Pending(done=True)
+        return Pending()  # nothing to send; ``wait()`` still runs the continuation
     operation = "all-reduce of gradients across replicas"
     with collective_context(_WRAPPER, operation, group):
         work = dist.all_reduce(tensor, group=group, async_op=async_op)

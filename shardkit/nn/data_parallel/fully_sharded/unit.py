@@ -387,12 +387,15 @@ class UnitRuntime:
         self._deferred = None
         _DEFERRED.pop(self, None)
         compressor = self.config.grad_compression
-        if compressor is None:
-            all_reduce_sum(total, self.replicate_group).wait()
-        else:
+        if compressor is not None:  # synchronous (see the compressor's contract)
             shapes = self.handle.shard_shapes()
             compressor.all_reduce(total, self.replicate_group, key=self.key, shapes=shapes)
-        self.handle.accumulate_grad_shard(total, divide_by=divide_by)
+            self.handle.accumulate_grad_shard(total, divide_by=divide_by)
+            return
+        # asynchronous: the next unit's backward overlaps it; finalize_backward waits
+        pending = all_reduce_sum(total, self.replicate_group, async_op=True)
+        pending.then = functools.partial(self.handle.accumulate_grad_shard, total, divide_by)
+        self._root().pending.append(pending)
 
     # the trainable set -----------------------------------------------------------
     def refresh_trainable(self) -> bool:
