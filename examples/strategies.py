@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -64,8 +65,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.distributed.compression import get_compressor, register_ddp_comm_hook
 from shardkit.distributed.hybrid import hybrid_groups
+from shardkit.distributed.mesh import ParallelDims, ProcessMesh
 from shardkit.memory import ModelStateBytes, model_state_bytes
 from shardkit.models import GPT, Block, gpt_stages, gpt_unit_init_fn
+from shardkit.nn import tensor_parallel as tp
 from shardkit.nn.checkpoint import CheckpointWrapper, checkpoint_wrapper
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel, MixedPrecision
@@ -91,6 +94,7 @@ __all__ = [
     "StrategySpec",
     "adamw_kwargs",
     "build_strategy",
+    "data_parallel_group",
     "fsdp_policy",
     "option_error",
     "strategy_table",
@@ -126,6 +130,10 @@ class StrategyConfig:
             (``bf16``, ``fp16``, ``powersgd``, ``int8``; :mod:`shardkit.distributed.compression`)
             for the gradient reduction (hsdp: the cross-node all-reduce only). Default
             None: exact.
+        tp: ddp, oss, sdp, fsdp: the tensor-parallel degree. Above 1, :func:`build_strategy`
+            splits the GPT over groups of ``tp`` consecutive ranks
+            (``tp.parallelize(model, tp.gpt_plan())``) and the strategy reduces or shards
+            over the data-parallel ranks (``world_size / tp`` of them) only. Default 1.
     """
 
     name: str = "ddp"
@@ -138,6 +146,7 @@ class StrategyConfig:
     resume: bool = False
     shard_size: int | None = None
     grad_compression: str | None = None
+    tp: int = 1
 
 
 class Strategy:
@@ -232,10 +241,22 @@ def adamw_kwargs(config: StrategyConfig) -> dict[str, Any]:
     return {"lr": config.lr, "betas": (0.9, 0.95), "weight_decay": 0.01}
 
 
+_DP_GROUP: ContextVar[dist.ProcessGroup | None] = ContextVar("dp_group", default=None)
+
+
+def data_parallel_group() -> dist.ProcessGroup | None:
+    """The group a data-parallel factory reduces or shards over: under ``--tp`` > 1 the
+    mesh's ``dp`` group (set by :func:`build_strategy` while the factory runs), else
+    None (the world)."""
+    return _DP_GROUP.get()
+
+
 def _ddp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """torch DistributedDataParallel + AdamW: every rank holds the full model state."""
     device_ids = [device] if device.type == "cuda" else None
-    module = DistributedDataParallel(model, device_ids=device_ids)
+    module = DistributedDataParallel(
+        model, device_ids=device_ids, process_group=data_parallel_group()
+    )
     if config.grad_compression is not None:
         register_ddp_comm_hook(module, config.grad_compression)
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(config))
@@ -255,16 +276,24 @@ def _oss(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """torch DDP + OSS(AdamW): optimizer state sharded across ranks (ZeRO-1); each
     gradient reduced to its owner only (``reduce_to_owner_hook``: 2 psi per step)."""
     device_ids = [device] if device.type == "cuda" else None
-    module = DistributedDataParallel(model, device_ids=device_ids)
-    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, **adamw_kwargs(config))
+    group = data_parallel_group()
+    module = DistributedDataParallel(model, device_ids=device_ids, process_group=group)
+    optimizer = OSS(
+        model.parameters(), optim=torch.optim.AdamW, process_group=group, **adamw_kwargs(config)
+    )
     register_reduce_to_owner_hook(module, optimizer, grad_compression=config.grad_compression)
     return _OSSStrategy(module=module, optimizer=optimizer, model=model)
 
 
 def _sdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """ShardedDataParallel + OSS(AdamW): gradients and optimizer state sharded (ZeRO-2)."""
-    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, **adamw_kwargs(config))
-    module = ShardedDataParallel(model, optimizer, grad_compression=config.grad_compression)
+    group = data_parallel_group()
+    optimizer = OSS(
+        model.parameters(), optim=torch.optim.AdamW, process_group=group, **adamw_kwargs(config)
+    )
+    module = ShardedDataParallel(
+        model, optimizer, process_group=group, grad_compression=config.grad_compression
+    )
     return _OSSStrategy(module=module, optimizer=optimizer, model=model)
 
 
@@ -479,7 +508,8 @@ def _fsdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """FullyShardedDataParallel, one unit per Block + the root (ZeRO-3); AdamW without
     weight decay on biases and norms (FSDP keeps the original parameter names).
     ``--precision bf16|fp16``: FSDP's own mixed precision (:func:`fsdp_policy`)."""
-    return _fully_sharded(model, config, {})
+    group = data_parallel_group()
+    return _fully_sharded(model, config, {} if group is None else {"process_group": group})
 
 
 def _hsdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
@@ -604,7 +634,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             zero_stage=0,
             precision="autocast",
             loss_scaler="torch",
-            options=("grad_compression",),
+            options=("grad_compression", "tp"),
         ),
         StrategySpec(
             "oss",
@@ -614,7 +644,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             precision="autocast",
             loss_scaler="sharded",
             checkpoint_layout="the full model, this rank's optimizer shard",
-            options=("grad_compression",),
+            options=("grad_compression", "tp"),
         ),
         StrategySpec(
             "sdp",
@@ -624,7 +654,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             precision="autocast",
             loss_scaler="sharded",
             checkpoint_layout="the full model, this rank's optimizer shard",
-            options=("grad_compression",),
+            options=("grad_compression", "tp"),
         ),
         StrategySpec(
             "fsdp",
@@ -635,7 +665,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             precision="native",
             loss_scaler="sharded",
             checkpoint_layout="this rank's parameter and optimizer shards",
-            options=("grad_compression",),
+            options=("grad_compression", "tp"),
         ),
         StrategySpec(
             "hsdp",
@@ -678,6 +708,7 @@ _OPTION_ROLE = {
     "offload_dir": "its disk tier",
     "shard_size": "its shard groups",
     "grad_compression": "gradient compression",
+    "tp": "tensor parallelism",
 }
 """What each strategy-only option is, for :func:`option_error`'s message."""
 
@@ -791,22 +822,105 @@ class _Precision(Strategy):
         self.scaler.update()
 
 
+class _TensorParallel(Strategy):
+    """A data-parallel strategy over a tensor-parallel GPT (``--tp``): every method is
+    the inner strategy's, except that ``model.pt`` gathers the split tensors back.
+
+    Args:
+        inner: the strategy, built over the mesh's data-parallel group.
+        layout: ``(partition_dim, partition_stride)`` of each split tensor, by its plain
+            GPT key (read from the parallelized GPT before any wrapper flattens it).
+        group: the tensor-parallel group.
+    """
+
+    def __init__(
+        self, inner: Strategy, layout: dict[str, tuple[int, int]], group: dist.ProcessGroup
+    ) -> None:
+        super().__init__(module=inner.module, optimizer=inner.optimizer, model=inner.model)
+        self.inner, self.layout, self.group = inner, layout, group
+        self.scaler = inner.scaler
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.inner.forward_backward(x, y)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()  # this rank's tensor-parallel shard
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def consolidated_model_state(self) -> dict[str, Any] | None:
+        """The plain GPT's state dict: the inner strategy's (tensor-parallel shards
+        under plain keys, on every rank), each split tensor all-gathered over the
+        tensor-parallel group (a collective)."""
+        state = self.inner.consolidated_model_state()
+        if state is None:
+            return None
+        missing = sorted(set(self.layout) - set(state))
+        if missing:
+            raise KeyError(f"the consolidated state lacks the split tensors {missing}")
+        full = {}
+        for key, value in state.items():  # the same order on every rank
+            if key in self.layout:
+                dim, stride = self.layout[key]
+                value = tp.full_tensor(value, dim, self.group, stride)
+            full[key] = value
+        return full
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        return self.inner.model_state_bytes()
+
+    def before_step(self) -> None:
+        self.inner.before_step()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.inner.backward(loss)
+
+    def step(self) -> None:
+        self.inner.step()
+
+
+def _tp_layout(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """``(partition_dim, partition_stride)`` of each split tensor of ``model``, by key."""
+    return {
+        name: (int(t.partition_dim), int(t.partition_stride))
+        for name, t in model.state_dict(keep_vars=True).items()
+        if tp.is_tensor_parallel(t)
+    }
+
+
 def build_strategy(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
-    """``STRATEGIES[config.name]`` with ``--activation-checkpointing`` (every Block
-    wrapped by ``checkpoint_wrapper`` before the strategy wraps the model) and
-    ``--precision`` (see [Note: precision per strategy]), as its spec says.
+    """``STRATEGIES[config.name]`` with ``--tp`` (the GPT split by ``tp.gpt_plan()``
+    over groups of ``tp`` consecutive ranks, then the strategy built over the mesh's
+    data-parallel group), ``--activation-checkpointing`` (every Block wrapped by
+    ``checkpoint_wrapper`` before the strategy wraps the model) and ``--precision``
+    (see [Note: precision per strategy]), as its spec says.
 
     Raises:
-        ValueError: an option that does not apply to the strategy (:func:`option_error`).
+        ValueError: an option that does not apply to the strategy (:func:`option_error`),
+            or a ``--tp`` that does not divide the world size (or the GPT's heads or
+            vocabulary).
     """
     problem = option_error(config)
     if problem is not None:
         raise ValueError(problem)
     spec = STRATEGIES[config.name]
+    tp_group, dp_group, layout = None, None, {}
+    if config.tp > 1:  # a collective: every rank builds the mesh's groups in order
+        mesh = ProcessMesh(ParallelDims(dist.get_world_size(), tp=config.tp))
+        tp_group, dp_group = mesh.group("tp"), mesh.group("dp")
+        tp.parallelize(model, tp.gpt_plan(), process_group=tp_group)
+        layout = _tp_layout(model)
     if config.activation_checkpointing:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
-    strategy = spec(model, config, device)
+    token = _DP_GROUP.set(dp_group)
+    try:
+        strategy = spec(model, config, device)
+    finally:
+        _DP_GROUP.reset(token)
+    if tp_group is not None:
+        strategy = _TensorParallel(strategy, layout, tp_group)
     if config.precision == "fp32":
         return strategy
     autocast = PRECISIONS[config.precision] if spec.precision == "autocast" else None

@@ -174,6 +174,7 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--activation-checkpointing", action="store_true", help="recompute each Block")
     add("--offload-dir", default=None, help="offload: disk-tier directory (default: CPU memory)")
     add("--shard-size", type=_positive, default=None, help="hsdp: ranks per shard group")
+    add("--tp", type=_positive, default=opt.tp, help="ddp/oss/sdp/fsdp: tensor-parallel degree")
     add(
         "--grad-compression",
         default=None,
@@ -228,8 +229,32 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def tp_error(config: JobConfig, world_size: int) -> str | None:
+    """Why ``--tp`` does not fit the launch or the model, or None when it does."""
+    degree = config.strategy.tp
+    if world_size % degree:
+        return (
+            f"--tp {degree} does not divide the world size {world_size}; launch a multiple "
+            f"of {degree} ranks or choose a --tp that divides {world_size}"
+        )
+    heads = MODEL_SIZES[config.model_size]["n_head"]
+    if heads % degree or VOCAB_SIZE % degree:
+        return (
+            f"--tp {degree} does not divide the {config.model_size} GPT's {heads} attention "
+            f"heads and {VOCAB_SIZE}-token vocabulary; choose a --tp that divides both"
+        )
+    return None
+
+
+def data_parallel(config: JobConfig, env: Env) -> tuple[int, int]:
+    """This rank's data-parallel rank and the data-parallel size: under ``--tp`` the
+    ``tp`` consecutive ranks of one tensor-parallel group feed the same rows."""
+    return env.rank // config.strategy.tp, env.world_size // config.strategy.tp
+
+
 def build_run(config: JobConfig, env: Env, train: torch.Tensor, val: torch.Tensor) -> Run:
-    """Model (same seed on every rank), strategy, LR schedule, data sampler."""
+    """Model (same seed on every rank), strategy, LR schedule, data sampler (one per
+    data-parallel rank)."""
     torch.manual_seed(config.seed)
     random.seed(config.seed + env.rank)
     shape = gpt_config(config.model_size, vocab_size=VOCAB_SIZE, block_size=config.seq_len)
@@ -243,9 +268,10 @@ def build_run(config: JobConfig, env: Env, train: torch.Tensor, val: torch.Tenso
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         strategy.optimizer, lambda s: lr_factor(s, config.warmup, config.steps)
     )
-    sampler = BatchSampler(train, config.batch_size, config.seq_len, config.seed, env.rank)
-    n_val = config.eval_batches * config.batch_size * env.world_size
-    val_xy = eval_windows(val, n_val, config.seq_len, env.rank, env.world_size)
+    dp_rank, dp_size = data_parallel(config, env)
+    sampler = BatchSampler(train, config.batch_size, config.seq_len, config.seed, dp_rank)
+    n_val = config.eval_batches * config.batch_size * dp_size
+    val_xy = eval_windows(val, n_val, config.seq_len, dp_rank, dp_size)
     return Run(config, env, model, strategy, scheduler, sampler, val_xy, num_params)
 
 
@@ -273,7 +299,7 @@ def restore(run: Run, payload: dict[str, Any]) -> None:
 
 def model_flags(config: JobConfig) -> dict[str, Any]:
     """The flags that fix the model's shapes (kept in each checkpoint's manifest)."""
-    return {"model_size": config.model_size, "seq_len": config.seq_len}
+    return {"model_size": config.model_size, "seq_len": config.seq_len, "tp": config.strategy.tp}
 
 
 def maybe_resume(run: Run, out_dir: Path) -> None:
@@ -379,7 +405,7 @@ def report(run: Run, tokens_per_s: float | None) -> None:
 def train_loop(run: Run, out_dir: Path) -> None:
     """Steps ``run.step + 1 .. stop``: train, report, checkpoint."""
     config = run.config
-    tokens_per_step = config.batch_size * config.seq_len * run.env.world_size
+    tokens_per_step = config.batch_size * config.seq_len * data_parallel(config, run.env)[1]
     stop = min(config.steps, config.stop_after or config.steps)
     if run.step == 0:
         report(run, None)
@@ -430,7 +456,8 @@ def train_loop(run: Run, out_dir: Path) -> None:
 def summary(run: Run, wall_s: float) -> dict[str, Any]:
     """metrics.json's content (a collective: it gathers every rank's state bytes)."""
     config, h = run.config, run.history
-    tokens = run.steps_this_run * config.batch_size * config.seq_len * run.env.world_size
+    dp_size = data_parallel(config, run.env)[1]
+    tokens = run.steps_this_run * config.batch_size * config.seq_len * dp_size
     return {
         "strategy": config.strategy.name,
         "world_size": run.env.world_size,
@@ -492,11 +519,14 @@ def run_job(
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     run = build_run(config, env, *data)
+    degree = config.strategy.tp
+    tp_note = f" | tensor parallel {degree} (data parallel {env.world_size // degree})"
     say(
         run,
         f"{config.model_size} GPT: {run.num_params:,} parameters | strategy "
-        f"{config.strategy.name} | {env.world_size} rank(s) on {env.device.type} | batch "
-        f"{config.batch_size}x{config.seq_len} tokens per rank | {len(data[0]):,} train / "
+        f"{config.strategy.name}{tp_note if degree > 1 else ''} | {env.world_size} rank(s) on "
+        f"{env.device.type} | batch {config.batch_size}x{config.seq_len} tokens per "
+        f"{'data-parallel ' if degree > 1 else ''}rank | {len(data[0]):,} train / "
         f"{len(data[1]):,} val tokens",
     )
     for callback in callbacks:
@@ -530,6 +560,9 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Callback] = ()) -> i
         return fail(err, first)
     env = setup_distributed()
     try:
+        problem = tp_error(config, env.world_size)
+        if problem is not None:  # the same on every rank: rank 0 says it
+            return fail(InputError(problem), env.rank == 0)
         run_job(config, env, data, callbacks)
     except InputError as err:
         return fail(err, True)
