@@ -69,6 +69,7 @@ from shardkit.nn.data_parallel.fully_sharded.unit import (
     clean_name,
     is_unit,
     named_units,
+    runtime_of,
     summon,
     units_in,
 )
@@ -323,6 +324,10 @@ class FullyShardedDataParallel(nn.Module):
     def _lazy_init(self) -> None:
         """First call on a unit with no root: it becomes the root of its subtree."""
         if self._unit.root is None:
+            for name, module in self.named_modules():  # names in the root's model
+                runtime = runtime_of(module)
+                if runtime is not None:
+                    runtime.path = clean_name(name + ".").rstrip(".")
             self._unit.become_root(units_in(self), self._config.broadcast_buffers)
 
     # forward -------------------------------------------------------------------

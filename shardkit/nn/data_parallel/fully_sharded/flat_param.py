@@ -233,6 +233,7 @@ class FlatParamHandle:
         )
         self.local_shard = self._new_local_shard(flat)
         self._full_index: dict[int, int] = {}  # id of an unsharded parameter -> its index
+        self._with_grad: set[int] = set()  # parameters in the flat gradient being reduced
         self.compute_full = self._new_full(self.placement.compute_dtype)
         self._precise_full: FullFlat | None = None
         self.full = self.compute_full  # the active one: compute_full, or full precision
@@ -380,7 +381,9 @@ class FlatParamHandle:
         reduce dtype on the compute device.
 
         Missing gradients (frozen, unused or empty parameters) and padding are zeros.
-        The unsharded parameters' ``.grad`` are cleared.
+        The unsharded parameters' ``.grad`` are cleared. Parameters that had one are
+        remembered for :meth:`accumulate_grad_shard` (a parameter frozen after its
+        gradient was accumulated, e.g. inside ``no_sync``, keeps it, as in plain torch).
         """
         p = self.placement
         out = torch.zeros(self.layout.padded, dtype=p.reduce_dtype, device=p.compute_device)
@@ -388,6 +391,7 @@ class FlatParamHandle:
             if param.grad is not None:
                 out[start : start + self.infos[index].numel].copy_(param.grad.reshape(-1))
                 param.grad = None
+                self._with_grad.add(index)
         return out
 
     def accumulate_grad_shard(self, grad_shard: torch.Tensor, divide_by: float = 1.0) -> None:
@@ -400,7 +404,9 @@ class FlatParamHandle:
         grad_shard = self.placement.to_shard_home(grad_shard)
         if divide_by != 1.0:
             grad_shard.div_(divide_by)
-        for index in self.trainable:
+        indices = sorted(set(self.trainable) | self._with_grad)
+        self._with_grad.clear()
+        for index in indices:
             a, b = self.layout.piece(index, self.rank)
             param, piece = self.sharded_params[index], grad_shard[a:b]
             if param.grad is None:

@@ -187,8 +187,9 @@ class RootState:
             dist.all_gather_object(found, names, group=group)
             every += [(group, r, set(n)) for r, n in enumerate(found)]
         union = set().union(*(s for _, _, s in every))
-        differing = sorted(n for n in union if any(n not in s for _, _, s in every))[:5]
-        where = "; ".join(
+        all_differing = sorted(n for n in union if any(n not in s for _, _, s in every))
+        differing = all_differing[:2] + all_differing[2:][-2:]  # the first and the last
+        where = f"{len(all_differing)} parameters differ, e.g. " + "; ".join(
             f"`{n}` trainable on {sum(n in s for _, _, s in every)} of the {len(every)} "
             f"ranks asked (group ranks {[r for g, r, s in every if n in s and g is groups[0]]} "
             "of this rank's group)"

@@ -162,6 +162,7 @@ class UnitRuntime:
         self.requires_all_reduce = True  # across replicas; False defers (accumulation)
         self._deferred: torch.Tensor | None = None  # reduced shards not yet all-reduced
         self.key: tuple[str, int] = ("fsdp", 0)  # names its reductions for a compressor
+        self.path = ""  # the unit's module path in its root's model (set by the root)
         self.buffer_casts = buffer_casts
         self.label = label
         self.training_state = TrainingState.IDLE
@@ -426,8 +427,10 @@ class UnitRuntime:
             self._hooked.add(index)
 
     def trainable_names(self) -> list[str]:
-        """Names of the unit's parameters that require a gradient, in flat order."""
-        return [info.name for info in self.handle.infos if info.requires_grad]
+        """Names of the unit's parameters that require a gradient, in flat order, in the
+        root's model (``blocks.1.fc1.weight``, not the unit-relative ``fc1.weight``)."""
+        prefix = f"{self.path}." if self.path else ""
+        return [prefix + info.name for info in self.handle.infos if info.requires_grad]
 
     # summon_full_params ----------------------------------------------------------
     def begin_summon(self, writeback: bool) -> None:
