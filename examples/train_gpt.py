@@ -229,6 +229,18 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def chunks_error(config: JobConfig, world_size: int) -> str | None:
+    """Why pipe's ``--chunks`` cannot split the global batch, or None when it can."""
+    rows = config.batch_size * world_size  # the pipeline runs the global batch
+    if config.strategy.name == "pipe" and config.strategy.chunks > rows:
+        return (
+            f"--chunks {config.strategy.chunks} is more micro-batches than the {rows} rows "
+            f"of a step's batch (--batch-size {config.batch_size} x {world_size} ranks); "
+            f"use --chunks <= {rows} or a larger --batch-size"
+        )
+    return None
+
+
 def tp_error(config: JobConfig, world_size: int) -> str | None:
     """Why ``--tp`` does not fit the launch or the model, or None when it does."""
     degree = config.strategy.tp
@@ -560,7 +572,7 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Callback] = ()) -> i
         return fail(err, first)
     env = setup_distributed()
     try:
-        problem = tp_error(config, env.world_size)
+        problem = tp_error(config, env.world_size) or chunks_error(config, env.world_size)
         if problem is not None:  # the same on every rank: rank 0 says it
             return fail(InputError(problem), env.rank == 0)
         run_job(config, env, data, callbacks)

@@ -108,6 +108,10 @@ def test_tp2_fsdp_and_sdp_on_four_ranks(rank_pool: Any, tmp_path: Path) -> None:
         (["--tp", "2", "--strategy", "hsdp"], "not 'hsdp'; drop --tp 2"),
         (["--tp", "0"], "--tp: must be >= 1, got 0"),
         (["--tp", "2"], "--tp 2 does not divide the world size 1; launch a multiple of 2"),
+        (  # not a launch error: checked before training, like --tp's
+            ["--strategy", "pipe", "--chunks", "100"],
+            "--chunks 100 is more micro-batches than the 8 rows of a step's batch",
+        ),
     ],
 )
 def test_tp_refusals_one_line_exit_2(
