@@ -124,6 +124,36 @@ def _reshape_cases() -> dict[str, Any]:
     return out
 
 
+def _hpz() -> dict[str, Any]:
+    """reshard_after_forward=2 on 4 ranks (full shard over the world): parity with the
+    plain model, and backward's all-gathers inside groups of 2."""
+    ref = tiny_gpt()
+    model = wrap_model(copy.deepcopy(ref), "block", reshard_after_forward=2)
+    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    real, sizes = fsdp_unit.all_gather_flat, []
+
+    def spy(full: Any, shard: Any, group: Any, **kwargs: Any) -> Any:
+        sizes.append(dist.get_world_size(group))
+        return real(full, shard, group, **kwargs)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(STEPS):
+        x, y = global_batch(step, world)
+        ref(x, y)[1].backward()
+        loss = model(local_part(x, rank), local_part(y, rank))[1]
+        sizes.clear()
+        fsdp_unit.all_gather_flat = spy  # type: ignore[assignment]
+        try:
+            loss.backward()
+        finally:
+            fsdp_unit.all_gather_flat = real  # type: ignore[assignment]
+        backward_sizes = list(sizes)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return {"state": model.state_dict(), "ref": ref.state_dict(), "sizes": backward_sizes}
+
+
 def _step_while_deferred() -> str:
     model = _wrapped("HYBRID_SHARD", 2, "flat")
     opt = _sgd(model.parameters())
@@ -152,6 +182,7 @@ def _errors() -> dict[str, str]:
             torch.nn.Linear(2, 2), process_group=dist.group.WORLD, sharding_strategy="hybrid_shard"
         ),
         "unknown": lambda: FSDP(torch.nn.Linear(2, 2), sharding_strategy="half_shard"),
+        "reshard-3": lambda: FSDP(torch.nn.Linear(2, 2), reshard_after_forward=3),
     }.items():
         try:
             make()
@@ -170,7 +201,12 @@ def results(rank_pool: Any) -> list[Any]:
 
 
 def _all() -> dict[str, Any]:
-    return {"parity": _parity_cases(), "reshape": _reshape_cases(), "errors": _errors()}
+    return {
+        "parity": _parity_cases(),
+        "reshape": _reshape_cases(),
+        "errors": _errors(),
+        "hpz": _hpz(),
+    }
 
 
 @pytest.mark.parametrize(
@@ -231,10 +267,20 @@ def test_sharded_checkpoint_loads_at_other_shapes(results: list[Any]) -> None:
             assert_state_dicts_close(reshape[key], reshape["saved"], atol=0, rtol=0)
 
 
+def test_reshard_to_a_smaller_group_keeps_backward_gathers_inside_it(
+    results: list[Any],
+) -> None:
+    for per_rank in results:
+        got = per_rank["hpz"]
+        assert_state_dicts_close(got["state"], got["ref"], atol=2e-5, rtol=1e-4)
+        assert got["sizes"] == [2, 2]  # the two blocks; the root stays gathered
+
+
 def test_errors_name_the_fix(results: list[Any]) -> None:
     errors = results[0]["errors"]
     assert "world size 4 is not a multiple of 3" in errors["not-divisible"]
     assert "sharding_strategy='HYBRID_SHARD'" in errors["pair-without-hybrid"]
     assert "needs a (shard group, replica group) pair" in errors["one-group-with-hybrid"]
     assert "unknown sharding_strategy 'half_shard'" in errors["unknown"]
+    assert "reshard_after_forward=3 must divide the group's 4 ranks" in errors["reshard-3"]
     assert "optimizer.step() while its gradient is still deferred" in errors["step-while-deferred"]

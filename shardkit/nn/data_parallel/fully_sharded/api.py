@@ -108,7 +108,10 @@ class FullyShardedDataParallel(nn.Module):
             from ``shardkit.distributed.hybrid.hybrid_groups`` or a process mesh), or
             None for shard groups of torchrun's ``LOCAL_WORLD_SIZE`` ranks.
         reshard_after_forward: free full parameters after forward, all-gather again in
-            backward. Default True.
+            backward. Default True. An int M (1 < M < N, dividing N, over the world
+            group): keep 1/M of them for backward in groups of M consecutive ranks (a
+            node), so backward's all-gather stays inside the node (ZeRO++'s hpZ; torch
+            FSDP2's int). 1 is False, N is True.
         disable_reshard_on_root: keep the root's full parameters after forward. Default True.
         mixed_precision: True (FairScale: compute in ``compute_dtype``) or a
             :class:`~.precision.MixedPrecision` policy; False/None: no casts. Master
@@ -192,7 +195,7 @@ class FullyShardedDataParallel(nn.Module):
         process_group: dist.ProcessGroup
         | tuple[dist.ProcessGroup, dist.ProcessGroup]
         | None = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | int = True,
         disable_reshard_on_root: bool = True,
         mixed_precision: bool | MixedPrecision | None = False,
         fp32_reduce_scatter: bool = False,
@@ -214,6 +217,7 @@ class FullyShardedDataParallel(nn.Module):
     ) -> None:
         strategy = resolve_sharding_strategy(sharding_strategy)
         shard_group, replicate_group = _resolve_groups(process_group, strategy)
+        reshard_after_forward, secondary = _resolve_reshard(reshard_after_forward, shard_group)
         with local_checks(_what(module), shard_group):  # an error here stops every rank
             config = fairscale_config(
                 mixed_precision,
@@ -240,6 +244,7 @@ class FullyShardedDataParallel(nn.Module):
         self._config = config
         self._process_group = shard_group
         self._replicate_group = replicate_group
+        self._secondary_group = secondary
         self._param_init_fn = param_init_fn
         self._fsdp_wrapped_module = module
         self._unit = self._build_unit(module)
@@ -254,6 +259,9 @@ class FullyShardedDataParallel(nn.Module):
         label, what = _label(module), _what(module)
         options = {  # not devices: cuda:0 on rank 0 and cuda:1 on rank 1 is normal
             "reshard_after_forward": self._config.reshard_after_forward,
+            "reshard_group": 0
+            if self._secondary_group is None
+            else dist.get_world_size(self._secondary_group),
             "mixed_precision": self._config.mixed_precision,
             "broadcast_buffers": self._config.broadcast_buffers,
             "sharding_strategy": self._config.sharding_strategy.name,
@@ -279,7 +287,16 @@ class FullyShardedDataParallel(nn.Module):
         mark_taken(originals, infos, label, handle.sharded_params)
         for param in originals:  # release the replaced parameters' memory
             param.data = param.data.new_empty(0)
-        return UnitRuntime(self, handle, self._config, group, casts, label, self._replicate_group)
+        return UnitRuntime(
+            self,
+            handle,
+            self._config,
+            group,
+            casts,
+            label,
+            self._replicate_group,
+            self._secondary_group,
+        )
 
     def _prepare_unit(
         self, module: nn.Module, label: str
@@ -537,6 +554,34 @@ def _what(module: nn.Module) -> str:
 
 
 Groups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
+
+
+def _resolve_reshard(
+    reshard_after_forward: bool | int, shard_group: dist.ProcessGroup | None
+) -> tuple[bool, dist.ProcessGroup | None]:
+    """(reshard after forward, secondary group or None) from the argument.
+
+    Raises:
+        ValueError: an int that does not divide the group size, or an int with a
+            subgroup (hybrid sharding already keeps all-gathers inside a node).
+    """
+    if isinstance(reshard_after_forward, bool):
+        return reshard_after_forward, None
+    size, world = int(reshard_after_forward), dist.get_world_size(shard_group)
+    if size < 1 or world % size:
+        raise ValueError(
+            f"reshard_after_forward={size} must divide the group's {world} ranks (groups "
+            f"of {size} consecutive ranks keep 1/{size} of a unit's parameters for backward)"
+        )
+    if size in (1, world):
+        return size == world, None
+    if dist.get_world_size(shard_group) != dist.get_world_size():
+        raise ValueError(
+            f"reshard_after_forward={size} (an int) works over the world group; with a "
+            "subgroup or hybrid sharding the all-gathers are inside the group already: "
+            "pass True or False"
+        )
+    return True, hybrid_groups(size).shard
 
 
 def _resolve_groups(

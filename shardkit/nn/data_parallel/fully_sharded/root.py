@@ -73,6 +73,8 @@ class PhaseUnit(Protocol):
 
     def refresh_trainable(self) -> bool: ...
 
+    def drop_secondary(self) -> None: ...
+
     def trainable_names(self) -> list[str]: ...
 
     def post_backward(self) -> None: ...
@@ -132,10 +134,10 @@ class RootState:
             stale = True  # without the agreement round (no grad), put leftovers away
             if torch.is_grad_enabled():
                 stale = self._agree(any(u.has_stale_full for u in self.units))
-            if stale:
-                for unit in self.units:
-                    if unit.has_leftover_full:
-                        unit.reshard()
+            for unit in self.units:
+                if stale and unit.has_leftover_full:
+                    unit.reshard()
+                unit.drop_secondary()  # [Note: resharding to a smaller group] in .unit
             if self.broadcast_buffers and self.sync_buffers:
                 buffers = list(self.module.buffers())
                 if buffers:

@@ -36,6 +36,17 @@ frozen ``Linear`` early in the unit needs its weight for the input's gradient af
 every trainable parameter of the unit is done). A unit holding frozen parameters
 therefore reduce-scatters on time but stays unsharded until ``finalize_backward``.
 
+[Note: resharding to a smaller group]
+With ``reshard_after_forward=M`` (an int, ZeRO++'s hpZ; torch FSDP2's int
+``reshard_after_forward``), a unit that expects a backward keeps, instead of nothing,
+this rank's 1/M slice of the full buffer (``P / M`` elements, P the padded size) for
+its group of M consecutive ranks, so backward's all-gather runs inside that group (one
+node: the fast link) instead of over all N ranks. The gradient reduce-scatter still
+spans the N ranks. Cost: ``P / M`` extra elements per unit between its forward and its
+backward. The secondary shard is used by the next all-gather only; any reshard drops
+it, and the root drops every unit's at the start of a new forward (a new forward
+gathers from the shards, the one current copy).
+
 [Note: the trainable set follows requires_grad]
 Which parameters train is read at every forward with grad enabled, not once at
 wrapping: a user freezes or unfreezes through the parameters ``named_parameters()``
@@ -138,6 +149,9 @@ class UnitRuntime:
         label: "the FSDP unit wrapping <class>", for messages.
         replicate_group: hybrid sharding's replica group (the ranks holding the same
             shard in other shard groups); None: no replicas.
+        secondary_group: with ``reshard_after_forward`` an int M, this rank's group of M
+            consecutive ranks (a node): after forward the unit keeps 1/M of the full
+            parameters and backward all-gathers them inside that group. None: off.
     """
 
     def __init__(
@@ -149,6 +163,7 @@ class UnitRuntime:
         buffer_casts: list[BufferCast],
         label: str,
         replicate_group: dist.ProcessGroup | None = None,
+        secondary_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.module = module
         self.handle = handle
@@ -157,6 +172,11 @@ class UnitRuntime:
         self.rank = handle.rank
         self.world_size = handle.layout.world_size
         self.replicate_group = replicate_group
+        self.secondary_group = secondary_group  # reshard_after_forward as an int
+        self.secondary_group_size = (
+            1 if secondary_group is None else dist.get_world_size(secondary_group)
+        )
+        self._secondary: torch.Tensor | None = None  # kept from forward for backward
         replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
         self.data_parallel_size = self.world_size * replicas  # gradients average over these
         self.requires_all_reduce = True  # across replicas; False defers (accumulation)
@@ -217,10 +237,9 @@ class UnitRuntime:
         if self.sharded_state is ShardedState.SHARDED:
             handle.alloc_full()
             self._gathered_shard_version = self.shard_version
+            source, group = self._gather_source()
             self.pending_unshard = (
-                all_gather_flat(
-                    handle.full_flat, handle.gather_source(), self.process_group, async_op=async_op
-                )
+                all_gather_flat(handle.full_flat, source, group, async_op=async_op)
                 if handle.owns_full_flat
                 else Pending(done=True)
             )
@@ -233,14 +252,38 @@ class UnitRuntime:
         self._full_version = int(handle.full_flat._version)
         self.sharded_state = ShardedState.UNSHARDED
 
+    def _gather_source(self) -> tuple[torch.Tensor, dist.ProcessGroup | None]:
+        """What the all-gather sends: the secondary shard over its small group when one
+        was kept after forward (see [Note: resharding to a smaller group]), else the
+        local shard over the unit's group. The secondary shard is used once."""
+        if self._secondary is not None:
+            secondary, self._secondary = self._secondary, None
+            return secondary, self.secondary_group
+        return self.handle.gather_source(), self.process_group
+
+    def _keep_secondary(self) -> None:
+        """Copy this rank's slice of the full buffer for its secondary group (called
+        while UNSHARDED, before the full buffer is freed)."""
+        size = self.secondary_group_size
+        index = self.rank % size
+        chunk = self.handle.layout.padded // size
+        self._secondary = self.handle.full_flat[index * chunk : (index + 1) * chunk].clone()
+
+    def drop_secondary(self) -> None:
+        """Forget a secondary shard kept for a backward (a new forward starts)."""
+        if self.sharded_state is ShardedState.SHARDED:
+            self._secondary = None
+
     def prefetch(self) -> None:
         """Issue the all-gather without waiting (a no-op unless SHARDED)."""
         if self.sharded_state is ShardedState.SHARDED:
             self.unshard(async_op=True)
 
     def reshard(self) -> None:
-        """Any state -> SHARDED: the sharded parameters installed, the full buffer freed."""
+        """Any state -> SHARDED: the sharded parameters installed, the full buffer freed
+        (a secondary shard kept for backward is dropped)."""
         self._kept_after_forward = False
+        self._secondary = None
         if self.sharded_state is ShardedState.SHARDED:
             return
         if self.pending_unshard is not None:
@@ -286,7 +329,14 @@ class UnitRuntime:
             needing_grad = _tensors_needing_grad(output) if torch.is_grad_enabled() else []
             keep = self.is_root and self.config.disable_reshard_on_root
             if not needing_grad or (self.config.reshard_after_forward and not keep):
-                self.reshard()
+                secondary = bool(needing_grad) and self.secondary_group is not None
+                if secondary and self.sharded_state is ShardedState.UNSHARDED:
+                    self._keep_secondary()
+                    kept, self._secondary = self._secondary, None
+                    self.reshard()
+                    self._secondary = kept
+                else:
+                    self.reshard()
             else:
                 self._kept_after_forward = True
             hook = functools.partial(_pre_backward_hook, self, self.shard_version)
