@@ -477,7 +477,25 @@ class _PowerState:
     qs: list[torch.Tensor] = field(default_factory=list)
 
 
-class PowerSGDCompressor(GradCompressor):
+class _ReduceByAllReduce(GradCompressor):
+    """A lossy compressor whose reduce to one rank is its compressed all-reduce (the
+    contract lets the other ranks hold the sum too): two phases whose second depends
+    on every rank's first cannot end on one rank only."""
+
+    exact = False
+
+    def _reduce(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        group: dist.ProcessGroup | None,
+        key: Hashable,
+        shapes: Shapes,
+    ) -> None:
+        self._all_reduce(tensor, group, key, shapes)
+
+
+class PowerSGDCompressor(_ReduceByAllReduce):
     """Rank-r PowerSGD with error feedback (Vogels et al. 2019, Algorithms 1 and 2).
 
     Each piece of 2 or more dimensions of the flat tensor (given by ``shapes``) is a
@@ -631,16 +649,6 @@ class PowerSGDCompressor(GradCompressor):
             new_qs.append(q_sum.clone())
         state.qs = new_qs
 
-    def _reduce(
-        self,
-        tensor: torch.Tensor,
-        dst: int,
-        group: dist.ProcessGroup | None,
-        key: Hashable,
-        shapes: Shapes,
-    ) -> None:
-        self._all_reduce(tensor, group, key, shapes)
-
     def _reduce_scatter(
         self,
         output: torch.Tensor,
@@ -668,7 +676,7 @@ def _dequantize(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tens
     return (q.view(-1, block).to(torch.float32) * scales[:, None]).view(-1)
 
 
-class Int8Compressor(GradCompressor):
+class Int8Compressor(_ReduceByAllReduce):
     """8-bit block-quantized all-reduce with error feedback (1-bit Adam's compressed
     all-reduce, Tang et al. 2021 section 4, at 8 bits; ZeRO++'s qgZ, section 3.3).
 
@@ -778,16 +786,6 @@ class Int8Compressor(GradCompressor):
         dist.all_gather_single(gathered, row.view(-1), group=group)
         full = self._unpack(gathered.view(n, -1), chunk)[:, :c].reshape(-1)
         tensor.copy_(full[:numel])
-
-    def _reduce(
-        self,
-        tensor: torch.Tensor,
-        dst: int,
-        group: dist.ProcessGroup | None,
-        key: Hashable,
-        shapes: Shapes,
-    ) -> None:
-        self._all_reduce(tensor, group, key, shapes)
 
     def _reduce_scatter(
         self,
