@@ -21,6 +21,7 @@ torch objects, and a parameter or optimizer that is garbage collected leaves the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = [
     "ReplacedParameterError",
     "Replacement",
+    "add_step_check",
     "check_optimizer",
     "exempt_optimizer",
     "is_replaced",
@@ -72,8 +74,26 @@ class Replacement:
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> Replacement
 _EXEMPT: WeakIdKeyDictionary = WeakIdKeyDictionary()  # optimizer -> None
 _CHECKED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # optimizer -> (generation, count)
+_STEP_CHECKS: list[Callable[[torch.optim.Optimizer], None]] = []  # see add_step_check
 _generation = 0
 _handle: RemovableHandle | None = None
+
+
+def _install() -> None:
+    """Register :func:`check_optimizer` as the global step pre-hook, once per process."""
+    global _handle
+    if _handle is None:
+        _handle = register_optimizer_step_pre_hook(check_optimizer)
+
+
+def add_step_check(check: Callable[[torch.optim.Optimizer], None]) -> None:
+    """Run ``check(optimizer)`` before every optimizer step, from the one global hook
+    (a wrapper's other refusal, e.g. FSDP's step over gradients still deferred); it
+    raises to refuse the step. Added once however often it is passed; it must be cheap
+    when it has nothing to check (it runs on every step of every optimizer)."""
+    if check not in _STEP_CHECKS:
+        _STEP_CHECKS.append(check)
+    _install()
 
 
 def mark_replaced(param: torch.Tensor, *, name: str, wrapper: str, fix: str) -> None:
@@ -88,11 +108,10 @@ def mark_replaced(param: torch.Tensor, *, name: str, wrapper: str, fix: str) -> 
         wrapper: what replaced it (``"FullyShardedDataParallel"``).
         fix: what the user should do instead.
     """
-    global _generation, _handle
+    global _generation
     _REPLACED[param] = Replacement(name, wrapper, fix)
     _generation += 1
-    if _handle is None:
-        _handle = register_optimizer_step_pre_hook(check_optimizer)
+    _install()
 
 
 def is_replaced(param: torch.Tensor) -> bool:
@@ -106,7 +125,8 @@ def exempt_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-    """The step pre-hook: raise if ``optimizer`` holds a replaced parameter.
+    """The step pre-hook: the checks of :func:`add_step_check`, then raise if
+    ``optimizer`` holds a replaced parameter.
 
     Callable directly (e.g. right after building an optimizer). Args beyond the
     optimizer (the hook's ``args, kwargs``) are ignored.
@@ -114,7 +134,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     Raises:
         ReplacedParameterError: naming the first replaced parameter found, the wrapper
             that replaced it and the fix.
+        Exception: whatever an added step check raises.
     """
+    for check in _STEP_CHECKS:
+        check(optimizer)
     if optimizer in _EXEMPT:
         return
     key = (_generation, sum(len(group["params"]) for group in optimizer.param_groups))
