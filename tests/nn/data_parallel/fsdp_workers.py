@@ -44,6 +44,23 @@ def wrap_model(model: nn.Module, nesting: str, **kwargs: Any) -> FSDP:
     return model if isinstance(model, FSDP) else FSDP(model, **kwargs)
 
 
+def count_calls(module: Any, name: str, action: Callable[[], Any]) -> int:
+    """How often ``action()`` calls ``module.<name>`` (a function the FSDP code looks
+    up at call time, e.g. ``unit.all_gather_flat``)."""
+    real, count = getattr(module, name), [0]
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    setattr(module, name, spy)
+    try:
+        action()
+    finally:
+        setattr(module, name, real)
+    return count[0]
+
+
 def global_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randint(0, TINY.vocab_size, (LOCAL_BATCH * world, SEQ), generator=g)

@@ -20,7 +20,13 @@ from shardkit.nn import FullyShardedDataParallel as FSDP
 from shardkit.nn.data_parallel.fully_sharded import load_fsdp_sharded, save_fsdp_sharded
 from shardkit.nn.data_parallel.fully_sharded import unit as fsdp_unit
 from shardkit.testing.compare import assert_state_dicts_close
-from tests.nn.data_parallel.fsdp_workers import global_batch, local_part, tiny_gpt, wrap_model
+from tests.nn.data_parallel.fsdp_workers import (
+    count_calls,
+    global_batch,
+    local_part,
+    tiny_gpt,
+    wrap_model,
+)
 
 STEPS, MICRO = 3, 2
 
@@ -44,18 +50,7 @@ def _wrapped(
 
 
 def _cross_replica_reduces(step: Any) -> int:
-    real, count = fsdp_unit.all_reduce_sum, [0]
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return real(*args, **kwargs)
-
-    fsdp_unit.all_reduce_sum = spy  # type: ignore[assignment]
-    try:
-        step()
-    finally:
-        fsdp_unit.all_reduce_sum = real  # type: ignore[assignment]
-    return count[0]
+    return count_calls(fsdp_unit, "all_reduce_sum", step)
 
 
 def _train(

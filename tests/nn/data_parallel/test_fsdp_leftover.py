@@ -12,22 +12,12 @@ from torch import nn
 
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.nn.data_parallel.fully_sharded import unit as fsdp_unit
+from tests.nn.data_parallel.fsdp_workers import count_calls
 
 
 def _gathers_of(step: Any) -> int:
     """All-gathers of parameters issued while ``step()`` runs."""
-    real, count = fsdp_unit.all_gather_flat, [0]
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return real(*args, **kwargs)
-
-    fsdp_unit.all_gather_flat = spy  # type: ignore[assignment]
-    try:
-        step()
-    finally:
-        fsdp_unit.all_gather_flat = real  # type: ignore[assignment]
-    return count[0]
+    return count_calls(fsdp_unit, "all_gather_flat", step)
 
 
 def _scenarios() -> dict[str, Any]:

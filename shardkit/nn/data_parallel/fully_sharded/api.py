@@ -66,6 +66,7 @@ from shardkit.nn.data_parallel.fully_sharded.state import TrainingState
 from shardkit.nn.data_parallel.fully_sharded.unit import (
     WRAPPED,
     UnitRuntime,
+    as_sharded,
     clean_name,
     is_unit,
     named_units,
@@ -379,8 +380,7 @@ class FullyShardedDataParallel(nn.Module):
         runtimes = [unit for unit in units if unit.has_leftover_full]
         seen: set[int] = set()
         for name, param in super().named_parameters(prefix, recurse, remove_duplicate=False):
-            for runtime in runtimes:
-                param = runtime.handle.as_sharded(param)
+            param = as_sharded(runtimes, param)
             if remove_duplicate:
                 if id(param) in seen:
                     continue

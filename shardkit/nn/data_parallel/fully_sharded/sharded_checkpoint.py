@@ -45,7 +45,13 @@ from shardkit.nn.data_parallel.fully_sharded.optim_state import (
     flat_optim_state,
     load_flat_optim_state,
 )
-from shardkit.nn.data_parallel.fully_sharded.unit import WRAPPED, UnitRuntime, named_units, units_in
+from shardkit.nn.data_parallel.fully_sharded.unit import (
+    WRAPPED,
+    UnitRuntime,
+    as_sharded,
+    named_units,
+    units_in,
+)
 
 __all__ = [
     "FSDP_SHARD_FORMAT",
@@ -93,9 +99,7 @@ def _state_dict_keys(model: nn.Module) -> tuple[dict[int, list[str]], dict[int, 
     buffers: dict[int, str] = {}
     for key, value in raw.items():
         if isinstance(value, nn.Parameter):
-            for unit in units:
-                value = unit.handle.as_sharded(value)
-            params.setdefault(id(value), []).append(key)
+            params.setdefault(id(as_sharded(units, value)), []).append(key)
         elif isinstance(value, torch.Tensor):
             buffers[id(value)] = key
     return params, buffers

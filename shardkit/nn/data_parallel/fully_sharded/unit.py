@@ -65,11 +65,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardkit.distributed.optim_guard import add_step_check
 from shardkit.nn.data_parallel.fully_sharded.collectives import (
     Pending,
     all_gather_flat,
@@ -87,6 +87,7 @@ __all__ = [
     "WRAPPED",
     "ParametersChangedError",
     "UnitRuntime",
+    "as_sharded",
     "clean_name",
     "is_unit",
     "named_units",
@@ -137,6 +138,14 @@ def named_units(module: nn.Module) -> dict[str, UnitRuntime]:
     return found
 
 
+def as_sharded(units: list[UnitRuntime], param: nn.Parameter) -> nn.Parameter:
+    """The sharded parameter of ``param`` if it is an unsharded (full-shape) parameter of
+    one of ``units``, else ``param``."""
+    for unit in units:
+        param = unit.handle.as_sharded(param)
+    return param
+
+
 class UnitRuntime:
     """Owns one unit's flat parameter handle, state enums, trainable set and gradients.
 
@@ -173,9 +182,6 @@ class UnitRuntime:
         self.world_size = handle.layout.world_size
         self.replicate_group = replicate_group
         self.secondary_group = secondary_group  # reshard_after_forward as an int
-        self.secondary_group_size = (
-            1 if secondary_group is None else dist.get_world_size(secondary_group)
-        )
         self._secondary: torch.Tensor | None = None  # kept from forward for backward
         replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
         self.data_parallel_size = self.world_size * replicas  # gradients average over these
@@ -261,13 +267,13 @@ class UnitRuntime:
             return secondary, self.secondary_group
         return self.handle.gather_source(), self.process_group
 
-    def _keep_secondary(self) -> None:
-        """Copy this rank's slice of the full buffer for its secondary group (called
+    def _secondary_slice(self) -> torch.Tensor:
+        """A copy of this rank's slice of the full buffer for its secondary group (call
         while UNSHARDED, before the full buffer is freed)."""
-        size = self.secondary_group_size
-        index = self.rank % size
-        chunk = self.handle.layout.padded // size
-        self._secondary = self.handle.full_flat[index * chunk : (index + 1) * chunk].clone()
+        assert self.secondary_group is not None
+        size = dist.get_world_size(self.secondary_group)
+        index, chunk = self.rank % size, self.handle.layout.padded // size
+        return self.handle.full_flat[index * chunk : (index + 1) * chunk].clone()
 
     def drop_secondary(self) -> None:
         """Forget a secondary shard kept for a backward (a new forward starts)."""
@@ -329,14 +335,14 @@ class UnitRuntime:
             needing_grad = _tensors_needing_grad(output) if torch.is_grad_enabled() else []
             keep = self.is_root and self.config.disable_reshard_on_root
             if not needing_grad or (self.config.reshard_after_forward and not keep):
-                secondary = bool(needing_grad) and self.secondary_group is not None
-                if secondary and self.sharded_state is ShardedState.UNSHARDED:
-                    self._keep_secondary()
-                    kept, self._secondary = self._secondary, None
-                    self.reshard()
-                    self._secondary = kept
-                else:
-                    self.reshard()
+                keep_secondary = (
+                    bool(needing_grad)
+                    and self.secondary_group is not None
+                    and self.sharded_state is ShardedState.UNSHARDED
+                )
+                secondary = self._secondary_slice() if keep_secondary else None
+                self.reshard()  # drops any older secondary shard
+                self._secondary = secondary
             else:
                 self._kept_after_forward = True
             hook = functools.partial(_pre_backward_hook, self, self.shard_version)
@@ -522,14 +528,9 @@ class UnitRuntime:
 _DEFERRED: Any = WeakIdKeyDictionary()  # units holding deferred gradient shards -> None
 
 
-@functools.cache
-def _deferred_guard() -> None:
-    register_optimizer_step_pre_hook(_refuse_step_with_deferred)
-
-
 def _watch_deferred(unit: UnitRuntime) -> None:
     _DEFERRED[unit] = None
-    _deferred_guard()
+    add_step_check(_refuse_step_with_deferred)  # the one optimizer-step guard
 
 
 def _refuse_step_with_deferred(optimizer: torch.optim.Optimizer, *_: Any) -> None:
