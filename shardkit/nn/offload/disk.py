@@ -9,12 +9,11 @@ Directory layout (``<name>`` is ``slice<i>`` or ``shared``, ``<g>`` the generati
     <name>.grad               gradients accumulated since the last zero_grad (scratch)
 
 [Note: crash safety]
-Committed files are never modified. An optimizer step writes generation ``g + 1`` of
-every file next to generation ``g`` (each through :func:`atomic_write`: a temporary
-file, ``fsync``, rename), then replaces ``manifest.json`` atomically: that rename is
-the commit point. A crash before it leaves generation ``g`` complete and referenced; a
-reopen (``resume=True``) deletes the unreferenced generation ``g + 1`` files and the
-scratch gradient files. The cost is disk space: two generations exist during a step.
+The files live in a :class:`~shardkit.checkpoint.generations.GenerationStore` (see its
+[Note: crash safety]): an optimizer step writes generation ``g + 1`` of every file next
+to generation ``g``, then commits it with one atomic rename of ``manifest.json``. A
+crash before it leaves generation ``g``; a reopen (``resume=True``) deletes the
+unreferenced generation ``g + 1`` files and the scratch gradient files.
 
 [Note: what is resident]
 Parameters are read into the slice's compute buffer (``readinto``, no second copy) and
@@ -27,8 +26,6 @@ optimizer state at a time, plus the pinned ``shared`` group.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import json
 import os
 import re
 from collections.abc import Callable
@@ -38,42 +35,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardkit.checkpoint.atomic import atomic_save, atomic_write
+from shardkit.checkpoint.atomic import atomic_save
+from shardkit.checkpoint.generations import MANIFEST, GenerationStore, check_writable
 from shardkit.nn.offload.flat import LayoutEntry, SliceLayout
 from shardkit.nn.offload.slices import Slice
 from shardkit.nn.offload.tiers import Tier
 
-__all__ = ["MANIFEST", "DiskTier"]
+__all__ = ["MANIFEST", "DiskTier", "check_writable"]
 
-MANIFEST = "manifest.json"
 FORMAT = "shardkit.offload/1"
 _OWNED = re.compile(r"^(\.?(slice\d+|shared|buffers)\..*|\.manifest\.json\..*\.tmp)$")
 
 
 def _placeholder(p: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=p.dtype, device=p.device)
-
-
-def check_writable(directory: Path) -> None:
-    """Create ``directory`` if needed and prove it is writable.
-
-    Raises:
-        ValueError: if the path exists and is not a directory, or cannot be written,
-            naming the path and the fix.
-    """
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"offload_dir {str(directory)!r} exists and is not a directory")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / ".shardkit-write-probe"
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(
-            f"offload_dir {str(directory)!r} is not writable ({exc.strerror}); choose a "
-            "directory you can write to, on a disk with room for two copies of the model "
-            "state"
-        ) from exc
 
 
 class DiskTier(Tier):
@@ -95,26 +70,20 @@ class DiskTier(Tier):
 
     def __init__(self, device: torch.device, directory: str | os.PathLike[str], *, resume: bool):
         super().__init__(device)
-        self.directory = Path(directory)
+        self.store = GenerationStore(
+            directory, fmt=FORMAT, owned=_OWNED, resume=resume, holds="an offloaded model"
+        )
+        self.directory = self.store.directory
         self.resume = resume
-        self.generation = 0
         self.optimizer_class: str | None = None
         self.buffers: dict[str, torch.Tensor] = {}
         self.grads_present: dict[str, set[int]] = {}
-        self._files: dict[str, dict[str, str | None]] = {}
         self._init_fn: Callable[[nn.Module], None] | None = None
-        check_writable(self.directory)
-        has_manifest = (self.directory / MANIFEST).exists()
-        if has_manifest and not resume:
-            raise ValueError(
-                f"offload_dir {str(self.directory)!r} already holds an offloaded model; pass "
-                "resume=True to continue from it, or choose an empty directory"
-            )
-        if resume and not has_manifest:
-            raise ValueError(
-                f"resume=True but offload_dir {str(self.directory)!r} has no {MANIFEST}; "
-                "pass resume=False to start a new offloaded model there"
-            )
+
+    @property
+    def generation(self) -> int:
+        """The committed generation."""
+        return self.store.generation
 
     # -- attaching ---------------------------------------------------------------------
 
@@ -132,7 +101,7 @@ class DiskTier(Tier):
         """
         self.buffers = buffers
         self._init_fn = init_fn
-        self._files = {s.name: {"params": None, "optim": None} for s in slices}
+        self.store.files = {s.name: {"params": None, "optim": None} for s in slices}
         self.attach(slices)
         if self.resume:
             self._open_existing()
@@ -161,13 +130,9 @@ class DiskTier(Tier):
         self._release(s)
 
     def _open_existing(self) -> None:
-        manifest = json.loads((self.directory / MANIFEST).read_text())
-        if manifest.get("format") != FORMAT:
-            raise ValueError(f"{MANIFEST} has format {manifest.get('format')!r}, not {FORMAT!r}")
+        manifest = self.store.open()
         self._check_layouts(manifest["layouts"])
-        self.generation = int(manifest["generation"])
         self.optimizer_class = manifest.get("optimizer_class")
-        self._files = manifest["files"]
         for s in self.slices:
             if s.pinned:
                 self._read_pinned(s)
@@ -194,8 +159,7 @@ class DiskTier(Tier):
     def _load(self, s: Slice) -> None:
         assert s.compute is not None
         s.compute.allocate()
-        path = self.directory / str(self._files[s.name]["params"])
-        _read_into(path, s.compute.tensor)
+        self.store.read(s.name, "params", s.compute.tensor)
         s.point_at(s.compute_views)
 
     def _offload(self, s: Slice) -> None:
@@ -257,17 +221,16 @@ class DiskTier(Tier):
     def step_slice(self, s: Slice, generation: int, optim_state: dict[str, Any]) -> None:
         """Write generation ``generation`` of resident ``s``: parameters and optimizer state."""
         self._write_params(s, generation)
-        name = f"{s.name}.optim.g{generation}.pt"
+        name = self.store.name(s.name, "optim", generation, ".pt")
         atomic_save(optim_state, self.directory / name)
-        self._files[s.name]["optim"] = name
 
     def load_optim_state(self, s: Slice) -> dict[str, Any] | None:
         """The committed optimizer state of ``s`` (memory-mapped), or None before step 1."""
-        name = self._files[s.name]["optim"]
-        if name is None:
+        path = self.store.path(s.name, "optim")
+        if path is None:
             return None
         state: dict[str, Any] = torch.load(
-            self.directory / name, mmap=True, weights_only=True, map_location=self.device
+            path, mmap=True, weights_only=True, map_location=self.device
         )
         return state
 
@@ -276,28 +239,20 @@ class DiskTier(Tier):
         if optimizer_class is not None:
             self.optimizer_class = optimizer_class
         self._write_buffers(generation)
-        manifest = {
-            "format": FORMAT,
-            "generation": generation,
-            "optimizer_class": self.optimizer_class,
-            "layouts": {s.name: s.layout.to_json() for s in self.slices},
-            "files": self._files,
-            "buffers": f"buffers.g{generation}.pt",
-        }
-        with atomic_write(self.directory / MANIFEST, "w") as handle:
-            json.dump(manifest, handle, indent=1)
-        self.generation = generation
-        self._remove_unreferenced()
+        self.store.commit(
+            generation,
+            keep=self._scratch_files(generation),
+            optimizer_class=self.optimizer_class,
+            layouts={s.name: s.layout.to_json() for s in self.slices},
+            buffers=f"buffers.g{generation}.pt",
+        )
 
     def _write_params(self, s: Slice, generation: int) -> None:
-        name = f"{s.name}.params.g{generation}"
-        with atomic_write(self.directory / name) as handle:
-            _write_tensor(handle, _flat_bytes(s))
-        self._files[s.name]["params"] = name
+        self.store.write(s.name, "params", generation, _flat_bytes(s))
 
     def _read_pinned(self, s: Slice) -> None:
         flat = torch.empty(s.layout.nbytes, dtype=torch.uint8)
-        _read_into(self.directory / str(self._files[s.name]["params"]), flat)
+        self.store.read(s.name, "params", flat)
         for p, view in zip(s.parameters, s.layout.views(flat), strict=True):
             p.data.copy_(view)
 
@@ -312,15 +267,14 @@ class DiskTier(Tier):
         for key, value in self.buffers.items():
             value.copy_(stored[key])
 
+    def _scratch_files(self, generation: int) -> set[str]:
+        """Files kept beside the generations: generation ``generation``'s buffers, the
+        gradient files."""
+        keep = {f"buffers.g{generation}.pt"}
+        return keep | {f"{s.name}.grad" for s in self.slices if s.name in self.grads_present}
+
     def _remove_unreferenced(self) -> None:
-        keep = {MANIFEST, f"buffers.g{self.generation}.pt"}
-        for files in self._files.values():
-            keep.update(f for f in files.values() if f is not None)
-        keep.update(f"{s.name}.grad" for s in self.slices if s.name in self.grads_present)
-        for entry in os.listdir(self.directory):
-            if _OWNED.match(entry) and entry not in keep:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self.directory / entry)
+        self.store.remove_unreferenced(self._scratch_files(self.generation))
 
     def stored_layout(self, name: str) -> SliceLayout:
         """The layout of slice ``name`` (for tools reading the directory)."""
@@ -339,31 +293,3 @@ def _flat_bytes(s: Slice) -> torch.Tensor:
     for view, p in zip(s.layout.views(flat), s.parameters, strict=True):
         view.copy_(p.data)
     return flat
-
-
-def _bytes_view(flat: torch.Tensor) -> memoryview:
-    """A writable byte view of the contiguous CPU ``uint8`` tensor ``flat`` (no copy).
-
-    Through ``ctypes``, not ``Tensor.numpy()``: the latter marks the storage as not
-    resizable for good, which would break :meth:`FlatBuffer.free`.
-    """
-    if flat.numel() == 0:
-        return memoryview(bytearray())
-    return memoryview((ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())).cast("B")
-
-
-def _write_tensor(handle: Any, flat: torch.Tensor) -> None:
-    handle.write(_bytes_view(flat))
-
-
-def _read_into(path: Path, flat: torch.Tensor) -> None:
-    """Fill the ``uint8`` tensor ``flat`` with the bytes of ``path`` (same size)."""
-    if flat.device.type == "cpu":
-        with open(path, "rb") as handle:
-            got = handle.readinto(_bytes_view(flat))
-    else:
-        staged = torch.from_file(str(path), shared=False, size=flat.numel(), dtype=torch.uint8)
-        flat.copy_(staged)
-        got = flat.numel()
-    if got != flat.numel():
-        raise RuntimeError(f"{path} holds {got} bytes, expected {flat.numel()}: truncated file")

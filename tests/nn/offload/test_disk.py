@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-import shardkit.nn.offload.disk as disk
+import shardkit.checkpoint.generations as generations
 from shardkit.nn.offload import OffloadModel
 from shardkit.testing import assert_state_dicts_close
 from tests.nn.offload.common import optimizer_for, plain_state, tiny, train, wrap
@@ -40,20 +40,20 @@ def test_crash_mid_step_leaves_committed_generation(tmp_path: Path, monkeypatch:
     opt = optimizer_for(om, "adamw")
     train(om, opt, 2)
     committed = (tmp_path / "slice1.params.g2").read_bytes()
-    real_write = disk._write_tensor
+    real_write = generations.write_tensor
     calls = []
 
-    def write_half_then_fail(handle: Any, flat: torch.Tensor) -> None:
+    def write_half_then_fail(handle: Any, flat: torch.Tensor) -> int:
         calls.append(flat.numel())
         if len(calls) == 2:  # slice0 written, slice1 fails half-way through its file
             handle.write(bytes(flat.numel() // 2))
             raise OSError("disk full (simulated)")
-        real_write(handle, flat)
+        return real_write(handle, flat)
 
-    monkeypatch.setattr(disk, "_write_tensor", write_half_then_fail)
+    monkeypatch.setattr(generations, "write_tensor", write_half_then_fail)
     with pytest.raises(OSError, match="simulated"):
         train(om, opt, 1)
-    monkeypatch.setattr(disk, "_write_tensor", real_write)
+    monkeypatch.setattr(generations, "write_tensor", real_write)
     del om, opt
     assert (tmp_path / "slice1.params.g2").read_bytes() == committed
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
