@@ -1,0 +1,47 @@
+"""One checkpoint format for every strategy: save in one layout, load into any other.
+
+    ckpt = save_universal(root, step, model, optimizer, extra={...}, keep=2)  # collective
+    loaded = load_universal(root_or_ckpt, model, optimizer)                  # collective
+    loaded.step, loaded.saved_world_size, loaded.saved_strategy, loaded.extra(rank)
+
+``model`` is the wrapped model as the user holds it (plain, DDP, ShardedDataParallel,
+FullyShardedDataParallel (any sharding strategy), a model with tensor-parallel layers,
+Pipe, OffloadModel); ``optimizer`` the one it steps with (plain, OSS, or None).
+Loading works at any world size, mesh and strategy (each rank reads only the byte
+ranges it needs); ``extra`` is per-rank plain data + tensors (LR scheduler, RNG states,
+data position, loss history), returned by ``loaded.extra(rank)`` (None for a rank that
+did not exist at save time; ``loaded.extra(0)`` always exists).
+
+Modules: :mod:`.layout` (the adapter contract and registry), :mod:`.adapters` (plain
+module, torch DDP), :mod:`.views` (element arithmetic of tensor-parallel views),
+:mod:`.plan` (which saved bytes fill a piece), :mod:`.shardfile` (the safetensors
+shard file and its index), :mod:`.optim_state`, :mod:`.meta` (the manifest layout),
+:mod:`.writer` (``save_universal``), :mod:`.loader` (``load_universal``).
+Wrapper adapters live with their wrappers and call :func:`register_layout` at import.
+"""
+
+from shardkit.checkpoint.universal.adapters import DDPLayout, PlainLayout
+from shardkit.checkpoint.universal.layout import (
+    LayoutAdapter,
+    ParamEntry,
+    TensorView,
+    layout_of,
+    register_layout,
+)
+from shardkit.checkpoint.universal.loader import LoadedCheckpoint, load_universal
+from shardkit.checkpoint.universal.meta import FORMAT
+from shardkit.checkpoint.universal.writer import save_universal
+
+__all__ = [
+    "FORMAT",
+    "DDPLayout",
+    "LayoutAdapter",
+    "LoadedCheckpoint",
+    "ParamEntry",
+    "PlainLayout",
+    "TensorView",
+    "layout_of",
+    "load_universal",
+    "register_layout",
+    "save_universal",
+]

@@ -1,0 +1,94 @@
+"""The layouts of a plain ``nn.Module`` and of torch's ``DistributedDataParallel``.
+
+Every rank holds every tensor whole (identical copies). With a process group of N
+ranks, each tensor is listed as N pieces (elements ``[j * n // N, (j + 1) * n // N)``
+of the flattened tensor, ``write`` on rank j only), so a save spreads the bytes over
+the ranks and a load fills every piece of every tensor. Under DDP the buffers are
+written by rank 0 alone: they may differ between ranks after a forward (BatchNorm's
+running statistics), and DDP's rule is that rank 0's win (``broadcast_buffers``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from shardkit.checkpoint.universal.layout import ParamEntry, TensorView, register_layout
+
+__all__ = ["DDPLayout", "PlainLayout", "model_tensors"]
+
+
+def model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """``(key, tensor, is_parameter)`` for every tensor of ``model.state_dict()``
+    (persistent buffers included), a tied tensor once, under its first key."""
+    seen: set[int] = set()
+    params = {id(p) for p in model.parameters()}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        yield key, tensor, id(tensor) in params
+
+
+def _rank_world(group: Any) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class PlainLayout:
+    """Every rank holds everything (see the module docstring).
+
+    Args:
+        model: the module; its ``state_dict()`` keys are the checkpoint's keys.
+        group: the process group whose ranks share the writing; default None: the
+            world group when one is initialised, else one rank.
+    """
+
+    strategy = "plain"
+    buffers_from_rank0 = False
+
+    def __init__(self, model: nn.Module, group: Any = None) -> None:
+        self.model = model
+        self.rank, self.world_size = _rank_world(group)
+
+    def entries(self) -> Iterator[ParamEntry]:
+        for key, tensor, is_param in model_tensors(self.model):
+            yield from self._pieces(key, tensor, tensor if is_param else None)
+
+    def _pieces(
+        self, key: str, tensor: torch.Tensor, param: torch.Tensor | None
+    ) -> Iterator[ParamEntry]:
+        view = TensorView(tuple(tensor.shape))
+        data = tensor.detach()
+        n, parts = data.numel(), self.world_size
+        whole = param is None and self.buffers_from_rank0
+        if whole or not data.is_contiguous() or n < parts:  # one piece, written by rank 0
+            yield ParamEntry(key, view, 0, n, data, param, self.rank == 0, 0)
+            return
+        flat = data.view(-1)
+        for j in range(parts):
+            lo, hi = j * n // parts, (j + 1) * n // parts
+            yield ParamEntry(key, view, lo, hi, flat[lo:hi], param, j == self.rank, lo)
+
+    def after_load(self) -> None:
+        """Nothing: every rank read every piece itself."""
+
+
+class DDPLayout(PlainLayout):
+    """torch ``DistributedDataParallel``: the wrapped module's keys (no ``module.``);
+    the ranks of the DDP process group share the writing."""
+
+    strategy = "ddp"
+    buffers_from_rank0 = True
+
+    def __init__(self, model: DistributedDataParallel, group: Any = None) -> None:
+        super().__init__(model.module, group if group is not None else model.process_group)
+
+
+register_layout(DistributedDataParallel, lambda model, optimizer: DDPLayout(model))

@@ -1,0 +1,162 @@
+"""How a wrapper describes its state to the universal checkpoint (the adapter contract).
+
+The universal format stores every tensor under the *unwrapped model's* state-dict key
+(``"blocks.0.attn.qkv.weight"``), as pieces: a flat element range of a rank's *local
+tensor*, where the local tensor is either the whole original tensor or its
+tensor-parallel shard. Wrappers (DDP, OSS, SDP, FSDP incl. hybrid, tensor parallel,
+Pipe, OffloadModel) register an adapter that lists this rank's pieces; the format
+(writer, reader, planner) knows no wrapper (layer: ``shardkit.checkpoint``, below
+``shardkit.optim`` and ``shardkit.nn``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+__all__ = [
+    "LayoutAdapter",
+    "ParamEntry",
+    "TensorView",
+    "layout_of",
+    "register_layout",
+]
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """How a rank's local tensor relates to the original (global) tensor.
+
+    ``split_dim is None``: the local tensor *is* the global tensor (shape ``global_shape``).
+    Otherwise it is the tensor-parallel shard
+    ``shardkit.nn.tensor_parallel.partition.shard(global, split_dim, part, parts, stride)``:
+    dim ``split_dim`` cut into ``stride * parts`` equal blocks, part ``p`` keeps blocks
+    ``p, p + parts, ...`` (stride 3 for a fused ``[q | k | v]``), concatenated.
+    """
+
+    global_shape: tuple[int, ...]
+    split_dim: int | None = None
+    part: int = 0
+    parts: int = 1
+    stride: int = 1
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        if self.split_dim is None:
+            return self.global_shape
+        shape = list(self.global_shape)
+        shape[self.split_dim] //= self.parts
+        return tuple(shape)
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One piece of one original tensor that this rank holds.
+
+    Attributes:
+        key: the unwrapped model's state-dict key (a tied weight: its first key).
+        view: local tensor vs global tensor.
+        start, stop: the piece is elements ``[start, stop)`` of the row-major flattened
+            local tensor.
+        tensor: the piece's storage on this rank, ``stop - start`` elements (any shape
+            with that numel; 1-D for FSDP's sharded views); loading copies into it.
+        param: the object the optimizer holds for this piece (its optimizer state is
+            saved and loaded with the same range), or None (a buffer, or a parameter
+            without optimizer state on this rank, e.g. OSS non-owners).
+        write: this rank writes the piece when saving (the adapter de-duplicates
+            replicas: exactly one writer per element; checked at save time).
+        param_offset: where the piece starts inside the flattened ``param`` (and inside
+            each of its optimizer state tensors, which are shaped like ``param``), in
+            elements. Default None: derived: ``tensor.storage_offset() -
+            param.storage_offset()`` when ``tensor`` is a view of ``param``'s storage
+            (FSDP's views into a flat shard; a plain parameter's flat slice), else 0
+            when ``param`` has exactly ``stop - start`` elements; anything else must
+            be given (the save raises ``ValueError`` naming the key).
+
+    Optimizer state of ``param`` (``optimizer.state[param]``): a tensor shaped like
+    ``param`` is element-wise and saved / loaded for elements ``[param_offset,
+    param_offset + stop - start)`` of it, with the piece's range; a number or a
+    one-element tensor of another shape (Adam's ``step``) is a scalar, saved with the
+    piece and restored as it was (0-dim tensor or number). Any other state (a factored
+    second moment) is refused with ``ValueError``.
+    """
+
+    key: str
+    view: TensorView
+    start: int
+    stop: int
+    tensor: torch.Tensor
+    param: torch.Tensor | None = None
+    write: bool = True
+    param_offset: int | None = None
+
+
+class LayoutAdapter(Protocol):
+    """What a wrapper tells the universal checkpoint (one instance per save or load).
+
+    ``entries()`` is called once per save or load, after the model is in the state to
+    save (no collective expected inside; the pieces must stay valid until the call
+    returns). Keys: every rank lists the pieces it *holds* (``write=False`` for a
+    replica it does not write); loading fills every listed piece. Optimizer state is
+    read from and written to ``optimizer.state[entry.param]`` and the hyperparameters
+    to ``optimizer.param_groups`` of the optimizer given to the save / load (OSS: its
+    full-view ``param_groups`` and its local ``state``).
+    """
+
+    strategy: str  # "plain", "ddp", "oss", "sdp", "fsdp", "hsdp", "pipe", "offload", (+ "tp<T>")
+
+    def entries(self) -> Iterable[ParamEntry]:
+        """This rank's pieces of every parameter and buffer (buffers with ``param=None``)."""
+        ...
+
+    def after_load(self) -> None:
+        """Called once after every piece was filled (e.g. re-sync replicas, bump versions)."""
+        ...
+
+
+LayoutFactory = Callable[[Any, Any], LayoutAdapter]  # (model, optimizer or None) -> adapter
+_REGISTRY: dict[type, LayoutFactory] = {}
+
+
+def register_layout(model_type: type, factory: LayoutFactory) -> None:
+    """Register ``factory`` for models of ``model_type`` (called at the wrapper's import).
+
+    ``factory(model, optimizer)`` (optimizer may be None) returns a fresh adapter.
+    Registering a type again replaces its factory.
+    """
+    _REGISTRY[model_type] = factory
+
+
+def layout_of(model: Any, optimizer: Any = None, *, group: Any = None) -> LayoutAdapter:
+    """The adapter registered for ``optimizer``'s type (OSS: ownership decides who
+    writes), else for the most specific registered type ``model`` is an instance of
+    (nearest in ``type(model).__mro__``); a plain ``nn.Module`` adapter (every rank
+    holds everything; with a process group ``group`` of N ranks, rank r writes the
+    r-th 1/N of each tensor's elements) when none matches.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` and no adapter is registered for it.
+    """
+    owners = (
+        type(model).__mro__ if optimizer is None else type(optimizer).__mro__ + type(model).__mro__
+    )
+    for cls in owners:  # an optimizer's adapter (OSS: it decides the writers) comes first
+        factory = _REGISTRY.get(cls)
+        if factory is not None:
+            return factory(model, optimizer)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"no universal-checkpoint layout for {type(model).__name__}: pass an "
+            "nn.Module, or register_layout(type, factory) for it"
+        )
+    from shardkit.checkpoint.universal.adapters import PlainLayout
+
+    return PlainLayout(model, group=group)

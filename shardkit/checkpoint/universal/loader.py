@@ -1,0 +1,379 @@
+"""``load_universal``: each rank fills the pieces it holds from the byte ranges it needs.
+
+[Note: the steps of a load]
+1. The checkpoint: a root's newest intact one (:func:`find_valid_checkpoint`: a
+   damaged newest one falls back to the previous with a warning), or the directory
+   given (verified; the ranks share the checksum work).
+2. The index: the header of every shard file (a few KB each; no tensor bytes).
+3. The keys: the union of every rank's keys against the checkpoint's (strict:
+   missing or unexpected keys, or another global shape, raise
+   :class:`CheckpointMismatchError` naming them), and every needed key's saved
+   pieces must cover it (:func:`~.plan.cover_problem`).
+4. The pieces: :class:`~.plan.Filler` (range intersection, or assemble one global
+   tensor and cut). Optimizer state of each piece's ``param``, then the param
+   groups' hyperparameters.
+5. The ranks agree: a failure on any rank raises on every rank (before
+   ``after_load``, whose collectives would otherwise wait for the failed rank).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardkit.checkpoint.manifest import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    CheckpointError,
+    CheckpointMismatchError,
+    Manifest,
+    find_valid_checkpoint,
+    load_tensors_only,
+    read_manifest,
+    verify_checkpoint,
+)
+from shardkit.checkpoint.universal.adapters import _rank_world
+from shardkit.checkpoint.universal.layout import ParamEntry, layout_of
+from shardkit.checkpoint.universal.meta import FORMAT, extra_file_name
+from shardkit.checkpoint.universal.optim_state import (
+    entry_offset,
+    optimizer_params,
+    restore_hyperparameters,
+)
+from shardkit.checkpoint.universal.plan import Filler, cover_problem
+from shardkit.checkpoint.universal.shardfile import (
+    SavedPiece,
+    SavedScalar,
+    dtype_from_name,
+    read_index,
+)
+
+__all__ = ["LoadedCheckpoint", "SavedIndex", "load_universal", "read_saved_index"]
+
+PathLike = str | os.PathLike[str]
+_SHARD_PREFIX = "shard-"
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`load_universal` loaded.
+
+    Attributes:
+        path: the checkpoint directory.
+        step: the step it was saved at.
+        saved_world_size: the ranks that wrote it.
+        saved_strategy: the saving layout's strategy (``"ddp"``, ``"fsdp"``, ...).
+        manifest: its manifest.
+    """
+
+    path: Path
+    step: int
+    saved_world_size: int
+    saved_strategy: str
+    manifest: Manifest
+    _extras: dict[int, Any] = field(default_factory=dict, repr=False)
+
+    def extra(self, rank: int) -> Any | None:
+        """The ``extra`` saved by ``rank`` (``{}`` if it saved none), or None for a rank
+        that did not exist at save time. Read with ``weights_only=True``.
+
+        Raises:
+            CheckpointUnsafeError: the file holds something other than tensors and
+                plain containers.
+        """
+        if rank not in self._extras:
+            name = extra_file_name(rank)
+            if name not in {f.name for f in self.manifest.files}:
+                return None
+            self._extras[rank] = load_tensors_only(self.path / name, map_location="cpu")
+        return self._extras[rank]
+
+
+@dataclass
+class SavedIndex:
+    """Every saved piece, by ``(key, state)``, and the scalar state by key."""
+
+    pieces: dict[tuple[str, str], list[SavedPiece]]
+    scalars: dict[str, dict[str, SavedScalar]]
+
+    def states(self, key: str) -> list[str]:
+        """The element-wise optimizer state names saved for ``key``."""
+        return sorted(s for k, s in self.pieces if k == key and s)
+
+
+def read_saved_index(ckpt: Path, manifest: Manifest) -> SavedIndex:
+    """The index from the headers of the shard files of ``manifest``."""
+    pieces: dict[tuple[str, str], list[SavedPiece]] = {}
+    scalars: dict[str, dict[str, SavedScalar]] = {}
+    for record in manifest.files:
+        if not record.name.startswith(_SHARD_PREFIX):
+            continue
+        try:
+            saved, saved_scalars = read_index(ckpt / record.name)
+        except Exception as err:  # safetensors raises its own error types
+            raise CheckpointError(
+                ckpt / record.name, "index", f"{ckpt / record.name}: unreadable index: {err}"
+            ) from err
+        for p in saved:
+            pieces.setdefault((p.key, p.state), []).append(p)
+        for s in saved_scalars:
+            scalars.setdefault(s.key, {}).setdefault(s.state, s)
+    return SavedIndex(pieces, scalars)
+
+
+class _FileSource:
+    """Reads piece ranges from the shard files, lazily (safetensors slices)."""
+
+    def __init__(self, ckpt: Path) -> None:
+        self.ckpt = ckpt
+        self._open: dict[str, Any] = {}
+        self.read_elements = 0
+
+    def read(self, piece: SavedPiece, lo: int, hi: int) -> torch.Tensor:
+        from safetensors import safe_open
+
+        handle = self._open.get(piece.file)
+        if handle is None:
+            handle = self._open[piece.file] = safe_open(str(self.ckpt / piece.file), framework="pt")
+        self.read_elements += hi - lo
+        return handle.get_slice(piece.name)[lo:hi]
+
+
+def _agree(error: BaseException | None, group: Any, world_size: int) -> None:
+    """Raise on every rank if any rank failed: its own error, else the first one."""
+    errors: list[Any] = [error]
+    if world_size > 1:
+        errors = [None] * world_size
+        dist.all_gather_object(errors, error, group=group)
+    if error is not None:
+        raise error
+    for rank, err in enumerate(errors):
+        if err is not None:
+            raise CheckpointError(
+                getattr(err, "path", ""), "load", f"loading failed on rank {rank}: {err}"
+            ) from err
+
+
+def _resolve(path: PathLike, group: Any, rank: int, world_size: int) -> Path:
+    p = Path(path)
+    if (p / LATEST_NAME).is_file():
+        found = find_valid_checkpoint(p, group=group)
+        if found is None:
+            raise FileNotFoundError(f"{p}: no committed checkpoint")
+        return found
+    if not (p / MANIFEST_NAME).is_file() and not p.is_dir():
+        raise FileNotFoundError(f"{p} is not a checkpoint root or directory")
+    error: BaseException | None = None
+    try:  # the ranks share the checksum work
+        manifest = verify_checkpoint(p, names=[])
+        verify_checkpoint(p, names=[f.name for f in manifest.files[rank::world_size]])
+    except CheckpointError as err:
+        error = err
+    _agree(error, group, world_size)
+    return p
+
+
+def _check_format(ckpt: Path, manifest: Manifest) -> None:
+    fmt = manifest.layout.get("format")
+    if fmt != FORMAT:
+        raise CheckpointMismatchError(
+            ckpt,
+            "format",
+            f"{ckpt} is not a universal checkpoint (layout format {fmt!r}, this shardkit "
+            f"reads {FORMAT!r}); save it with save_universal",
+        )
+
+
+def _key_problems(
+    ckpt: Path, layout: dict[str, Any], entries: list[ParamEntry], all_keys: set[str], strict: bool
+) -> None:
+    saved = layout["keys"]
+    missing = sorted(all_keys - set(saved))
+    unexpected = sorted(set(saved) - all_keys)
+    shapes = sorted(
+        f"{e.key!r}: checkpoint {saved[e.key]['shape']}, model {list(e.view.global_shape)}"
+        for e in {e.key: e for e in entries}.values()
+        if e.key in saved and list(e.view.global_shape) != list(saved[e.key]["shape"])
+    )
+    problems = []
+    if strict and missing:
+        problems.append(f"missing keys (in the model, not in the checkpoint): {missing}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys (in the checkpoint, not in the model): {unexpected}")
+    if shapes:
+        problems.append(f"other global shapes: {shapes}")
+    if problems:
+        raise CheckpointMismatchError(
+            ckpt, "keys", f"{ckpt} does not fit the model: " + "; ".join(problems)
+        )
+
+
+def _cover_check(
+    ckpt: Path, index: SavedIndex, layout: dict[str, Any], keys: Iterable[str]
+) -> None:
+    problems = []
+    for key in sorted(set(keys)):
+        shape = tuple(layout["keys"][key]["shape"])
+        if not any(shape):  # empty: nothing to hold
+            continue
+        states = [""] + index.states(key)
+        for state in states:
+            problem = cover_problem(index.pieces.get((key, state), []), shape)
+            if problem is not None:
+                what = f"{key!r}" + (f" (optimizer state {state!r})" if state else "")
+                problems.append(f"{what}: {problem}")
+    if problems:
+        raise CheckpointMismatchError(
+            ckpt,
+            "coverage",
+            f"{ckpt}: saved pieces do not hold every element of {len(problems)} tensors: "
+            + "; ".join(problems[:10]),
+        )
+
+
+def _fill_state(filler: Filler, index: SavedIndex, entry: ParamEntry, optimizer: Any) -> None:
+    param = entry.param
+    assert param is not None
+    state = optimizer.state[param]
+    offset, n = entry_offset(entry), entry.stop - entry.start
+    for name in index.states(entry.key):
+        pieces = index.pieces[(entry.key, name)]
+        current = state.get(name)
+        if not isinstance(current, torch.Tensor) or current.shape != param.shape:
+            dtype = dtype_from_name(pieces[0].dtype)
+            current = state[name] = torch.zeros(param.shape, dtype=dtype, device=param.device)
+        if n:
+            dst = current.view(-1)[offset : offset + n]
+            filler.fill(dst, pieces, entry.view, entry.start, entry.stop)
+    for name, scalar in index.scalars.get(entry.key, {}).items():
+        value = scalar.restore()
+        old = state.get(name)
+        if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor):
+            value = value.to(old.device)
+        state[name] = value
+
+
+def _fill(
+    entries: Sequence[ParamEntry], index: SavedIndex, optimizer: Any, source: _FileSource
+) -> None:
+    filler = Filler(source)
+    in_optimizer = optimizer_params(optimizer) if optimizer is not None else {}
+    stateless: dict[int, torch.Tensor] = {}  # params none of whose keys has saved state
+    with_state: set[int] = set()
+    for entry in sorted(entries, key=lambda e: e.key):  # a key's pieces together
+        pieces = index.pieces.get((entry.key, ""))
+        if pieces is None:  # not strict, key not saved
+            continue
+        with torch.no_grad():
+            filler.fill(entry.tensor, pieces, entry.view, entry.start, entry.stop)
+            if entry.param is not None and id(entry.param) in in_optimizer:
+                if index.states(entry.key) or entry.key in index.scalars:
+                    _fill_state(filler, index, entry, optimizer)
+                    with_state.add(id(entry.param))
+                else:
+                    stateless[id(entry.param)] = entry.param
+    filler.release()
+    for pid, param in stateless.items():  # saved before its first step: no state
+        if pid not in with_state:
+            optimizer.state.pop(param, None)
+
+
+def load_universal(
+    path: PathLike,
+    model: Any,
+    optimizer: Any = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    strict: bool = True,
+) -> LoadedCheckpoint:
+    """Load a universal checkpoint into ``model`` (and ``optimizer``), whatever the
+    layout and world size it was saved with.
+
+    A collective over ``group``: every rank calls it (see [Note: the steps of a load]).
+
+    Args:
+        path: a checkpoint root (its newest intact checkpoint is used) or one
+            checkpoint directory ``ckpt-<step>``.
+        model: the model as the training loop holds it (see ``save_universal``).
+        optimizer: the optimizer to restore state and hyperparameters into, or None.
+        group: the process group; default None: the world group.
+        strict: default True: every key of the model must be in the checkpoint and
+            the other way round. False: missing keys keep their values, extra keys
+            are ignored.
+
+    Returns:
+        :class:`LoadedCheckpoint`: ``step``, ``saved_world_size``, ``saved_strategy``,
+        ``extra(rank)``.
+
+    Raises:
+        FileNotFoundError: nothing committed under ``path``.
+        CheckpointCorruptError: damage (every checkpoint of a root damaged, or the
+            directory given).
+        CheckpointMismatchError: not a universal checkpoint; missing, unexpected or
+            reshaped keys; saved pieces that do not cover a tensor; param groups that
+            mix saved groups of different hyperparameters.
+        CheckpointUnsafeError: this rank's extra file holds something other than
+            tensors and plain containers.
+        CheckpointError: (problem ``load``) another rank failed.
+    """
+    rank, world_size = _rank_world(group)
+    ckpt = _resolve(path, group, rank, world_size)
+    error: BaseException | None = None
+    loaded: LoadedCheckpoint | None = None
+    adapter: Any = None
+    all_keys: list[Any] = []
+    try:
+        manifest = read_manifest(ckpt)
+        _check_format(ckpt, manifest)
+        adapter = layout_of(model, optimizer, group=group)
+        entries = list(adapter.entries())
+        all_keys = [{e.key for e in entries}]
+    except BaseException as err:  # every rank must reach the gather below
+        error = err
+        all_keys = [set()]
+    if world_size > 1:
+        mine = all_keys[0]
+        all_keys = [None] * world_size
+        dist.all_gather_object(all_keys, mine, group=group)
+    if error is None:
+        try:
+            loaded = _load_local(
+                ckpt, manifest, entries, set().union(*all_keys), optimizer, rank, strict
+            )
+        except BaseException as err:
+            error = err
+    _agree(error, group, world_size)
+    assert loaded is not None and adapter is not None
+    adapter.after_load()
+    return loaded
+
+
+def _load_local(
+    ckpt: Path,
+    manifest: Manifest,
+    entries: list[ParamEntry],
+    all_keys: set[str],
+    optimizer: Any,
+    rank: int,
+    strict: bool,
+) -> LoadedCheckpoint:
+    layout = manifest.layout
+    _key_problems(ckpt, layout, entries, all_keys, strict)
+    index = read_saved_index(ckpt, manifest)
+    _cover_check(ckpt, index, layout, {e.key for e in entries if e.key in layout["keys"]})
+    _fill(entries, index, optimizer, _FileSource(ckpt))
+    if optimizer is not None and layout.get("optimizer"):
+        problems = restore_hyperparameters(optimizer, entries, layout["optimizer"]["param_groups"])
+        if problems:
+            raise CheckpointMismatchError(ckpt, "param groups", "; ".join(problems))
+    loaded = LoadedCheckpoint(
+        ckpt, manifest.step, manifest.world_size, str(layout.get("strategy")), manifest
+    )
+    loaded.extra(rank)  # read now: an unsafe file fails the load on every rank
+    return loaded

@@ -1,0 +1,170 @@
+"""Optimizer state and hyperparameters in the universal checkpoint (element-wise optimizers).
+
+Saving: for a written piece whose ``param`` has optimizer state, every state tensor
+shaped like ``param`` contributes the piece's range (:func:`state_slices`); a number
+or a one-element tensor of another shape is a scalar (Adam's ``step``). Loading
+creates or overwrites ``optimizer.state[param][name]`` the same way. Param groups'
+hyperparameters travel as JSON with the keys of their parameters
+(:func:`group_records`, :func:`restore_hyperparameters`), so a resumed run gets lr,
+betas and weight decay per group back, whatever the new layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from shardkit.checkpoint.universal.layout import ParamEntry
+from shardkit.checkpoint.universal.shardfile import SavedScalar, dtype_name
+
+__all__ = [
+    "entry_offset",
+    "group_keys",
+    "group_records",
+    "hyperparameters",
+    "optimizer_params",
+    "restore_hyperparameters",
+    "state_slices",
+]
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def entry_offset(entry: ParamEntry) -> int:
+    """Where ``entry``'s piece starts inside the flattened ``entry.param`` (see
+    ``ParamEntry.param_offset``).
+
+    Raises:
+        ValueError: the offset cannot be derived and was not given.
+    """
+    param = entry.param
+    assert param is not None
+    n = entry.stop - entry.start
+    if entry.param_offset is not None:
+        offset = entry.param_offset
+    elif n == 0:
+        offset = 0
+    elif entry.tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+        offset = int(entry.tensor.storage_offset() - param.storage_offset())
+    elif param.numel() == n:
+        offset = 0
+    else:
+        raise ValueError(
+            f"{entry.key!r}: piece of {n} elements, its param has {param.numel()} and "
+            "another storage: the adapter must give ParamEntry.param_offset"
+        )
+    if not 0 <= offset <= param.numel() - n:
+        raise ValueError(
+            f"{entry.key!r}: piece [{offset}, {offset + n}) outside its param of "
+            f"{param.numel()} elements"
+        )
+    return offset
+
+
+def state_slices(
+    entry: ParamEntry, state: Mapping[str, Any]
+) -> Iterator[tuple[str, torch.Tensor | SavedScalar]]:
+    """``(name, piece of the state tensor)`` for element-wise state, ``(name, scalar)``
+    for scalar state, of ``entry``'s param (``state``: ``optimizer.state[param]``).
+
+    Raises:
+        ValueError: state of another shape (a factored moment), or a non-number.
+    """
+    param = entry.param
+    assert param is not None
+    offset, n = entry_offset(entry), entry.stop - entry.start
+    for name, value in sorted(state.items()):
+        if isinstance(value, torch.Tensor) and value.shape == param.shape:
+            yield name, value.detach().reshape(-1)[offset : offset + n]
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            yield name, SavedScalar(entry.key, name, value.item(), dtype_name(value.dtype))
+        elif isinstance(value, (bool, int, float)):
+            yield name, SavedScalar(entry.key, name, value, None)
+        else:
+            what = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"{entry.key!r}: optimizer state {name!r} is {what}, the parameter "
+                f"{tuple(param.shape)}: the universal checkpoint holds element-wise "
+                "state (shaped like the parameter) and scalars only"
+            )
+
+
+def optimizer_params(optimizer: Any) -> dict[int, int]:
+    """``{id(param): group index}`` over ``optimizer.param_groups``."""
+    return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+
+
+def group_keys(entries: Iterable[ParamEntry], optimizer: Any) -> dict[int, list[str]]:
+    """``{group index: keys}``: the keys of the entries whose param is in each group."""
+    where = optimizer_params(optimizer)
+    out: dict[int, list[str]] = {}
+    for entry in entries:
+        if entry.param is not None and id(entry.param) in where:
+            keys = out.setdefault(where[id(entry.param)], [])
+            if entry.key not in keys:
+                keys.append(entry.key)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
+        return list(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return None
+
+
+def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's JSON-able hyperparameters (tuples as lists, a one-element
+    tensor as its number; other values are left out)."""
+    out = {}
+    for k, v in group.items():
+        plain = _plain(v)
+        if k != "params" and (v is None or plain is not None):
+            out[k] = plain
+    return out
+
+
+def group_records(optimizer: Any, keys: Mapping[int, list[str]]) -> list[dict[str, Any]]:
+    """Per param group: ``{"hyper": hyperparameters, "keys": keys of its params}``."""
+    return [
+        {"hyper": hyperparameters(group), "keys": list(keys.get(g, []))}
+        for g, group in enumerate(optimizer.param_groups)
+    ]
+
+
+def restore_hyperparameters(
+    optimizer: Any, entries: Iterable[ParamEntry], saved: list[dict[str, Any]]
+) -> list[str]:
+    """Set each param group's hyperparameters to those of the saved group holding its
+    parameters' keys. Returns the problems (a group whose keys were in saved groups
+    with different hyperparameters), empty when none."""
+    saved_of = {key: g for g, record in enumerate(saved) for key in record["keys"]}
+    problems = []
+    for g, keys in group_keys(entries, optimizer).items():
+        found = sorted({saved_of[k] for k in keys if k in saved_of})
+        hypers = [saved[i]["hyper"] for i in found]
+        if any(h != hypers[0] for h in hypers):
+            problems.append(
+                f"param group {g} holds keys of saved groups {found} with different "
+                f"hyperparameters: {hypers}"
+            )
+            continue
+        if hypers:
+            _set_group(optimizer.param_groups[g], hypers[0])
+    return problems
+
+
+def _set_group(group: dict[str, Any], hyper: Mapping[str, Any]) -> None:
+    for k, v in hyper.items():
+        current = group.get(k)
+        if isinstance(current, torch.Tensor) and v is not None:
+            current.fill_(v)
+        elif isinstance(current, tuple) and isinstance(v, list):
+            group[k] = tuple(v)
+        else:
+            group[k] = v

@@ -1,0 +1,214 @@
+"""``save_universal``: every rank writes its pieces; the manifest commits them.
+
+[Note: what a save writes]
+``root/ckpt-<step>/``: per rank ``shard-<r>-of-<N>.safetensors`` (see [Note: the
+shard file]: the pieces with ``write=True`` of every parameter and buffer, and of
+their optimizer state) and ``extra-<r>.pt`` (the rank's ``extra``, ``torch.save``,
+checked to load with ``weights_only=True``), committed by
+:func:`shardkit.checkpoint.manifest.save_checkpoint` (atomic files, sha256, manifest,
+``latest``, ``keep``). The manifest's ``layout`` (:mod:`.meta`) holds the format
+version, strategy, world size, per key the global shape and dtype, and the
+optimizer's param groups (hyperparameters and the keys of their parameters).
+
+Before anything is written, the ranks all-gather what they will write and check
+that every element of every key (and of each optimizer state) is written exactly
+once: an adapter bug fails the save on every rank, naming the keys, instead of
+leaving a checkpoint that cannot load.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+
+from shardkit.checkpoint.manifest import load_tensors_only, save_checkpoint
+from shardkit.checkpoint.universal.adapters import _rank_world
+from shardkit.checkpoint.universal.layout import ParamEntry, layout_of
+from shardkit.checkpoint.universal.meta import KeyMeta, build_layout, extra_file_name
+from shardkit.checkpoint.universal.optim_state import group_keys, group_records, state_slices
+from shardkit.checkpoint.universal.shardfile import (
+    SavedPiece,
+    SavedScalar,
+    ShardFile,
+    dtype_name,
+    shard_file_name,
+)
+from shardkit.checkpoint.universal.views import check_view
+
+__all__ = ["save_universal"]
+
+PathLike = str | os.PathLike[str]
+
+
+def _check_entry(entry: ParamEntry) -> None:
+    check_view(entry.view)
+    n = entry.stop - entry.start
+    if not 0 <= entry.start <= entry.stop <= entry.view.local_numel:
+        raise ValueError(
+            f"{entry.key!r}: piece [{entry.start}, {entry.stop}) outside the local tensor "
+            f"of {entry.view.local_numel} elements ({entry.view})"
+        )
+    if entry.tensor.numel() != n:
+        raise ValueError(
+            f"{entry.key!r}: piece [{entry.start}, {entry.stop}) has {n} elements, its "
+            f"tensor {entry.tensor.numel()}"
+        )
+
+
+def _shard_file(
+    entries: list[ParamEntry], optimizer: Any, file: str
+) -> tuple[ShardFile, list[tuple[Any, ...]]]:
+    """This rank's shard file and what it writes ``(key, state, view, start, stop)``."""
+    pieces: list[tuple[SavedPiece, torch.Tensor]] = []
+    scalars: list[SavedScalar] = []
+
+    def add(key: str, state: str, entry: ParamEntry, tensor: torch.Tensor) -> None:
+        record = SavedPiece(
+            key,
+            state,
+            entry.view,
+            entry.start,
+            entry.stop,
+            dtype_name(tensor.dtype),
+            file,
+            str(len(pieces)),
+        )
+        pieces.append((record, tensor))
+
+    for entry in entries:
+        _check_entry(entry)
+        if not entry.write or entry.stop == entry.start:
+            continue
+        add(entry.key, "", entry, entry.tensor)
+        if optimizer is None or entry.param is None:
+            continue
+        for name, value in state_slices(entry, optimizer.state.get(entry.param, {})):
+            if isinstance(value, SavedScalar):
+                scalars.append(value)
+            else:
+                add(entry.key, name, entry, value)
+    written = [(r.key, r.state, r.view, r.start, r.stop) for r, _ in pieces]
+    return ShardFile(pieces, _unique_scalars(scalars)), written
+
+
+def _unique_scalars(scalars: list[SavedScalar]) -> list[SavedScalar]:
+    """One scalar per (key, state): a key split into several pieces on this rank
+    (all stepped together) stores its ``step`` once."""
+    seen: dict[tuple[str, str], SavedScalar] = {}
+    for s in scalars:
+        seen.setdefault((s.key, s.state), s)
+    return list(seen.values())
+
+
+def _extra_bytes(extra: Any, rank: int) -> bytes:
+    """``torch.save(extra)``, refused unless it loads back with ``weights_only=True``."""
+    buffer = io.BytesIO()
+    torch.save({} if extra is None else extra, buffer)
+    data = buffer.getvalue()
+    try:
+        load_tensors_only(io.BytesIO(data))  # type: ignore[arg-type]
+    except Exception as err:
+        raise TypeError(
+            f"extra of rank {rank} holds something other than tensors, numbers, strings "
+            f"and lists / tuples / dicts of them, which loading refuses ({err}); convert "
+            "it first (e.g. numpy arrays to tensors, objects to their state dicts)"
+        ) from err
+    return data
+
+
+def _write(obj: Any, handle: IO[bytes]) -> None:
+    if isinstance(obj, ShardFile):
+        obj.write_to(handle)
+    else:
+        handle.write(obj)
+
+
+def _local_summary(
+    entries: list[ParamEntry], optimizer: Any, written: list[tuple[Any, ...]]
+) -> dict[str, Any]:
+    keys: dict[str, KeyMeta] = {}
+    for e in entries:
+        keys.setdefault(e.key, KeyMeta(list(e.view.global_shape), dtype_name(e.tensor.dtype)))
+    groups = group_keys(entries, optimizer) if optimizer is not None else {}
+    return {"keys": keys, "written": written, "groups": groups}
+
+
+def save_universal(
+    root: PathLike,
+    step: int,
+    model: Any,
+    optimizer: Any = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    keep: int = 0,
+    group: dist.ProcessGroup | None = None,
+) -> Path:
+    """Save ``model`` (and ``optimizer``) as a universal checkpoint ``root/ckpt-<step>``.
+
+    A collective over ``group``: every rank calls it. Each rank writes only its own
+    pieces (see [Note: what a save writes]); the checkpoint loads with
+    :func:`~shardkit.checkpoint.universal.load_universal` into any strategy at any
+    world size.
+
+    Args:
+        root: the checkpoint root directory, shared by all ranks (created if missing).
+        step: the training step (directory name, manifest, ``LoadedCheckpoint.step``).
+        model: the model as the training loop holds it (plain, DDP, or any wrapper
+            with a registered layout, see ``register_layout``).
+        optimizer: the optimizer stepping it (plain torch, or OSS), or None (no
+            optimizer state saved). Element-wise optimizers only (Adam, AdamW, SGD
+            with momentum, Adagrad, RMSprop): state shaped like the parameter, plus
+            scalars.
+        extra: this rank's extra state (LR scheduler, RNG states, data position):
+            tensors and plain containers; default None: ``{}``.
+        keep: committed checkpoints to keep, the newest (0: all). Default 0.
+        group: the process group; default None: the world group (one rank when no
+            process group is initialised).
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        ValueError: (on every rank) an adapter's pieces are invalid or do not write
+            every element of a key exactly once (the keys are named), or optimizer
+            state is not element-wise.
+        TypeError: (on every rank) a rank's ``extra`` would not load with
+            ``weights_only=True``.
+        CheckpointError: writing or committing failed (see ``save_checkpoint``).
+    """
+    rank, world_size = _rank_world(group)
+    summary: Any
+    try:
+        adapter = layout_of(model, optimizer, group=group)
+        entries = list(adapter.entries())
+        file = shard_file_name(rank, world_size)
+        shard, written = _shard_file(entries, optimizer, file)
+        extra_data = _extra_bytes(extra, rank)
+        summary = _local_summary(entries, optimizer, written)
+    except (ValueError, TypeError) as err:
+        summary = err
+    summaries = _all_gather(summary, group, world_size)
+    failed = [(r, s) for r, s in enumerate(summaries) if isinstance(s, BaseException)]
+    if failed:
+        if isinstance(summary, BaseException):
+            raise summary
+        first_rank, first = failed[0]
+        raise type(first)(f"rank {first_rank}: {first}")
+    hyper = group_records(optimizer, {}) if optimizer is not None else None
+    layout = build_layout(summaries, adapter.strategy, world_size, hyper, type(optimizer))
+    files = {file: shard, extra_file_name(rank): extra_data}
+    return save_checkpoint(root, step, files, layout=layout, keep=keep, group=group, save=_write)
+
+
+def _all_gather(obj: Any, group: dist.ProcessGroup | None, world_size: int) -> list[Any]:
+    if world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out
