@@ -34,9 +34,29 @@ import torch
 
 from shardkit.checkpoint.atomic import atomic_write
 
-__all__ = ["MANIFEST", "GenerationStore", "check_writable", "read_into", "write_tensor"]
+__all__ = [
+    "ALIGN",
+    "MANIFEST",
+    "GenerationStore",
+    "check_writable",
+    "packed_offsets",
+    "read_into",
+    "write_tensor",
+]
 
 MANIFEST = "manifest.json"
+ALIGN = 64  # bytes: every tensor of a packed file starts at a multiple of this
+
+
+def packed_offsets(nbytes: list[int]) -> tuple[list[int], int]:
+    """Byte offsets of tensors of ``nbytes`` bytes packed one after the other, each
+    starting at a multiple of :data:`ALIGN`, and the file's size (no trailing padding)."""
+    offsets, end = [], 0
+    for n in nbytes:
+        start = -(-end // ALIGN) * ALIGN
+        offsets.append(start)
+        end = start + n
+    return offsets, end
 
 
 def check_writable(directory: Path, what: str = "offload_dir") -> None:
@@ -192,6 +212,23 @@ class GenerationStore:
         self.files.setdefault(entry, {})[kind] = name
         self.bytes_written += nbytes
         return nbytes
+
+    def write_packed(
+        self, entry: str, kind: str, generation: int, tensors: list[torch.Tensor]
+    ) -> int:
+        """Write contiguous ``tensors`` into one file at :func:`packed_offsets` (read it
+        back with :meth:`read` into a ``uint8`` buffer and view each at its offset);
+        returns the file's size in bytes."""
+        name = f"{entry}.{kind}.g{generation}"
+        offsets, total = packed_offsets([t.numel() * t.element_size() for t in tensors])
+        with atomic_write(self.directory / name) as handle:
+            end = 0
+            for offset, tensor in zip(offsets, tensors, strict=True):
+                handle.write(bytes(offset - end))
+                end = offset + write_tensor(handle, tensor)
+        self.files.setdefault(entry, {})[kind] = name
+        self.bytes_written += total
+        return total
 
     def name(self, entry: str, kind: str, generation: int, suffix: str = "") -> str:
         """Record ``<entry>.<kind>.g<generation><suffix>`` as the current file of

@@ -12,6 +12,11 @@ CPU-only machine every copy below is a no-op and the same code runs.
 Source: ZeRO-Offload (Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale
 Model Training", section 4: fp32 master and optimizer step on CPU, parameters in
 reduced precision on the device) and FairScale's ``move_params_to_cpu``.
+
+With the disk tier (``on_disk``) the master shard's home is a file: between uses it is
+not in memory at all (see :mod:`.disk_tier`); while in use it is on the CPU, and the
+full parameters never alias it, even with one rank (the full buffer outlives the
+shard's residency).
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class Placement:
         master_dtype: dtype of the master shard, its gradient and the optimizer state.
         compute_dtype: dtype of the full parameters in forward and backward.
         reduce_dtype: dtype of the flat gradient during the reduce-scatter.
+        on_disk: the master shard lives in the disk tier's files (CPU while resident).
+            Default False.
     """
 
     compute_device: torch.device
@@ -56,11 +63,13 @@ class Placement:
     master_dtype: torch.dtype
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    on_disk: bool = False
 
     @property
     def offloaded(self) -> bool:
-        """True when the shard lives on the CPU and computation elsewhere."""
-        return self.shard_device != self.compute_device
+        """True when the shard lives apart from the computation: on the CPU for another
+        device, or on disk."""
+        return self.shard_device != self.compute_device or self.on_disk
 
     @property
     def pin_memory(self) -> bool:

@@ -1,0 +1,556 @@
+"""FSDP's disk tier: each unit's shard and optimizer state in files, one unit in memory.
+
+ZeRO-Infinity's NVMe offload (Rajbhandari et al. 2021, "ZeRO-Infinity: Breaking the GPU
+Memory Wall for Extreme Scale Deep Learning", sections 5-6) for any module tree: a
+unit's local shard (its 1/N of the parameters) and its optimizer state live in files of
+a :class:`~shardkit.checkpoint.generations.GenerationStore`, one directory per rank,
+and are read in only while the unit runs.
+
+One step of a unit (``DiskUnit`` hooks, called by :class:`~.unit.UnitRuntime`)::
+
+    forward      read shard (prefetched on a background thread while the previous
+                 unit computes) -> all-gather -> drop the shard -> run -> free full
+    backward     read shard (prefetched) -> all-gather -> run -> reduce-scatter ->
+                 read optimizer state -> step the shard -> write shard + state as
+                 generation g + 1 -> drop shard, gradient and state
+    end          (root) every rank wrote g + 1 (a barrier) -> commit g + 1
+
+[Note: stepping inside backward]
+The optimizer steps each unit as soon as its reduced gradient shard is complete, so
+no gradient is ever written to disk or held for more than one unit, and a unit's
+shard is read once for backward and step together. So with a disk tier a backward
+*is* the optimizer step: :meth:`DiskOffload.optimizer` returns a
+:class:`DiskOptimizer` whose ``param_groups[0]`` holds the hyperparameters each unit's
+step reads (LR schedulers work), whose ``step()`` only acknowledges the step the
+backward made, and which refuses a second backward before that acknowledgement (a
+gradient-accumulation loop would otherwise update once per micro-batch: accumulate
+inside ``model.no_sync()`` instead). Element-wise optimizers only (SGD, Adam, AdamW,
+Adagrad, RMSprop): each unit is stepped by its own instance, built over the unit's
+sharded parameters with the state read from its file, as OffloadModel's sliced
+optimizer does. Gradient clipping by the global norm would need every unit's gradient
+first and is not available.
+
+[Note: what is resident]
+While a unit is not running, its local shard's storage is freed (``resize_(0)``) and
+its sharded parameters (``named_parameters()``) are empty placeholders, as
+OffloadModel's disk tier; at most the running unit, the prefetched one and the units
+whose gradient reduction is in flight hold their shard, plus one unit's optimizer state
+during its step. Reads and writes go through ``readinto`` / ``write`` (no memory map),
+so the page cache, not the process, holds file pages.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from shardkit.checkpoint.generations import GenerationStore, packed_offsets, read_into
+from shardkit.distributed.optim_guard import exempt_optimizer
+from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
+
+__all__ = ["DiskOffload", "DiskOptimizer", "DiskStats", "DiskUnit"]
+
+FORMAT = "shardkit.fsdp.disk/1"
+_OWNED = re.compile(r"^unit\d+\.(params|optim)\.g\d+$")
+
+
+@dataclass(frozen=True)
+class DiskStats:
+    """Disk traffic of one committed step on this rank.
+
+    Attributes:
+        generation: the generation the step committed.
+        bytes_read: payload bytes read (shards, optimizer state) since the previous commit.
+        bytes_written: payload bytes written (shards, optimizer state; padding included).
+        read_wait_s: seconds the training thread waited for reads (not overlapped).
+        seconds: wall-clock seconds since the previous commit (or since the first read).
+    """
+
+    generation: int
+    bytes_read: int
+    bytes_written: int
+    read_wait_s: float
+    seconds: float
+
+
+class DiskOffload:
+    """FSDP's disk tier: pass the same object to every unit of a model (``disk_offload=``).
+
+    Usage::
+
+        disk = DiskOffload("/nvme/run1")
+        model = auto_wrap(build_on_meta(), FSDP, disk_offload=disk)  # or FSDP(..., disk_offload=disk)
+        optimizer = disk.optimizer(torch.optim.AdamW, lr=1e-4)
+        loss_fn(model(x), y).backward()  # every unit steps in its backward
+        optimizer.step()  # acknowledges the step (see [Note: stepping inside backward])
+
+    Each rank keeps its files in ``<directory>/rank<r>`` (r: the global rank). Generation 0
+    is each unit's initial shard, written as the unit is wrapped; a model built on the
+    meta device is materialised one unit at a time (FSDP's ``param_init_fn``), so no
+    rank ever holds the model. See [Note: crash safety] in
+    :mod:`shardkit.checkpoint.generations`: a crash leaves the last committed step.
+
+    Args:
+        directory: the directory of all ranks (created if missing); room for two
+            generations: ``2 x (4 + optimizer state bytes per element) x psi / N`` per rank.
+        resume: False (default): start from the module's values; the rank's directory
+            must not hold a model. True: continue from its committed generation (the
+            module gives the architecture only; build it on meta). Every rank must be
+            at the same generation.
+        prefetch: read the next unit's shard on a background thread while the current
+            one computes. Default True.
+
+    Raises:
+        ValueError: an unwritable directory, or a directory holding a model (``resume``
+            False) or none (``resume`` True).
+    """
+
+    def __init__(self, directory: str | Path, resume: bool = False, prefetch: bool = True) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.store = GenerationStore(
+            Path(directory) / f"rank{rank}",
+            fmt=FORMAT,
+            owned=_OWNED,
+            resume=resume,
+            what="disk_offload directory",
+        )
+        self.resume = resume
+        self.prefetch = prefetch
+        self.units: list[DiskUnit] = []
+        self.optimizer_class: str | None = None
+        self._stored: dict[str, Any] = {}
+        if resume:
+            manifest = self.store.open()
+            self._stored = manifest["units"]
+            self.optimizer_class = manifest.get("optimizer_class")
+        self._optimizer: DiskOptimizer | None = None
+        self._reader: ThreadPoolExecutor | None = None
+        self._group: dist.ProcessGroup | None = None
+        self.unacknowledged = False  # a backward stepped; optimizer.step() not called yet
+        self.stepped: list[DiskUnit] = []  # units stepped in the step being written
+        self.history: list[DiskStats] = []
+        self.read_wait_s = 0.0
+        self._mark = (0, 0, 0.0, 0.0)  # read, written, wait, time at the last commit
+
+    @property
+    def directory(self) -> Path:
+        """This rank's directory."""
+        return self.store.directory
+
+    @property
+    def generation(self) -> int:
+        """The committed generation (number of steps taken)."""
+        return self.store.generation
+
+    # attaching -----------------------------------------------------------------------
+    def attach(
+        self, handle: FlatParamHandle, label: str, group: dist.ProcessGroup | None
+    ) -> DiskUnit:
+        """Take over ``handle``'s local shard: write it as generation 0 (or check it
+        against the stored unit when resuming) and drop it from memory.
+
+        Raises:
+            ValueError: resuming, the stored unit does not match (another model or
+                world size), or ranks are at different generations.
+        """
+        if not self.units:
+            self._group = group
+            if self.resume:
+                _check_same_generation(self.generation, group)
+        unit = DiskUnit(self, f"unit{len(self.units)}", handle, label)
+        self.units.append(unit)
+        if self.resume:
+            unit.check_stored(self._stored.get(unit.entry))
+        else:
+            self.store.write(unit.entry, "params", 0, handle.local_shard)
+            self._commit(0)
+        unit.release()
+        return unit
+
+    def optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer], **defaults: Any
+    ) -> DiskOptimizer:
+        """The optimizer of the units on this tier (see :class:`DiskOptimizer`).
+
+        Args:
+            optimizer_class: an element-wise ``torch.optim.Optimizer`` class (SGD, Adam,
+                AdamW, ...).
+            defaults: its hyperparameters (``lr=...``).
+
+        Raises:
+            ValueError: the directory holds state of another optimizer class.
+        """
+        self._optimizer = DiskOptimizer(self, optimizer_class, defaults)
+        return self._optimizer
+
+    # reading -------------------------------------------------------------------------
+    def read_async(self, path: Path, flat: torch.Tensor) -> Future[int]:
+        """Read ``path`` into ``flat`` on the background thread."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="shardkit-disk")
+        return self._reader.submit(read_into, path, flat)
+
+    def waited(self, seconds: float) -> None:
+        """Count ``seconds`` of the training thread waiting for a read."""
+        self.read_wait_s += seconds
+
+    # stepping ------------------------------------------------------------------------
+    def begin_unit_step(self, unit: DiskUnit) -> DiskOptimizer:
+        """Checks before ``unit`` steps: an optimizer exists, the previous step was
+        acknowledged, the unit did not step in this backward yet.
+
+        Raises:
+            RuntimeError: naming the cause and the fix.
+        """
+        if self._optimizer is None:
+            raise RuntimeError(
+                f"{unit.label}: backward with disk_offload steps the optimizer, but none "
+                "was built: call disk.optimizer(torch.optim.AdamW, lr=...) before the "
+                "first backward"
+            )
+        if self.unacknowledged:
+            raise RuntimeError(
+                f"{unit.label}: a second backward before optimizer.step(): with "
+                "disk_offload every backward is an optimizer step. Call optimizer.step() "
+                "after each backward; accumulate micro-batches inside model.no_sync()"
+            )
+        if unit in self.stepped:
+            raise RuntimeError(
+                f"{unit.label}: its gradient was reduced twice in one backward; the disk "
+                "tier steps once per backward (was the unit's output used by two losses?)"
+            )
+        self.stepped.append(unit)
+        return self._optimizer
+
+    def end_backward(self) -> None:
+        """The root's backward is over: if units stepped, commit their generation once
+        every rank has written it (one all-reduce as a barrier)."""
+        if not self.stepped:
+            return
+        with record_function("FSDP::disk_commit"):
+            if dist.is_initialized() and dist.get_world_size(self._group) > 1:
+                dist.all_reduce(torch.zeros(1), group=self._group)  # all wrote g + 1
+            self._commit(self.generation + 1)
+        self.stepped.clear()
+        self.unacknowledged = True
+
+    def _commit(self, generation: int) -> None:
+        self.store.commit(
+            generation,
+            units={u.entry: u.describe() for u in self.units},
+            optimizer_class=self.optimizer_class,
+        )
+        read, written, now = self.store.bytes_read, self.store.bytes_written, time.perf_counter()
+        if generation > 0:
+            last_read, last_written, last_wait, last_time = self._mark
+            self.history.append(
+                DiskStats(
+                    generation,
+                    read - last_read,
+                    written - last_written,
+                    self.read_wait_s - last_wait,
+                    now - last_time,
+                )
+            )
+        self._mark = (read, written, self.read_wait_s, now)
+
+    def acknowledge(self) -> None:
+        """``optimizer.step()``: the backward's step is taken.
+
+        Raises:
+            RuntimeError: no backward stepped since the last acknowledgement.
+        """
+        if not self.unacknowledged:
+            raise RuntimeError(
+                "optimizer.step() without a backward since the last one: with disk_offload "
+                "the units step during backward (see DiskOptimizer); nothing to step"
+            )
+        self.unacknowledged = False
+
+    def resident_bytes(self) -> int:
+        """Bytes of local shards in memory now (the running, prefetched and reducing units)."""
+        return sum(u.nbytes for u in self.units if u.resident)
+
+    def close(self) -> None:
+        """Stop the background reader (idempotent)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
+
+
+class DiskOptimizer(torch.optim.Optimizer):
+    """The optimizer of a disk tier: hyperparameters for the units' steps in backward.
+
+    A ``torch.optim.Optimizer`` with one parameter group (the sharded parameters of
+    every unit) holding the hyperparameters; edit them between steps by hand or with an
+    LR scheduler. Its ``state`` stays empty: the state lives in the units' files. Made by
+    :meth:`DiskOffload.optimizer`; see [Note: stepping inside backward].
+
+    Raises:
+        ValueError: the directory was written with another optimizer class.
+    """
+
+    def __init__(
+        self,
+        tier: DiskOffload,
+        optimizer_class: type[torch.optim.Optimizer],
+        defaults: dict[str, Any],
+    ) -> None:
+        name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+        if tier.optimizer_class not in (None, name):
+            raise ValueError(
+                f"the disk_offload directory holds optimizer state of {tier.optimizer_class}, "
+                f"not {name}; resume with the same optimizer class"
+            )
+        tier.optimizer_class = name
+        params = [p for u in tier.units for p in u.handle.sharded_params]
+        super().__init__(params, dict(defaults))
+        self.tier = tier
+        self.optimizer_class = optimizer_class
+        self._hyper_keys = set(defaults)
+        exempt_optimizer(self)  # its parameters are placeholders between units' steps
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The hyperparameters the next unit step uses (``param_groups[0]``'s)."""
+        group = self.param_groups[0]
+        return {k: group[k] for k in self._hyper_keys}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: each unit's gradient is dropped right after its step."""
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        """Acknowledge the step the last backward made (every unit stepped in it).
+
+        Raises:
+            ValueError: ``closure`` is given.
+            RuntimeError: no backward stepped since the last ``step()`` (a double step).
+        """
+        if closure is not None:
+            raise ValueError("DiskOptimizer.step does not take a closure")
+        self.tier.acknowledge()
+
+
+class DiskUnit:
+    """One unit's files and residency on a :class:`DiskOffload` (one per unit).
+
+    Args:
+        tier: the tier.
+        entry: the unit's name in the store (``unit<k>``, k in wrapping order).
+        handle: the unit's flat parameter; its local shard is ``(S,)`` on the CPU.
+        label: the unit's label, for messages.
+    """
+
+    def __init__(self, tier: DiskOffload, entry: str, handle: FlatParamHandle, label: str):
+        self.tier = tier
+        self.entry = entry
+        self.handle = handle
+        self.label = label
+        shard = handle.local_shard
+        self.nbytes = shard.numel() * shard.element_size()
+        self.resident = True
+        self.loaded_version = 0
+        self.optim_layout: dict[str, Any] | None = None
+        self._reading: Future[int] | None = None
+        self._placeholder = shard.new_empty(0)
+
+    def describe(self) -> dict[str, Any]:
+        """The unit's manifest record: layout and optimizer-state layout."""
+        layout = self.handle.layout
+        return {
+            "label": self.label,
+            "numels": list(layout.numels),
+            "world_size": layout.world_size,
+            "rank": self.handle.rank,
+            "dtype": str(self.handle.local_shard.dtype),
+            "optim": self.optim_layout,
+        }
+
+    def check_stored(self, stored: dict[str, Any] | None) -> None:
+        """Resuming: the stored record must describe this unit.
+
+        Raises:
+            ValueError: naming the stored and the present layout.
+        """
+        mine = self.describe()
+        if stored is None:
+            raise ValueError(
+                f"{self.label} is {self.entry} of this model, but the disk_offload "
+                f"directory {str(self.tier.directory)!r} holds only {len(self.tier._stored)} "
+                "units: resume with the model and wrapping that wrote it"
+            )
+        for key in ("numels", "world_size", "rank", "dtype"):
+            if stored[key] != mine[key]:
+                raise ValueError(
+                    f"{self.label} ({self.entry}) does not match the disk_offload directory: "
+                    f"stored {key}={stored[key]}, model {key}={mine[key]}; resume with the "
+                    "model, wrapping and world size that wrote it"
+                )
+        self.optim_layout = stored["optim"]
+
+    # residency -----------------------------------------------------------------------
+    def prefetch(self) -> None:
+        """Start reading the shard on the background thread (no-op if resident)."""
+        if self.resident or not self.tier.prefetch:
+            return
+        path = self.tier.store.path(self.entry, "params")
+        assert path is not None
+        self._allocate()
+        self._reading = self.tier.read_async(path, self.handle.local_shard)
+        self.tier.store.bytes_read += self.nbytes
+
+    def load(self) -> None:
+        """Make the local shard resident (waits for a prefetch, or reads now)."""
+        if self._reading is not None:
+            start = time.perf_counter()
+            with record_function("FSDP::disk_wait_read"):
+                self._reading.result()
+            self.tier.waited(time.perf_counter() - start)
+            self._reading = None
+        elif not self.resident:
+            start = time.perf_counter()
+            with record_function("FSDP::disk_read"):
+                self._allocate()
+                self.tier.store.read(self.entry, "params", self.handle.local_shard)
+            self.tier.waited(time.perf_counter() - start)
+        else:
+            return
+        handle = self.handle
+        for index, param in enumerate(handle.sharded_params):
+            a, b = handle.layout.piece(index, handle.rank)
+            param.data = handle.local_shard[a:b]
+        self.loaded_version = int(handle.local_shard._version)
+
+    def _allocate(self) -> None:
+        storage = self.handle.local_shard.untyped_storage()
+        if storage.nbytes() != self.nbytes:
+            storage.resize_(self.nbytes)
+        self.resident = True
+
+    def release(self) -> None:
+        """Drop the local shard from memory (its file is the current copy)."""
+        if self._reading is not None:
+            self._reading.result()
+            self._reading = None
+        if not self.resident:
+            return
+        for param in self.handle.sharded_params:
+            param.data = self._placeholder
+        self.handle.local_shard.untyped_storage().resize_(0)
+        self.resident = False
+
+    def after_gather(self, in_forward: bool) -> None:
+        """After the all-gather: forward drops the shard; backward keeps it for the step."""
+        if in_forward:
+            self.release()
+
+    def end_summon(self) -> None:
+        """Leaving ``summon_full_params``: drop the shard.
+
+        Raises:
+            RuntimeError: the shard was changed inside (not written to the tier).
+        """
+        changed = self.resident and int(self.handle.local_shard._version) != self.loaded_version
+        self.release()
+        if changed:
+            raise RuntimeError(
+                f"{self.label}: parameters changed inside summon_full_params (or by "
+                "load_state_dict) are not written to the disk tier, so the change was "
+                "dropped; load weights into the module before wrapping it, or resume from "
+                "a disk_offload directory"
+            )
+
+    # the step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, grad_shard: torch.Tensor, divide_by: float) -> None:
+        """The reduced gradient shard ``(S,)`` is complete: step this unit and write its
+        shard and optimizer state as the next generation (see [Note: stepping inside
+        backward])."""
+        tier = self.tier
+        optimizer = tier.begin_unit_step(self)
+        with record_function("FSDP::disk_step"):
+            self.load()
+            handle = self.handle
+            handle.accumulate_grad_shard(grad_shard, divide_by=divide_by)
+            params = handle.sharded_params
+            hyper = optimizer.hyperparameters()
+            inner = optimizer.optimizer_class(params, **hyper)
+            exempt_optimizer(inner)
+            self._read_state(inner, params)
+            inner.step()
+            for param in params:
+                param.grad = None
+            generation = tier.generation + 1
+            tier.store.write(self.entry, "params", generation, handle.local_shard)
+            self._write_state(inner, params, generation)
+            del inner
+            self.release()
+
+    def _read_state(self, inner: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+        layout = self.optim_layout
+        if layout is None:
+            return
+        flat = torch.empty(layout["nbytes"], dtype=torch.uint8)
+        self.tier.store.read(self.entry, "optim", flat)
+        for index, key, dtype, shape, offset in layout["tensors"]:
+            kind = getattr(torch, dtype.removeprefix("torch."))
+            nbytes = torch.Size(shape).numel() * kind.itemsize
+            value = flat[offset : offset + nbytes].view(kind).view(shape)
+            inner.state[params[index]][key] = value
+        for index, key, value in layout["values"]:
+            inner.state[params[index]][key] = value
+
+    def _write_state(
+        self, inner: torch.optim.Optimizer, params: list[nn.Parameter], generation: int
+    ) -> None:
+        tensors: list[tuple[int, str, torch.Tensor]] = []
+        values: list[list[Any]] = []
+        for index, param in enumerate(params):
+            for key, value in sorted(inner.state.get(param, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    tensors.append((index, key, value.contiguous()))
+                elif value is None or isinstance(value, (bool, int, float)):
+                    values.append([index, key, value])
+                else:
+                    raise TypeError(
+                        f"{self.label}: optimizer state {key!r} is a {type(value).__name__}; "
+                        "the disk tier stores tensors, numbers and None only"
+                    )
+        flats = [t for _, _, t in tensors]
+        offsets, total = packed_offsets([t.numel() * t.element_size() for t in flats])
+        self.tier.store.write_packed(self.entry, "optim", generation, flats)
+        self.optim_layout = {
+            "nbytes": total,
+            "tensors": [
+                [i, k, str(t.dtype), list(t.shape), o]
+                for (i, k, t), o in zip(tensors, offsets, strict=True)
+            ],
+            "values": values,
+        }
+
+
+def _check_same_generation(generation: int, group: dist.ProcessGroup | None) -> None:
+    """Resuming: every rank of ``group`` is at the same committed generation.
+
+    Raises:
+        ValueError: naming the lowest and highest generation.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    both = torch.tensor([generation, -generation], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    highest, lowest = int(both[0]), -int(both[1])
+    if highest != lowest:
+        raise ValueError(
+            f"the ranks' disk_offload directories hold generations {lowest} to {highest} "
+            f"(this rank: {generation}); every rank must resume from the same step"
+        )
