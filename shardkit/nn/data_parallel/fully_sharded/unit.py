@@ -78,6 +78,7 @@ from shardkit.nn.data_parallel.fully_sharded.collectives import (
     reduce_scatter_flat,
 )
 from shardkit.nn.data_parallel.fully_sharded.config import FSDPConfig
+from shardkit.nn.data_parallel.fully_sharded.disk_tier import DiskUnit
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
 from shardkit.nn.data_parallel.fully_sharded.precision import BufferCast
 from shardkit.nn.data_parallel.fully_sharded.root import RootState
@@ -205,6 +206,7 @@ class UnitRuntime:
         self._full_version = 0
         self._gathered_shard_version = 0
         self._saved_shard: torch.Tensor | None = None
+        self.disk: DiskUnit | None = None  # the disk tier's hooks (set by the front)
         self._update_trainable()
         _RUNTIMES[module] = self
 
@@ -242,6 +244,8 @@ class UnitRuntime:
         handle = self.handle
         if self.sharded_state is ShardedState.SHARDED:
             handle.alloc_full()
+            if self.disk is not None:
+                self.disk.load()
             self._gathered_shard_version = self.shard_version
             source, group = self._gather_source()
             self.pending_unshard = (
@@ -254,6 +258,8 @@ class UnitRuntime:
                 return
         assert self.pending_unshard is not None
         self.pending_unshard.wait()
+        if self.disk is not None:
+            self.disk.after_gather(in_forward=self.training_state is TrainingState.FORWARD)
         handle.use_unsharded()
         self._full_version = int(handle.full_flat._version)
         self.sharded_state = ShardedState.UNSHARDED
@@ -281,9 +287,13 @@ class UnitRuntime:
             self._secondary = None
 
     def prefetch(self) -> None:
-        """Issue the all-gather without waiting (a no-op unless SHARDED)."""
+        """Issue the all-gather without waiting (a no-op unless SHARDED); on the disk
+        tier, start reading the shard instead (the all-gather waits for ``unshard``)."""
         if self.sharded_state is ShardedState.SHARDED:
-            self.unshard(async_op=True)
+            if self.disk is not None:
+                self.disk.prefetch()
+            else:
+                self.unshard(async_op=True)
 
     def reshard(self) -> None:
         """Any state -> SHARDED: the sharded parameters installed, the full buffer freed
@@ -401,6 +411,9 @@ class UnitRuntime:
     def end_backward(self) -> None:
         """From ``finalize_backward``: every reduction is done; shard and go idle."""
         self.reshard()
+        if self.disk is not None:  # every unit stepped: the tier commits (once)
+            self.disk.release()
+            self.disk.tier.end_backward()
         self.training_state = TrainingState.IDLE
 
     def _reduce_grads(self) -> None:
@@ -434,7 +447,10 @@ class UnitRuntime:
     def _finish_reduction(self, shard: torch.Tensor, divide_by: float) -> None:
         """The reduced shard ``(S,)`` of this rank: across replicas, then into ``.grad``."""
         if self.replicate_group is None:
-            self.handle.accumulate_grad_shard(shard, divide_by=divide_by)
+            if self.disk is not None:  # accumulate, then step the unit (disk tier)
+                self.disk.step(shard, divide_by)
+            else:
+                self.handle.accumulate_grad_shard(shard, divide_by=divide_by)
             return
         total = shard if self._deferred is None else self._deferred.add_(shard)
         if not self.requires_all_reduce:
@@ -515,6 +531,8 @@ class UnitRuntime:
         self.training_state = TrainingState.IDLE
         self.reshard()
         handle.use_full_precision(False)
+        if self.disk is not None:
+            self.disk.end_summon()
 
     def _full_written(self) -> bool:
         """The full buffer was written since it was gathered (its version moved)."""
