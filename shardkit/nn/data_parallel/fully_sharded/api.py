@@ -39,6 +39,7 @@ from shardkit.nn.data_parallel.fully_sharded.consolidate import (
     consolidate_shard_weights,
     local_metadata,
 )
+from shardkit.nn.data_parallel.fully_sharded.disk_tier import DiskOffload
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle, ParamInfo
 from shardkit.nn.data_parallel.fully_sharded.materialize import (
     ParamInitFn,
@@ -161,6 +162,10 @@ class FullyShardedDataParallel(nn.Module):
             buffers before each forward that follows a synchronised training forward
             (one broadcast per buffer per step; BatchNorm statistics stay equal on every
             rank). Default True.
+        disk_offload: a :class:`~.disk_tier.DiskOffload` (the same object for every unit
+            of the model): each unit's shard and optimizer state live in files and the
+            optimizer steps unit by unit inside backward (ZeRO-Infinity's NVMe offload;
+            see :mod:`.disk_tier`). Not with hybrid strategies. Default None: in memory.
 
     Raises:
         TypeError: a parameter has an integer, bool or complex dtype.
@@ -215,8 +220,14 @@ class FullyShardedDataParallel(nn.Module):
         broadcast_buffers: bool = True,
         sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
         grad_compression: GradCompressor | str | None = None,
+        disk_offload: DiskOffload | None = None,
     ) -> None:
         strategy = resolve_sharding_strategy(sharding_strategy)
+        if disk_offload is not None and strategy.hybrid:
+            raise ValueError(
+                f"disk_offload works with FULL_SHARD and SHARD_GRAD_OP, not {strategy.name} "
+                "(its cross-replica all-reduce would finish after the unit's step)"
+            )
         shard_group, replicate_group = _resolve_groups(process_group, strategy)
         reshard_after_forward, secondary = _resolve_reshard(reshard_after_forward, shard_group)
         with local_checks(_what(module), shard_group):  # an error here stops every rank
@@ -247,6 +258,7 @@ class FullyShardedDataParallel(nn.Module):
         self._replicate_group = replicate_group
         self._secondary_group = secondary
         self._param_init_fn = param_init_fn
+        self._disk_offload = disk_offload
         self._fsdp_wrapped_module = module
         self._unit = self._build_unit(module)
         self._register_state_dict_hooks(module)
@@ -277,7 +289,7 @@ class FullyShardedDataParallel(nn.Module):
             group=group,
             options=options,
         )
-        placement = _placement(self._config, originals, module)
+        placement = _placement(self._config, originals, module, self._disk_offload is not None)
         _move_buffers(module, placement.compute_device)
         mp = self._config.mixed_precision
         buffers = [(m, a) for _, m in _own_modules(module) for a in m._buffers]
@@ -288,7 +300,7 @@ class FullyShardedDataParallel(nn.Module):
         mark_taken(originals, infos, label, handle.sharded_params)
         for param in originals:  # release the replaced parameters' memory
             param.data = param.data.new_empty(0)
-        return UnitRuntime(
+        runtime = UnitRuntime(
             self,
             handle,
             self._config,
@@ -298,6 +310,9 @@ class FullyShardedDataParallel(nn.Module):
             self._replicate_group,
             self._secondary_group,
         )
+        if self._disk_offload is not None and infos:
+            runtime.disk = self._disk_offload.attach(handle, label, group)
+        return runtime
 
     def _prepare_unit(
         self, module: nn.Module, label: str
@@ -626,7 +641,9 @@ def _original(info: ParamInfo) -> nn.Parameter:
     return param
 
 
-def _placement(config: FSDPConfig, originals: list[nn.Parameter], module: nn.Module) -> Placement:
+def _placement(
+    config: FSDPConfig, originals: list[nn.Parameter], module: nn.Module, on_disk: bool
+) -> Placement:
     """Devices and dtypes of a unit from its options and its (checked) parameters."""
     first = originals[0] if originals else next(iter(module.buffers()), torch.empty(0))
     master = first.dtype if first.is_floating_point() else torch.get_default_dtype()
@@ -635,10 +652,11 @@ def _placement(config: FSDPConfig, originals: list[nn.Parameter], module: nn.Mod
     mp = config.mixed_precision or MixedPrecision()
     return Placement(
         compute_device=compute,
-        shard_device=torch.device("cpu") if offload else compute,
+        shard_device=torch.device("cpu") if offload or on_disk else compute,
         master_dtype=master,
         compute_dtype=mp.compute_dtype(master),
         reduce_dtype=mp.gradient_dtype(master),
+        on_disk=on_disk,
     )
 
 
