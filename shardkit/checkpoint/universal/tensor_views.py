@@ -19,22 +19,18 @@ top. A tensor-parallel part is written by its holder.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 
-from shardkit.checkpoint.universal.adapters import model_tensors
-from shardkit.checkpoint.universal.layout import ParamEntry, TensorView
+from shardkit.checkpoint.universal.layout import TensorView
 from shardkit.distributed import mpu
 
 __all__ = [
     "VIEW_ATTRIBUTE",
-    "optimizer_params",
     "set_view",
     "strategy_name",
     "view_of",
-    "whole_entries",
     "writes_replica",
 ]
 
@@ -84,41 +80,3 @@ def strategy_name(base: str, views: Iterable[TensorView]) -> str:
     degrees = sorted({v.parts for v in views if v.split_dim is not None})
     return f"{base}+tp{degrees[-1]}" if degrees else base
 
-
-def optimizer_params(optimizer: Any) -> set[int]:
-    """Ids of the parameters ``optimizer`` holds in its ``param_groups`` (empty for None):
-    an adapter gives an entry's ``param`` only for those."""
-    if optimizer is None:
-        return set()
-    return {id(p) for group in optimizer.param_groups for p in group["params"]}
-
-
-def whole_entries(
-    module: torch.nn.Module,
-    held: set[int],
-    writes: Callable[[torch.Tensor, bool], bool],
-    rename: Callable[[str], str] | None = None,
-) -> Iterator[ParamEntry]:
-    """One entry per tensor of ``module.state_dict()`` (a tied tensor once), whole: for
-    wrappers whose ranks hold whole tensors (or tensor-parallel parts of them).
-
-    Args:
-        held: ids of the parameters the optimizer holds on this rank (``param`` of the
-            entry; None for the others and for buffers).
-        writes: ``writes(tensor, is_parameter)``: this rank writes the tensor, as far as
-            the wrapper goes; a tensor held whole by every tensor-parallel rank is also
-            left to tensor-parallel rank 0 (:func:`writes_replica`).
-        rename: maps the module's state-dict key to the unwrapped model's; default None:
-            the key as it is.
-    """
-    for key, tensor, is_param in model_tensors(module):
-        view = view_of(tensor)
-        yield ParamEntry(
-            key=key if rename is None else rename(key),
-            view=view,
-            start=0,
-            stop=tensor.numel(),
-            tensor=tensor.detach(),
-            param=tensor if id(tensor) in held else None,
-            write=writes(tensor, is_param) and writes_replica(view),
-        )

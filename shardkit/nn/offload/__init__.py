@@ -8,6 +8,7 @@ slice for forward and backward), ``optim`` (slice-by-slice stepping), ``api``
 (``OffloadModel``). A GPT as a sequence of stages: ``shardkit.models.gpt_stages``.
 """
 
+import shardkit.nn.offload.universal_layout  # noqa: F401 (registers the universal-checkpoint adapter)
 from shardkit.nn.offload.api import OffloadModel
 from shardkit.nn.offload.disk import DiskTier
 from shardkit.nn.offload.optim import SlicedOptimizer

@@ -13,6 +13,7 @@ orders), ``pipeline`` and ``pipe`` (one process), ``p2p``, ``stage``, ``runtime`
 ``state`` and ``failure`` (across ranks).
 """
 
+import shardkit.nn.pipe.universal_layout  # noqa: F401 (registers the universal-checkpoint adapter)
 from shardkit.nn.pipe.balance import balance_by_size, balance_by_time, solve_balance
 from shardkit.nn.pipe.batchnorm import DeferredBatchNorm
 from shardkit.nn.pipe.checkpoint import CheckpointMode, is_recomputing

@@ -63,7 +63,7 @@ def _master_shard(
         dtype=dtype or torch.get_default_dtype(), device=device
     )
     param = nn.Parameter(local)
-    mark_tensor_parallel(param, dim, stride)
+    mark_tensor_parallel(param, dim, stride, rank=rank, world_size=world)
     return param, master
 
 
@@ -135,7 +135,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias: nn.Parameter | None = nn.Parameter(
                 torch.zeros(self.output_size_per_partition, dtype=self.weight.dtype, device=device)
             )
-            mark_tensor_parallel(self.bias, 0, stride)
+            mark_tensor_parallel(self.bias, 0, stride, rank=rank, world_size=world)
         else:
             self.register_parameter("bias", None)
         if keep_master_weight_for_test:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardkit.nn.tensor_parallel.universal_layout import record_view
+
 __all__ = [
     "divide",
     "full_tensor",
@@ -88,11 +90,25 @@ def merge_shards(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torch.
     return torch.cat([per_rank[r][s] for s in range(stride) for r in range(world)], dim=dim)
 
 
-def mark_tensor_parallel(param: torch.Tensor, dim: int, stride: int = 1) -> None:
-    """Set the three tensor-parallel attributes on ``param`` (see the module docstring)."""
+def mark_tensor_parallel(
+    param: torch.Tensor,
+    dim: int,
+    stride: int = 1,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> None:
+    """Set the three tensor-parallel attributes on ``param`` (see the module docstring).
+
+    With ``rank`` and ``world_size`` (this rank's place in the tensor-parallel group),
+    also record the part's view for the universal checkpoint
+    (:func:`~shardkit.nn.tensor_parallel.universal_layout.record_view`).
+    """
     param.tensor_model_parallel = True  # type: ignore[attr-defined]
     param.partition_dim = dim  # type: ignore[attr-defined]
     param.partition_stride = stride  # type: ignore[attr-defined]
+    if rank is not None and world_size is not None:
+        record_view(param, rank, world_size)
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from shardkit.checkpoint.universal.layout import TensorView
 from shardkit.nn.data_parallel.fully_sharded.placement import Placement
 
 __all__ = ["FlatLayout", "FlatParamHandle", "FullFlat", "ParamInfo", "ParamLocation"]
@@ -117,11 +118,17 @@ class ParamLocation:
 
 @dataclass
 class ParamInfo:
-    """One unique original parameter of a unit (tied parameters have several locations)."""
+    """One unique original parameter of a unit (tied parameters have several locations).
+
+    ``view``: what the original parameter is a part of, for the universal checkpoint
+    (a tensor-parallel part: :func:`shardkit.checkpoint.universal.tensor_views.view_of`
+    of the original, taken at wrap time, since the sharded parameters replace it).
+    """
 
     shape: torch.Size
     requires_grad: bool
     locations: list[ParamLocation] = field(default_factory=list)
+    view: TensorView | None = None
 
     @property
     def numel(self) -> int:

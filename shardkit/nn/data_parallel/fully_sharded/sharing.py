@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardkit.checkpoint.universal.tensor_views import view_of
 from shardkit.distributed.optim_guard import mark_replaced
 from shardkit.nn.data_parallel.fully_sharded.flat_param import ParamInfo, ParamLocation
 from shardkit.nn.module_tree import walk_unit
@@ -54,7 +55,7 @@ def collect_params(
             name = f"{prefix}{attr}"
             _check_not_taken(param, name, unit_label)
             if id(param) not in infos:
-                infos[id(param)] = ParamInfo(param.shape, param.requires_grad)
+                infos[id(param)] = ParamInfo(param.shape, param.requires_grad, view=view_of(param))
             infos[id(param)].locations.append(ParamLocation(mod, attr, name))
     return list(infos.values())
 

@@ -1,0 +1,104 @@
+"""FSDP in the universal checkpoint: this rank's piece of every original parameter.
+
+Every unit keeps, on rank ``r`` of its shard group, elements ``[r * S, (r + 1) * S)``
+of its flat parameter (:class:`~.flat_param.FlatLayout`), and the optimizer steps one
+1-D sharded parameter per original parameter (``handle.sharded_params``), a view of
+that slice. So parameter ``i``'s piece on this rank is ``FlatLayout.piece(i, r)``
+shifted by the parameter's offset: a flat element range of the original (local)
+tensor, with the sharded parameter as its storage and as the optimizer's key. A
+parameter is a tensor-parallel part when its original carried a view
+(``ParamInfo.view``, taken at wrap time); its range is then within the part.
+
+Writers: with hybrid sharding the replicas (same shard on each shard group) are
+written by replica 0 only; a tensor held whole by every tensor-parallel rank by
+tensor-parallel rank 0 only (:func:`~shardkit.checkpoint.universal.tensor_views.writes_replica`);
+buffers (whole on every rank) by rank 0 of the shard group. Every rank loads its
+pieces, replicas included, so nothing is re-synchronised after loading.
+
+Keys are those of the unwrapped model's state dict (tied weights: their first key),
+from :func:`.sharded_checkpoint._state_dict_keys`, the map the FSDP sharded checkpoint
+uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.checkpoint.universal.layout import ParamEntry, TensorView
+from shardkit.checkpoint.universal.optim_state import optimizer_params
+from shardkit.checkpoint.universal.tensor_views import strategy_name, writes_replica
+from shardkit.nn.data_parallel.fully_sharded.sharded_checkpoint import _state_dict_keys
+from shardkit.nn.data_parallel.fully_sharded.unit import UnitRuntime, named_units
+
+__all__ = ["FSDPLayout"]
+
+
+class FSDPLayout:
+    """The universal-checkpoint adapter of a root :class:`FullyShardedDataParallel`.
+
+    Args:
+        model: the root FSDP module (nested units are found in its tree).
+        optimizer: the optimizer built over ``model.parameters()``, or None.
+
+    Raises:
+        TypeError: ``model`` is not a root FSDP module.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any = None) -> None:
+        self.units = named_units(model)
+        if "flat_param" not in self.units:
+            raise TypeError(f"expected a root FullyShardedDataParallel; got {type(model).__name__}")
+        self.model = model
+        self.root: UnitRuntime = self.units["flat_param"]
+        self.held = optimizer_params(optimizer) if optimizer is not None else {}
+        replicas = self.root.replicate_group
+        self.replica_writer = replicas is None or dist.get_rank(replicas) == 0
+        self.strategy = strategy_name(
+            "hsdp" if replicas is not None else "fsdp",
+            [i.view for u in self.units.values() for i in u.handle.infos if i.view is not None],
+        )
+
+    def entries(self) -> Iterator[ParamEntry]:
+        """One entry per original parameter with elements on this rank, then buffers."""
+        param_keys, buffer_keys = _state_dict_keys(self.model)
+        for unit in self.units.values():
+            yield from self._unit_entries(unit, param_keys)
+        for buf in self.model.buffers():
+            key = buffer_keys.get(id(buf))
+            if key is None:  # non-persistent: not in the state dict
+                continue
+            view = TensorView(tuple(buf.shape))
+            write = self.root.rank == 0 and self.replica_writer and writes_replica(view)
+            yield ParamEntry(key, view, 0, buf.numel(), buf.detach(), None, write)
+
+    def _unit_entries(
+        self, unit: UnitRuntime, param_keys: dict[int, list[str]]
+    ) -> Iterator[ParamEntry]:
+        handle = unit.handle
+        shard_start = handle.layout.shard_range(handle.rank)[0]
+        for index, (info, sharded) in enumerate(zip(handle.infos, handle.sharded_params)):
+            a, b = handle.layout.piece(index, handle.rank)
+            if b <= a:
+                continue
+            start = shard_start + a - handle.layout.offsets[index]
+            view = info.view if info.view is not None else TensorView(tuple(info.shape))
+            keys = param_keys.get(id(sharded))
+            if not keys:
+                raise KeyError(f"FSDP parameter `{info.name}` has no key in the model's state dict")
+            yield ParamEntry(
+                key=keys[0],
+                view=view,
+                start=start,
+                stop=start + (b - a),
+                tensor=sharded.detach(),
+                param=sharded if id(sharded) in self.held else None,
+                write=self.replica_writer and writes_replica(view),
+            )
+
+    def after_load(self) -> None:
+        """Nothing to do: every rank filled its own shards (replicas included) in place;
+        the shard version counters moved, so a leftover full buffer counts as stale."""

@@ -1,0 +1,324 @@
+"""Workers of ``test_universal_strategies.py``: save in one layout, load in another.
+
+A *layout* is ``(kind, world)``: a wrapper over the first ``world`` ranks of the pool.
+:func:`run_pair` trains a model two steps in layout A next to a plain twin (the
+global batch, every rank), saves a universal checkpoint, loads it into layout B built
+from another initialisation, and returns on rank 0 what the test checks:
+
+- the consolidated parameters and optimizer state of A and B (assembled from the
+  pieces the adapters mark ``write``, each element written exactly once), which must
+  be equal exactly;
+- A's against the twin's, and B's after one more step against the twin's after one
+  more step (to fp32 rounding: the sharded runs sum in another order), which catches
+  a key or a range an adapter maps wrongly on both sides alike.
+
+Model families: ``seq`` (an ``nn.Sequential`` MLP with a persistent buffer: every
+kind, Pipe and OffloadModel included) and ``gpt`` (the tiny GPT, tied embedding; not
+for pipe and offload).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from shardkit.checkpoint.universal import load_universal, save_universal
+from shardkit.checkpoint.universal.adapters import model_tensors
+from shardkit.checkpoint.universal.layout import layout_of
+from shardkit.checkpoint.universal.optim_state import entry_offset
+from shardkit.checkpoint.universal.views import local_rows, write_range
+from shardkit.distributed import mpu
+from shardkit.models import GPT, GPTConfig
+from shardkit.nn import FSDP, OffloadModel, PipelineStage, ScheduleGPipe, ShardedDataParallel
+from shardkit.nn.pipe import stage_module
+from shardkit.nn.tensor_parallel import gpt_plan, parallelize
+from shardkit.optim import OSS
+
+TINY = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+BATCH = 12  # divisible by every data-parallel size 1..4
+KINDS_SEQ = ("plain", "ddp", "oss", "sdp", "fsdp", "hsdp", "pipe", "offload")
+TRAIN_STEPS = 2
+
+Consolidated = dict[str, Any]  # {"params": {key: tensor}, "state": {key: {name: tensor}}, ...}
+
+
+class Scale(nn.Module):
+    """``x * scale`` with a persistent buffer (a buffer must travel too)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.rand(n) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def make_model(family: str) -> nn.Module:
+    if family == "gpt":
+        return GPT(TINY)
+    return nn.Sequential(
+        nn.Linear(8, 16),
+        nn.Tanh(),
+        Scale(16),
+        nn.Linear(16, 16),
+        nn.LayerNorm(16),
+        nn.Linear(16, 4),
+    )
+
+
+def batch(family: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    if family == "gpt":
+        idx = torch.randint(0, TINY.vocab_size, (BATCH, TINY.block_size), generator=g)
+        return idx, torch.roll(idx, 1, dims=1)
+    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-4, weight_decay=0.01)
+
+
+def loss_of(family: str, model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if family == "gpt":
+        return model(x, y)[1]
+    return F.mse_loss(model(x), y)
+
+
+# process groups ------------------------------------------------------------------------
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def group(ranks: list[int]) -> Any:
+    """The group of ``ranks`` (created once; every rank of the pool must call this)."""
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(ranks))
+    return _GROUPS[key]
+
+
+def hybrid_pair(world: int, shard: int) -> tuple[Any, Any]:
+    """(shard group, replica group) of this rank for shard groups of ``shard``
+    consecutive ranks among the first ``world`` (every rank calls it)."""
+    rank = dist.get_rank()
+    mine: tuple[Any, Any] = (None, None)
+    for start in range(0, world, shard):
+        g = group(list(range(start, start + shard)))
+        if start <= rank < start + shard:
+            mine = (g, mine[1])
+    for offset in range(shard):
+        g = group(list(range(offset, world, shard)))
+        if rank < world and rank % shard == offset:
+            mine = (mine[0], g)
+    return mine
+
+
+# layouts -------------------------------------------------------------------------------
+class Run:
+    """A model in one layout on this rank, and how it trains one step."""
+
+    def __init__(self, family: str, kind: str, world: int, base: nn.Module) -> None:
+        self.family, self.kind, self.world = family, kind, world
+        rank = dist.get_rank()
+        self.hybrid = hybrid_pair(world, 2) if kind == "hsdp" and world % 2 == 0 else None
+        if kind == "tp_fsdp":
+            mpu.initialize_model_parallel(2)
+        self.group = group(list(range(world)))
+        self.member = rank < world
+        self.dp_rank, self.dp_size = (rank, world) if self.member else (0, 1)
+        self.stage: PipelineStage | None = None
+        if self.member:
+            self.model, self.optimizer = self._build(base)
+
+    def _build(self, base: nn.Module) -> tuple[Any, Any]:
+        kind, g = self.kind, self.group
+        if kind == "plain" or kind == "offload":
+            self.dp_rank, self.dp_size = 0, 1  # every rank steps the global batch
+            model: Any = base
+            if kind == "offload":
+                model = OffloadModel(base, "cpu", "cpu", num_slices=2)
+            return model, adamw(model.parameters())
+        if kind == "ddp":
+            return DistributedDataParallel(base, process_group=g), adamw(base.parameters())
+        if kind == "oss":
+            oss = OSS(
+                base.parameters(),
+                torch.optim.AdamW,
+                lr=1e-2,
+                eps=1e-4,
+                weight_decay=0.01,
+                process_group=g,
+            )
+            return DistributedDataParallel(base, process_group=g), oss
+        if kind == "sdp":
+            oss = OSS(
+                base.parameters(),
+                torch.optim.AdamW,
+                lr=1e-2,
+                eps=1e-4,
+                weight_decay=0.01,
+                process_group=g,
+            )
+            return ShardedDataParallel(base, oss, process_group=g), oss
+        if kind == "fsdp":
+            model = FSDP(base, process_group=g)
+            return model, adamw(model.parameters())
+        if kind == "hsdp":
+            pair = self.hybrid if self.hybrid is not None else (g, group([dist.get_rank()]))
+            model = FSDP(base, process_group=pair, sharding_strategy="HYBRID_SHARD")
+            return model, adamw(model.parameters())
+        if kind == "tp_fsdp":
+            parallelize(base, gpt_plan())
+            dp = mpu.get_data_parallel_group()
+            self.dp_rank, self.dp_size = dist.get_rank(dp), dist.get_world_size(dp)
+            model = FSDP(base, process_group=dp)
+            return model, adamw(model.parameters())
+        if kind == "pipe":
+            self.dp_rank, self.dp_size = 0, 1
+            n = len(base)  # type: ignore[arg-type]
+            balance = [n // self.world + (i < n % self.world) for i in range(self.world)]
+            part = stage_module(base, balance, dist.get_rank(g))  # type: ignore[arg-type]
+            self.stage = PipelineStage(part, process_group=g)
+            return self.stage, adamw(part.parameters())
+        raise ValueError(f"unknown layout kind {kind!r}")
+
+    def step(self, step: int) -> None:
+        if not self.member:
+            return
+        x, y = batch(self.family, step)
+        rows = BATCH // self.dp_size
+        x, y = (
+            x[self.dp_rank * rows : (self.dp_rank + 1) * rows],
+            y[self.dp_rank * rows : (self.dp_rank + 1) * rows],
+        )
+        self.optimizer.zero_grad()
+        if self.stage is not None:
+            stage = self.stage
+            schedule = ScheduleGPipe(stage, chunks=2, loss_fn=F.mse_loss)
+            schedule.step(x if stage.is_first else None, target=y if stage.is_last else None)
+        else:
+            loss_of(self.family, self.model, x, y).backward()
+        self.optimizer.step()
+
+    def close(self) -> None:
+        if self.kind == "tp_fsdp":
+            mpu.destroy_model_parallel()
+
+
+# consolidation from the adapters -------------------------------------------------------
+def consolidate(run: Run) -> Consolidated | None:
+    """Every written piece of ``run`` gathered and assembled (a collective over its
+    group); on rank 0: params, element-wise state, scalar state, writes per element."""
+    pieces = []
+    if run.member:
+        adapter = layout_of(run.model, run.optimizer, group=run.group)
+        for e in adapter.entries():
+            if not e.write:
+                continue
+            state: dict[str, torch.Tensor] = {}
+            scalars: dict[str, Any] = {}
+            if e.param is not None:
+                offset, n = entry_offset(e), e.stop - e.start
+                for name, value in run.optimizer.state.get(e.param, {}).items():
+                    if isinstance(value, torch.Tensor) and value.shape == e.param.shape:
+                        state[name] = value.detach().reshape(-1)[offset : offset + n].clone()
+                    else:
+                        scalars[name] = float(value)
+            pieces.append(
+                (e.key, e.view, e.start, e.tensor.detach().reshape(-1).clone(), state, scalars)
+            )
+    if not run.member:
+        return None
+    every: list[Any] = [None] * run.world
+    dist.all_gather_object(every, pieces, group=run.group)
+    out: Consolidated = {"params": {}, "count": {}, "state": {}, "scalars": {}}
+    for key, view, start, flat, state, scalars in (p for rank_pieces in every for p in rank_pieces):
+        for where, name, value in [("params", None, flat)] + [
+            ("state", k, v) for k, v in state.items()
+        ]:
+            table = out[where] if name is None else out[where].setdefault(key, {})
+            slot = key if name is None else name
+            if slot not in table:
+                table[slot] = torch.zeros(view.global_shape, dtype=value.dtype).reshape(-1)
+            write_range(local_rows(table[slot], view), start, value)
+        if key not in out["count"]:
+            out["count"][key] = torch.zeros(view.global_shape, dtype=torch.int64).reshape(-1)
+        write_range(
+            local_rows(out["count"][key], view), start, torch.ones(flat.numel(), dtype=torch.int64)
+        )
+        for name, value in scalars.items():
+            out["scalars"].setdefault(key, {})[name] = value
+    return out if dist.get_rank() == 0 else None
+
+
+def reference(model: nn.Module, optimizer: torch.optim.Optimizer) -> Consolidated:
+    """The plain twin's parameters and optimizer state under its first keys."""
+    out: Consolidated = {"params": {}, "state": {}, "scalars": {}}
+    for key, tensor, is_param in model_tensors(model):
+        out["params"][key] = tensor.detach().reshape(-1).clone()
+        for name, value in optimizer.state.get(tensor, {}).items() if is_param else ():
+            if isinstance(value, torch.Tensor) and value.shape == tensor.shape:
+                out["state"].setdefault(key, {})[name] = value.detach().reshape(-1).clone()
+            else:
+                out["scalars"].setdefault(key, {})[name] = float(value)
+    return out
+
+
+def run_pair(
+    spec_a: tuple[str, str, int], spec_b: tuple[str, int], root: str, seed: int = 0
+) -> dict[str, Any] | None:
+    """Train in layout A, save to ``root``, load into layout B, step once more (see the
+    module docstring). ``spec_a``: (family, kind, world); ``spec_b``: (kind, world)."""
+    family, kind_a, world_a = spec_a
+    kind_b, world_b = spec_b
+    torch.manual_seed(seed)
+    base = make_model(family)
+    twin = copy.deepcopy(base)
+    twin_opt = adamw(twin.parameters())
+    run_a = Run(family, kind_a, world_a, copy.deepcopy(base))
+    for step in range(TRAIN_STEPS):
+        run_a.step(step)
+        x, y = batch(family, step)
+        twin_opt.zero_grad()
+        loss_of(family, twin, x, y).backward()
+        twin_opt.step()
+    if run_a.member:
+        save_universal(root, TRAIN_STEPS, run_a.model, run_a.optimizer, group=run_a.group)
+    saved = consolidate(run_a)
+    run_a.close()
+    want_saved = reference(twin, twin_opt)
+    dist.barrier()
+    torch.manual_seed(seed + 1)  # another initialisation: loading must replace all of it
+    run_b = Run(family, kind_b, world_b, make_model(family))
+    if run_b.member:
+        load_universal(root, run_b.model, run_b.optimizer, group=run_b.group)
+    loaded = consolidate(run_b)
+    run_b.step(TRAIN_STEPS)
+    x, y = batch(family, TRAIN_STEPS)
+    twin_opt.zero_grad()
+    loss_of(family, twin, x, y).backward()
+    twin_opt.step()
+    stepped = consolidate(run_b)
+    run_b.close()
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return None
+    return {
+        "saved": saved,
+        "loaded": loaded,
+        "stepped": stepped,
+        "want_saved": want_saved,
+        "want_stepped": reference(twin, twin_opt),
+    }
+
+
+def run_pairs(
+    pairs: list[tuple[tuple[str, str, int], tuple[str, int]]], root: str
+) -> list[dict[str, Any] | None]:
+    """:func:`run_pair` for each pair, in one call (checkpoints under ``root/<i>``)."""
+    return [run_pair(a, b, f"{root}/{i}") for i, (a, b) in enumerate(pairs)]
