@@ -6,6 +6,13 @@ of the flattened tensor, ``write`` on rank j only), so a save spreads the bytes 
 the ranks and a load fills every piece of every tensor. Under DDP the buffers are
 written by rank 0 alone: they may differ between ranks after a forward (BatchNorm's
 running statistics), and DDP's rule is that rank 0's win (``broadcast_buffers``).
+
+A tensor-parallel part (a tensor carrying a view, see
+:mod:`~shardkit.checkpoint.universal.tensor_views`) is listed under its view. In a
+plain module its holders are the data-parallel replicas of the process-wide mesh:
+data-parallel rank 0 writes it whole. Under DDP the DDP group holds replicas of it, so
+its pieces are spread over that group; a tensor held whole by every tensor-parallel
+rank is then written by tensor-parallel rank 0 only.
 """
 
 from __future__ import annotations
@@ -58,23 +65,37 @@ class PlainLayout:
         self.rank, self.world_size = _rank_world(group)
 
     def entries(self) -> Iterator[ParamEntry]:
+        from shardkit.checkpoint.universal.tensor_views import view_of  # imports this module
+
         for key, tensor, is_param in model_tensors(self.model):
-            yield from self._pieces(key, tensor, tensor if is_param else None)
+            view = view_of(tensor)
+            yield from self._pieces(key, tensor, view, tensor if is_param else None)
+
+    def _writes(self, view: TensorView) -> tuple[bool, bool]:
+        """(this rank may write the tensor, its pieces are spread over the group)."""
+        if view.split_dim is None:
+            return True, True
+        from shardkit.distributed import mpu
+
+        first = not mpu.model_parallel_is_initialized() or mpu.get_data_parallel_rank() == 0
+        return first, False
 
     def _pieces(
-        self, key: str, tensor: torch.Tensor, param: torch.Tensor | None
+        self, key: str, tensor: torch.Tensor, view: TensorView, param: torch.Tensor | None
     ) -> Iterator[ParamEntry]:
-        view = TensorView(tuple(tensor.shape))
         data = tensor.detach()
         n, parts = data.numel(), self.world_size
-        whole = param is None and self.buffers_from_rank0
-        if whole or not data.is_contiguous() or n < parts:  # one piece, written by rank 0
-            yield ParamEntry(key, view, 0, n, data, param, self.rank == 0, 0)
+        writes, spread = self._writes(view)
+        whole = (param is None and self.buffers_from_rank0) or not spread
+        if whole or not data.is_contiguous() or n < parts:  # one piece, written by one rank
+            yield ParamEntry(
+                key, view, 0, n, data, param, writes and (self.rank == 0 or not spread), 0
+            )
             return
         flat = data.view(-1)
         for j in range(parts):
             lo, hi = j * n // parts, (j + 1) * n // parts
-            yield ParamEntry(key, view, lo, hi, flat[lo:hi], param, j == self.rank, lo)
+            yield ParamEntry(key, view, lo, hi, flat[lo:hi], param, writes and j == self.rank, lo)
 
     def after_load(self) -> None:
         """Nothing: every rank read every piece itself."""
@@ -89,6 +110,11 @@ class DDPLayout(PlainLayout):
 
     def __init__(self, model: DistributedDataParallel, group: Any = None) -> None:
         super().__init__(model.module, group if group is not None else model.process_group)
+
+    def _writes(self, view: TensorView) -> tuple[bool, bool]:
+        from shardkit.checkpoint.universal.tensor_views import writes_replica
+
+        return writes_replica(view), True
 
 
 register_layout(DistributedDataParallel, lambda model, optimizer: DDPLayout(model))
