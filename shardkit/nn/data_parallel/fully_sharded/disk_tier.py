@@ -132,6 +132,7 @@ class DiskOffload:
             manifest = self.store.open()
             self._stored = manifest["units"]
             self.optimizer_class = manifest.get("optimizer_class")
+            self.store.remove_unreferenced(set())  # a crashed step's files
         self._optimizer: DiskOptimizer | None = None
         self._reader: ThreadPoolExecutor | None = None
         self._group: dist.ProcessGroup | None = None

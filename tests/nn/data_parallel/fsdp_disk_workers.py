@@ -1,0 +1,258 @@
+"""Rank-side workers of the FSDP disk-tier tests (top level: pickled to spawned ranks)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import shardkit.checkpoint.generations as generations
+from shardkit.models import GPT
+from shardkit.nn.data_parallel.fully_sharded import DiskOffload
+from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+from shardkit.nn.data_parallel.fully_sharded.unit import units_in
+from tests.nn.data_parallel.fsdp_workers import (
+    TINY,
+    global_batch,
+    local_part,
+    mean_over_ranks,
+    tiny_gpt,
+    wrap_model,
+)
+
+HYPER: dict[str, dict[str, Any]] = {
+    "adamw": {"lr": 1e-3, "weight_decay": 0.1},
+    "sgd": {"lr": 0.05, "momentum": 0.9},
+}
+CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW,
+    "sgd": torch.optim.SGD,
+}
+
+
+def _disk_model(directory: str, cfg: dict[str, Any], resume: bool = False) -> tuple[FSDP, Any]:
+    disk = DiskOffload(directory, resume=resume, prefetch=cfg.get("prefetch", True))
+    if resume:
+        with torch.device("meta"):
+            module: torch.nn.Module = GPT(TINY)
+    else:
+        module = tiny_gpt()
+    model = wrap_model(
+        module, cfg["nesting"], reshard_after_forward=cfg.get("raf", True), disk_offload=disk
+    )
+    optimizer = disk.optimizer(CLASSES[cfg["optim"]], **HYPER[cfg["optim"]])
+    return model, optimizer
+
+
+def _step(model: FSDP, optimizer: Any, step: int) -> float:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = global_batch(step, world)
+    _, loss = model(local_part(x, rank), local_part(y, rank))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return mean_over_ranks(loss.item())
+
+
+def _aligned_size(nbytes: list[int]) -> int:
+    """Bytes of a packed file: each tensor but the last padded to 64 bytes."""
+    return sum(-(-n // 64) * 64 for n in nbytes[:-1]) + (nbytes[-1] if nbytes else 0)
+
+
+def _expected_optim_bytes(model: FSDP, optim: str) -> int:
+    """What one step writes as optimizer state: per unit, per sharded parameter piece,
+    AdamW's ``exp_avg``, ``exp_avg_sq`` (piece numel x 4 bytes) and ``step`` (4 bytes);
+    SGD's ``momentum_buffer``; packed per unit."""
+    total = 0
+    for unit in units_in(model):
+        sizes: list[int] = []
+        for index in range(len(unit.handle.sharded_params)):
+            start, end = unit.handle.layout.piece(index, unit.rank)
+            numel = end - start
+            sizes += [numel * 4, numel * 4, 4] if optim == "adamw" else [numel * 4]
+        total += _aligned_size(sizes) if unit.disk is not None else 0
+    return total
+
+
+def disk_parity(cfg: dict[str, Any], directory: str) -> dict[str, Any]:
+    """Train the tiny GPT with FSDP on the disk tier and unwrapped (global batch): losses,
+    full state dicts, disk counters against the arithmetic."""
+    world = dist.get_world_size()
+    ref = tiny_gpt()
+    ref_opt = CLASSES[cfg["optim"]](ref.parameters(), **HYPER[cfg["optim"]])
+    model, optimizer = _disk_model(directory, cfg)
+    disk = optimizer.tier
+    shard_bytes = sum(u.nbytes for u in disk.units)
+    out: dict[str, Any] = {"losses": [], "ref_losses": []}
+    for step in range(cfg.get("steps", 3)):
+        out["losses"].append(_step(model, optimizer, step))
+        x, y = global_batch(step, world)
+        _, ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["ref_losses"].append(ref_loss.item())
+        out.setdefault("resident_after_step", []).append(disk.resident_bytes())
+    optim_bytes = _expected_optim_bytes(model, cfg["optim"])
+    out["stats"] = [(s.generation, s.bytes_read, s.bytes_written) for s in disk.history]
+    out["expected"] = [
+        (g, 2 * shard_bytes + (optim_bytes if g > 1 else 0), shard_bytes + optim_bytes)
+        for g in range(1, cfg.get("steps", 3) + 1)
+    ]
+    out["state"] = model.state_dict()
+    out["ref_state"] = ref.state_dict()
+    out["files"] = sorted(os.listdir(disk.directory))
+    out["units"] = len(disk.units)
+    disk.close()
+    return out
+
+
+def disk_parity_grid(configs: list[dict[str, Any]], root: str) -> list[dict[str, Any]]:
+    return [disk_parity(cfg, str(Path(root) / f"cfg{i}")) for i, cfg in enumerate(configs)]
+
+
+def crash_and_resume(root: str) -> dict[str, Any]:
+    """Three steps uninterrupted; then two steps, a crash while writing step 3's
+    generation (every rank fails at the same write), a resume from the directory, and
+    step 3 redone: same loss and parameters as the uninterrupted run."""
+    cfg = {"nesting": "block", "optim": "adamw"}
+    model, optimizer = _disk_model(str(Path(root) / "straight"), cfg)
+    straight = [_step(model, optimizer, step) for step in range(3)]
+    straight_state = model.state_dict()
+    optimizer.tier.close()
+
+    directory = str(Path(root) / "crashed")
+    model, optimizer = _disk_model(directory, cfg)
+    first = [_step(model, optimizer, step) for step in range(2)]
+    real_write, calls = generations.write_tensor, []
+
+    def write_half_then_fail(handle: Any, flat: torch.Tensor) -> int:
+        calls.append(flat.numel())
+        if len(calls) == 3:  # a unit's shard and state written, the next shard half-way
+            handle.write(bytes(flat.numel() * flat.element_size() // 2))
+            raise OSError("disk full (simulated)")
+        return real_write(handle, flat)
+
+    generations.write_tensor = write_half_then_fail  # type: ignore[assignment]
+    error = ""
+    try:
+        _step(model, optimizer, 2)
+    except OSError as exc:
+        error = str(exc)
+    finally:
+        generations.write_tensor = real_write  # type: ignore[assignment]
+    disk_dir = optimizer.tier.directory
+    optimizer.tier.close()
+    del model, optimizer
+    files_after_crash = sorted(os.listdir(disk_dir))
+    model, optimizer = _disk_model(directory, cfg, resume=True)
+    generation = optimizer.tier.generation
+    files_after_open = sorted(os.listdir(disk_dir))
+    redone = _step(model, optimizer, 2)
+    out = {
+        "error": error,
+        "generation": generation,
+        "files_after_crash": files_after_crash,
+        "files_after_open": files_after_open,
+        "losses": first + [redone],
+        "straight": straight,
+        "state": model.state_dict(),
+        "straight_state": straight_state,
+    }
+    optimizer.tier.close()
+    return out
+
+
+def killed_mid_step(root: str, init_file: str) -> None:
+    """A one-rank process killed (``os._exit``) half-way through writing step 3's
+    generation; run in a separate process by the test."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    model, optimizer = _disk_model(root, {"nesting": "block", "optim": "adamw"})
+    for step in range(2):
+        _step(model, optimizer, step)
+    real_write, calls = generations.write_tensor, []
+
+    def write_half_then_die(handle: Any, flat: torch.Tensor) -> int:
+        calls.append(1)
+        if len(calls) == 3:
+            handle.write(bytes(flat.numel() * flat.element_size() // 2))
+            handle.flush()
+            os._exit(17)
+        return real_write(handle, flat)
+
+    generations.write_tensor = write_half_then_die  # type: ignore[assignment]
+    _step(model, optimizer, 2)
+
+
+def resume_after_kill(root: str) -> dict[str, Any]:
+    """Resume the killed run's directory and redo step 3."""
+    model, optimizer = _disk_model(root, {"nesting": "block", "optim": "adamw"}, resume=True)
+    out = {"generation": optimizer.tier.generation, "loss": _step(model, optimizer, 2)}
+    out["state"] = model.state_dict()
+    optimizer.tier.close()
+    return out
+
+
+def straight_run(root: str, steps: int) -> dict[str, Any]:
+    model, optimizer = _disk_model(root, {"nesting": "block", "optim": "adamw"})
+    losses = [_step(model, optimizer, step) for step in range(steps)]
+    out = {"losses": losses, "state": model.state_dict()}
+    optimizer.tier.close()
+    return out
+
+
+def _raises(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def misuse(root: str) -> dict[str, str]:
+    """The refusals: a second backward before step(), step() without backward, no
+    optimizer, a changed summon, a hybrid strategy, a mismatching resume."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = global_batch(0, world)
+    x, y = local_part(x, rank), local_part(y, rank)
+    out: dict[str, str] = {}
+
+    disk = DiskOffload(str(Path(root) / "a"))
+    model = wrap_model(tiny_gpt(), "block", disk_offload=disk)
+    out["no_optimizer"] = _raises(lambda: model(x, y)[1].backward())
+    disk.close()
+
+    model, optimizer = _disk_model(str(Path(root) / "b"), {"nesting": "block", "optim": "sgd"})
+    before = copy.deepcopy(model.state_dict())
+    out["step_without_backward"] = _raises(optimizer.step)
+    model(x, y)[1].backward()
+    optimizer.step()
+    out["double_step"] = _raises(optimizer.step)
+    out["changed"] = str(any(not torch.equal(before[k], v) for k, v in model.state_dict().items()))
+    out["load_state_dict"] = _raises(lambda: model.load_state_dict(before))
+    model(x, y)[1].backward()
+    out["second_backward"] = _raises(lambda: model(x, y)[1].backward())
+    optimizer.tier.close()
+
+    out["hybrid"] = _raises(
+        lambda: FSDP(
+            tiny_gpt(),
+            sharding_strategy="HYBRID_SHARD",
+            disk_offload=DiskOffload(str(Path(root) / "c")),
+        )
+    )
+    wider = dataclasses.replace(TINY, n_embd=32)
+    out["resume_other_model"] = _raises(
+        lambda: wrap_model(
+            GPT(wider), "block", disk_offload=DiskOffload(str(Path(root) / "b"), resume=True)
+        )
+    )
+    out["resume_fresh"] = _raises(lambda: DiskOffload(str(Path(root) / "d"), resume=True))
+    out["fresh_over_used"] = _raises(lambda: DiskOffload(str(Path(root) / "b")))
+    return out

@@ -1,0 +1,93 @@
+"""FSDP's disk tier: parity with the plain model, byte counters, crash safety, refusals.
+
+Tiny GPT (a non-Sequential tree; the LM head tied to the token embedding) wrapped as one
+unit, one unit per block (nested under the root) or by size; AdamW and SGD with
+momentum, three steps; the FSDP model sees ``1 / N`` of each global batch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardkit.testing import assert_state_dicts_close
+from tests.nn.data_parallel import fsdp_disk_workers as w
+
+GRID = {
+    1: [
+        {"nesting": "flat", "optim": "adamw"},
+        {"nesting": "block", "optim": "sgd", "prefetch": False},
+    ],
+    2: [
+        {"nesting": "block", "optim": "adamw"},
+        {"nesting": "size", "optim": "sgd"},
+        {"nesting": "block", "optim": "adamw", "raf": False},
+    ],
+}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_parity_and_byte_counters(rank_pool: Any, world_size: int, tmp_path: Path) -> None:
+    configs = GRID[world_size]
+    per_rank = rank_pool(world_size).run(w.disk_parity_grid, configs, str(tmp_path))
+    for cfg, result in zip(configs, per_rank[0]):
+        for step, (got, want) in enumerate(zip(result["losses"], result["ref_losses"])):
+            assert abs(got - want) < 1e-5, f"{cfg}: step {step} loss {got} != {want}"
+        assert_state_dicts_close(result["state"], result["ref_state"], atol=2e-5, rtol=1e-4)
+    for rank_results in per_rank:
+        for cfg, result in zip(configs, rank_results):
+            # per step: every shard read for forward and for backward + step, optimizer
+            # state read from step 2 on; shard and state written once
+            assert result["stats"] == result["expected"], cfg
+            assert result["resident_after_step"] == [0, 0, 0], cfg  # nothing left in memory
+            # one generation on disk between steps: shard + state per unit, the manifest
+            units = result["units"]
+            assert len(result["files"]) == 2 * units + 1, result["files"]
+            assert all(f.endswith(".g3") for f in result["files"] if f != "manifest.json")
+
+
+def test_crash_mid_step_leaves_previous_generation(rank_pool: Any, tmp_path: Path) -> None:
+    for result in rank_pool(2).run(w.crash_and_resume, str(tmp_path)):
+        assert result["error"] == "disk full (simulated)"
+        assert not [f for f in result["files_after_crash"] if f.endswith(".tmp")]
+        assert result["generation"] == 2
+        assert not [f for f in result["files_after_open"] if ".g3" in f]  # half a step, gone
+        assert result["losses"] == result["straight"]  # step 3 redone: the same loss
+        assert_state_dicts_close(result["state"], result["straight_state"], atol=0, rtol=0)
+
+
+def test_killed_process_resumes_from_previous_generation(rank_pool: Any, tmp_path: Path) -> None:
+    killed, init_file = tmp_path / "killed", tmp_path / "init"
+    process = multiprocessing.get_context("spawn").Process(
+        target=w.killed_mid_step, args=(str(killed), str(init_file))
+    )
+    process.start()
+    process.join(120)
+    assert process.exitcode == 17
+    assert any(".g3" in f for f in os.listdir(killed / "rank0"))  # half-written files left
+    resumed = rank_pool(1).run(w.resume_after_kill, str(killed))[0]
+    straight = rank_pool(1).run(w.straight_run, str(tmp_path / "straight"), 3)[0]
+    assert resumed["generation"] == 2
+    assert resumed["loss"] == straight["losses"][2]
+    assert_state_dicts_close(resumed["state"], straight["state"], atol=0, rtol=0)
+
+
+def test_refusals(rank_pool: Any, tmp_path: Path) -> None:
+    for out in rank_pool(2).run(w.misuse, str(tmp_path)):
+        assert "RuntimeError" in out["no_optimizer"] and "disk.optimizer(" in out["no_optimizer"]
+        assert "without a backward since the last one" in out["step_without_backward"]
+        assert "without a backward since the last one" in out["double_step"]
+        assert out["changed"] == "True"
+        assert "not written to the disk tier" in out["load_state_dict"]
+        assert "a second backward before optimizer.step()" in out["second_backward"]
+        assert "ValueError" in out["hybrid"] and "HYBRID_SHARD" in out["hybrid"]
+        assert (
+            "does not match the disk_offload directory: stored numels"
+            in (out["resume_other_model"])
+        )
+        assert "has no manifest.json" in out["resume_fresh"]
+        assert "already holds a model; pass resume=True" in out["fresh_over_used"]
