@@ -1,90 +1,106 @@
-"""Per-rank checkpoints of the main job: ``ckpt-<step>/rank<r>.pt``, a manifest, a pointer.
+"""Checkpoints of the main job in the universal format: any world size, any strategy.
 
-Layout in ``--out-dir`` (the format of :mod:`shardkit.checkpoint.manifest`)::
+Layout in ``--out-dir`` (:mod:`shardkit.checkpoint.universal`, on top of
+:mod:`shardkit.checkpoint.manifest`)::
 
-    ckpt-000100/rank0.pt       this rank's payload (strategy state, LR scheduler,
-    ckpt-000100/rank1.pt       data-sampler position, RNG states, loss history;
-                               tensors and plain containers only)
+    ckpt-000100/...            the universal checkpoint: pieces of every plain GPT
+                               tensor and of its optimizer state (which slice of which
+                               parameter each file holds), and each rank's ``extra``
+                               (LR scheduler, samples consumed, global batch, RNG
+                               states, loss history, loss scaler; plain data and tensors)
     ckpt-000100/manifest.json  step, world size, strategy, bytes + sha256 per file
     latest                     the name of the newest complete checkpoint (rank 0)
 
+A checkpoint written by any strategy at any world size loads into any other (the
+layout adapters of the wrappers say which piece each rank holds); what must match is
+the model's shape (``--model-size``, ``--seq-len``), checked before loading.
+
 [Note: crash safety]
 Every file is written atomically (temporary file, fsync, rename). The order is: every
-rank writes its own file; the ranks exchange the files' sizes and checksums; rank 0
+rank writes its own files; the ranks exchange the files' sizes and checksums; rank 0
 writes the manifest, then the ``latest`` pointer. A crash at any point leaves
 ``latest`` naming the previous complete checkpoint. ``--resume`` verifies the
 checksums and, if the newest checkpoint is damaged (a truncated or corrupted file),
-falls back to the previous one with a one-line warning. With several nodes,
-``--out-dir`` must be on a shared filesystem.
+falls back to the previous one with a one-line warning. Files are read as tensors and
+plain containers only: a file naming any other object is refused (it could run code).
+With several nodes, ``--out-dir`` must be on a shared filesystem.
 """
 
 from __future__ import annotations
 
 import random
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from gpt_data import InputError
+from torch import nn
 
 from shardkit.checkpoint import manifest
 from shardkit.checkpoint.manifest import CheckpointError, CheckpointFallbackWarning
+from shardkit.checkpoint.universal import LoadedCheckpoint, load_universal, save_universal
 
 __all__ = [
+    "check_model_flags",
+    "check_resumable",
     "find_resume_checkpoint",
     "load_checkpoint",
+    "reseed",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
 ]
 
 
-def _rank_file(rank: int) -> str:
-    return f"rank{rank}.pt"
-
-
 def save_checkpoint(
     out_dir: Path,
     step: int,
-    payload: dict[str, Any],
-    strategy: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
     keep: int = 2,
-    model: dict[str, Any] | None = None,
 ) -> Path:
-    """Write this rank's ``payload`` for ``step``; collective (call it on every rank).
+    """Write ``step``'s universal checkpoint; collective (call it on every rank).
 
     Args:
-        model: what fixes the model's shapes (``--model-size``, ``--seq-len``), kept in
-            the manifest so a resume with other shapes is refused with a clear message.
+        model: the wrapped model (``Strategy.checkpoint_module()``).
+        optimizer: the optimizer it steps with.
+        extra: this rank's plain data and tensors; it must hold ``"model"``, the flags
+            that fix the model's shapes, so that :func:`check_model_flags` can refuse a
+            resume with other shapes before loading.
         keep: complete checkpoints to keep, the newest; older ones are deleted (by rank
             0, after ``latest`` moved on). 0 keeps all. Default 2.
 
     Returns:
         The checkpoint directory.
     """
-    files = {_rank_file(dist.get_rank()): payload}
-    layout = {"strategy": strategy, "model": model or {}}
-    return manifest.save_checkpoint(out_dir, step, files, layout=layout, keep=keep)
+    return Path(save_universal(out_dir, step, model, optimizer, extra=extra, keep=keep))
 
 
-def find_resume_checkpoint(
-    out_dir: Path, world_size: int, warn: Callable[[str], None]
-) -> Path | None:
-    """The newest intact checkpoint in ``out_dir`` (collective), or None if none was saved.
+@contextmanager
+def _as_input_error() -> Iterator[None]:
+    try:
+        yield
+    except CheckpointError as err:
+        raise InputError(f"--resume: {err}") from err
+
+
+def find_resume_checkpoint(out_dir: Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest intact checkpoint in ``out_dir``, or None if none was saved.
 
     A damaged newer checkpoint is skipped; ``warn`` gets one line saying so.
 
     Raises:
-        InputError: the checkpoints were written by another world size, or every one
-            is damaged (the message names the files).
+        InputError: every checkpoint is damaged (the message names the files).
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CheckpointFallbackWarning)
         try:
-            ckpt = manifest.find_valid_checkpoint(out_dir, world_size=world_size)
+            ckpt = manifest.find_valid_checkpoint(out_dir)
         except CheckpointError as err:
             raise InputError(f"--resume: {err}; use another --out-dir") from err
     for item in caught:
@@ -92,82 +108,81 @@ def find_resume_checkpoint(
     return ckpt
 
 
-def load_checkpoint(
-    ckpt: Path,
-    rank: int,
-    world_size: int,
-    strategy: str,
-    device: torch.device,
-    model: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """This rank's payload from ``ckpt``, after checking the manifest matches the run.
-
-    A collective when a process group of more than one rank is up: the ranks agree, so
-    a file refused on one rank ends every rank with the same error (no rank trains on
-    while another has stopped).
+def check_model_flags(saved: dict[str, Any], flags: dict[str, Any], ckpt: Path) -> None:
+    """Refuse a checkpoint whose model flags (``--model-size``, ``--seq-len``, ...)
+    differ from this run's.
 
     Raises:
-        InputError: the manifest or the file is missing or damaged, or was written by
-            another world size, strategy or model shape (the message names both and
-            the fix), or the file holds an object other than tensors and plain
-            containers (refused unloaded: it could run code). On every rank, with the
-            message of the first rank that failed.
+        InputError: the message names each differing flag, both values and the fix.
     """
-    payload: dict[str, Any] = {}
-    error: str | None = None
-    try:
-        payload = _load_rank_file(ckpt, rank, world_size, strategy, device, model)
-    except InputError as err:
-        error = str(err)
+    differ = {k: (saved[k], v) for k, v in flags.items() if k in saved and saved[k] != v}
+    if differ:
+        names = ", ".join(
+            f"--{k.replace('_', '-')} {a} (this run: {b})" for k, (a, b) in differ.items()
+        )
+        raise InputError(
+            f"--resume: {ckpt} was written with {names}; resume with the same model "
+            "flags, or use another --out-dir"
+        )
+
+
+def _agree(error: str | None) -> None:
+    """Raise the first rank's error on every rank (a collective when a group is up)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         errors: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
         error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise InputError(error)
-    return payload
 
 
-def _load_rank_file(
-    ckpt: Path,
-    rank: int,
-    world_size: int,
-    strategy: str,
-    device: torch.device,
-    model: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """:func:`load_checkpoint` on this rank alone."""
-    try:
+def check_resumable(ckpt: Path, rank: int, flags: dict[str, Any]) -> None:
+    """Check ``ckpt`` before loading it: rank 0's ``extra`` is the main job's and has
+    this run's model flags; this rank's ``extra`` (if it saved one) is tensors and
+    plain containers only.
+
+    Raises:
+        InputError: either check failed (:class:`CheckpointError` turned into one line).
+    """
+    with _as_input_error():
         saved = manifest.read_manifest(ckpt)
-        run = (saved.world_size, saved.layout.get("strategy"))
-        if run != (world_size, strategy):
+        strategy = str(saved.layout.get("strategy"))
+        peek = LoadedCheckpoint(ckpt, saved.step, saved.world_size, strategy, saved)
+        first = peek.extra(0)
+        if not isinstance(first, dict) or "sampler" not in first:
             raise InputError(
-                f"--resume: {ckpt} was written by {run[0]} ranks with --strategy {run[1]}, "
-                f"this run has {world_size} ranks with --strategy {strategy}; "
-                "resume with the same launch, or use another --out-dir"
+                f"--resume: {ckpt} holds no main-job state (not a universal checkpoint of "
+                "train_gpt.py); use another --out-dir"
             )
-        saved_model = saved.layout.get("model") or {}
-        differ = {
-            k: (saved_model[k], v)
-            for k, v in (model or {}).items()
-            if k in saved_model and saved_model[k] != v
-        }
-        if differ:
-            flags = ", ".join(
-                f"--{k.replace('_', '-')} {a} (this run: {b})" for k, (a, b) in differ.items()
-            )
-            raise InputError(
-                f"--resume: {ckpt} was written with {flags}; resume with the same model "
-                "flags, or use another --out-dir"
-            )
-        # tensors and plain containers only: a file that names any other object is
-        # refused (CheckpointUnsafeError), the checksums beside it prove nothing
-        payload: dict[str, Any] = manifest.load_checkpoint_file(
-            ckpt, _rank_file(rank), map_location=device
-        )
-    except CheckpointError as err:
-        raise InputError(f"--resume: {err}") from err
-    return payload
+        check_model_flags(first.get("model", {}), flags, ckpt)
+        peek.extra(rank)
+
+
+def load_checkpoint(
+    ckpt: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    flags: dict[str, Any],
+) -> LoadedCheckpoint:
+    """Load ``ckpt`` into ``model`` and ``optimizer`` at this run's world size and
+    strategy (a collective); the loaded checkpoint (``.step``, ``.saved_world_size``,
+    ``.saved_strategy``, ``.extra(rank)``).
+
+    Raises:
+        InputError: on every rank, with the first failing rank's message: the
+            checkpoint is damaged or not the main job's, was written with other model
+            flags (:func:`check_model_flags`), or an ``extra`` file holds an object
+            other than tensors and plain containers (refused unloaded: it could run
+            code); or loading failed (e.g. a layout that cannot be resharded).
+    """
+    error: str | None = None
+    try:
+        check_resumable(ckpt, dist.get_rank() if dist.is_initialized() else 0, flags)
+    except InputError as err:
+        error = str(err)
+    _agree(error)
+    with _as_input_error():
+        return load_universal(ckpt, model, optimizer)
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -184,3 +199,14 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate(state["python"])
     if "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def reseed(seed: int, step: int, rank: int, device: torch.device) -> None:
+    """Fresh generator states for ``rank`` at ``step``, a function of ``(seed, step,
+    rank)``: a resume at another world size cannot continue each rank's own stream
+    (ranks are renumbered), so every rank restarts from a deterministic seed instead."""
+    key = (seed * 1_000_003 + step) * 1_000_033 + rank
+    torch.manual_seed(key)
+    random.seed(key)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(key)

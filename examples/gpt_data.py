@@ -5,10 +5,12 @@
   in ``pydoc_data.topics`` that ship with every CPython (about 465 KB of English).
 - :func:`split_tokens` keeps the last ``val_fraction`` of the tokens as a held-out
   validation split (a contiguous tail, so no training window overlaps it).
-- :class:`BatchSampler` draws training windows at random offsets. Batch ``i`` of rank
-  ``r`` is a pure function of ``(seed, r, i)``, so the sampler's whole state is its
-  position ``i``: a checkpoint stores that integer and a resumed run draws exactly
-  the batches an uninterrupted run would have drawn.
+- :class:`BatchSampler` draws training windows at random offsets. The global batch of
+  step ``i`` (all ranks' rows together) is a pure function of ``(seed, global batch,
+  i)``, and data-parallel rank ``r`` of ``W`` takes its ``r``-th contiguous ``1/W`` of
+  the rows: the same global batches at any world size, so an elastic resume at
+  another size trains on exactly the batches an uninterrupted run would have drawn.
+  The sampler's whole state is the number of samples consumed globally.
 - :func:`eval_windows` picks fixed, evenly spaced validation windows, so every
   evaluation scores the same text and uses no random numbers (evaluation never
   perturbs the training trajectory).
@@ -107,38 +109,84 @@ def _windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[
 
 
 class BatchSampler:
-    """Random training windows for one rank; the state is the batch position.
+    """Random training windows of the global batch; this data-parallel rank's rows.
+
+    Step ``i``'s global batch is ``global_batch`` windows at offsets drawn by a generator
+    seeded with ``(seed, i)``: independent of the world size. Data-parallel rank ``r``
+    of ``world`` takes rows ``[r * global_batch / world, (r + 1) * global_batch / world)``.
+    The state is the number of samples consumed globally (``position * global_batch``).
 
     Args:
         tokens: the training split, 1-D int64.
-        batch_size: windows per batch (per rank).
+        global_batch: windows per step over all data-parallel ranks.
         seq_len: tokens per window.
         seed: the run's seed.
-        rank: this rank (ranks draw different windows).
+        rank: this data-parallel rank.
+        world: the data-parallel size; it must divide ``global_batch``.
+
+    Raises:
+        ValueError: ``world`` does not divide ``global_batch``, or ``rank`` is not in
+            ``[0, world)``.
     """
 
     def __init__(
-        self, tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, rank: int
+        self,
+        tokens: torch.Tensor,
+        global_batch: int,
+        seq_len: int,
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
     ) -> None:
-        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
-        self.seed, self.rank = seed, rank
-        self.position = 0
+        if global_batch % world or not 0 <= rank < world:
+            raise ValueError(
+                f"global batch {global_batch} over {world} data-parallel ranks (rank {rank}): "
+                f"the size must divide the global batch and 0 <= rank < {world}"
+            )
+        self.tokens, self.global_batch, self.seq_len = tokens, global_batch, seq_len
+        self.seed, self.rank, self.world = seed, rank, world
+        self.position = 0  # steps drawn
+
+    @property
+    def rows(self) -> int:
+        """This rank's rows per step: ``global_batch / world``."""
+        return self.global_batch // self.world
+
+    @property
+    def samples(self) -> int:
+        """Samples (windows) consumed globally: ``position * global_batch``."""
+        return self.position * self.global_batch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch at the current position, ``(x, y)`` each ``(batch, seq_len)``; advances."""
-        key = ((self.seed * 1_000_003 + self.rank) * 1_000_033 + self.position) % 2**63
+        """This rank's rows of the current step, ``(x, y)`` each ``(rows, seq_len)``; advances."""
+        key = (self.seed * 1_000_003 * 1_000_033 + self.position) % 2**63
         gen = torch.Generator().manual_seed(key)
         high = len(self.tokens) - self.seq_len  # last valid start + 1
-        starts = torch.randint(0, high, (self.batch_size,), generator=gen)
+        starts = torch.randint(0, high, (self.global_batch,), generator=gen)
         self.position += 1
-        x, y = _windows(self.tokens, starts, self.seq_len)
+        mine = starts[self.rank * self.rows : (self.rank + 1) * self.rows]
+        x, y = _windows(self.tokens, mine, self.seq_len)
         return x, y
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "seed": self.seed, "rank": self.rank}
+        """``{"samples": consumed globally, "global_batch": ..., "seed": ...}`` (the same
+        on every rank)."""
+        return {"samples": self.samples, "global_batch": self.global_batch, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.position = int(state["position"])
+        """Continue after ``state["samples"]`` samples.
+
+        Raises:
+            ValueError: the samples are not a whole number of this sampler's global
+                batches (the global batch changed).
+        """
+        samples = int(state["samples"])
+        if samples % self.global_batch:
+            raise ValueError(
+                f"{samples} samples consumed is not a whole number of global batches of "
+                f"{self.global_batch}; resume with the global batch the run was trained with"
+            )
+        self.position = samples // self.global_batch
 
 
 def eval_windows(

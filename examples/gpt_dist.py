@@ -55,10 +55,18 @@ def _init_from_env(backend: str) -> None:
     "Gloo connectFullMesh failed ... Connection refused" (torch 2.13, seen in
     ``tests/examples/test_restart.py``). ``TORCHELASTIC_RESTART_COUNT`` numbers the
     attempts, so each one gets its own key prefix.
+
+    That count is the agent's own: an agent that joins an elastic job later starts at
+    0, and a restart for a membership change does not count. Elastic jobs
+    (``--nnodes MIN:MAX``, ``docs/elastic.md``) therefore run with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: every round's rank 0 then hosts a fresh
+    store (``TORCHELASTIC_USE_AGENT_STORE`` is not ``True``), no stale key exists, and
+    no prefix is added.
     """
     store, rank, world_size = next(rendezvous("env://"))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = PrefixStore(f"attempt{attempt}/", store)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = PrefixStore(f"attempt{attempt}/", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 

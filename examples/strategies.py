@@ -23,7 +23,8 @@ identical on every rank (same seed), or on the meta device where the spec says s
 rank's device. The default process group is initialised. It returns a
 :class:`Strategy`, which the training loop (``train_gpt.py``) uses like this::
 
-    loss = strategy.train_step(x, y)   # zero_grad, forward, backward, step; the mean loss
+    loss = strategy.train_step(x, y, accumulation)   # zero_grad, forward(s), backward(s),
+                                                     # step; the mean loss
 
 ``train_step`` is the one step contract of every strategy: the pipeline runs its
 schedule (forwards and backwards of every micro-batch) inside it
@@ -42,13 +43,16 @@ checkpoints and reports:
 - ``model_state_bytes()``: this rank's :class:`shardkit.memory.ModelStateBytes`.
 
 Override a method in a subclass only where the defaults (which treat ``model`` as
-this rank's whole model) do not hold. The main job does no gradient accumulation; if
-it ever does, the non-final micro-batches go under the wrapper's ``no_sync()``
-context (DDP, ShardedDDP and FSDP all have one), in ``forward_backward``.
+this rank's whole model) do not hold. Gradient accumulation (``accumulation`` > 1:
+the main job's global batch kept at another world size) splits this rank's rows into
+equal micro-batches, each loss weighted ``1 / accumulation``; the non-final ones run
+under :meth:`Strategy.no_sync` (the wrapper's ``no_sync()``: DDP, ShardedDDP and FSDP
+all have one), so gradients are reduced once per step (:meth:`Strategy.accumulate`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
@@ -172,32 +176,63 @@ class Strategy:
         self.optimizer = optimizer
         self.model = module if model is None else model
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, accumulation: int = 1) -> float:
         """One training step on this rank's batch; the loss averaged over ranks.
 
-        Gradients zeroed, :meth:`forward_backward`, one all-reduce of the loss, then
-        :meth:`before_step` and :meth:`step`, unless the mean loss is not finite: then no
-        rank steps (the model keeps its last good state) and the caller sees the NaN or
-        inf. With a loss scaler the step is always taken: the scaler skips it.
+        Gradients zeroed, :meth:`accumulate` (:meth:`forward_backward` per micro-batch),
+        one all-reduce of the loss, then :meth:`before_step` and :meth:`step`, unless the
+        mean loss is not finite: then no rank steps (the model keeps its last good
+        state) and the caller sees the NaN or inf. With a loss scaler the step is always
+        taken: the scaler skips it.
 
         Args:
-            x: input token ids, ``(batch, seq_len)`` int64, on this rank's device.
+            x: input token ids, ``(rows, seq_len)`` int64, on this rank's device.
             y: target token ids, the same shape.
+            accumulation: micro-batches the rows are split into (gradient
+                accumulation); it must divide ``rows``. Default 1.
 
         Returns:
             The mean over ranks of each rank's loss (the same on every rank).
         """
         self.optimizer.zero_grad(set_to_none=True)
-        mean = mean_over_ranks(self.forward_backward(x, y))
+        mean = mean_over_ranks(self.accumulate(x, y, accumulation))
         if math.isfinite(mean) or self.scaler is not None:
             self.before_step()
             self.step()
         return mean
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward with the loss, then :meth:`backward`; this rank's loss, detached."""
+    def accumulate(self, x: torch.Tensor, y: torch.Tensor, accumulation: int) -> torch.Tensor:
+        """:meth:`forward_backward` on ``accumulation`` equal micro-batches of the rows,
+        each loss weighted ``1 / accumulation`` (the gradient of the rows' mean loss),
+        all but the last under :meth:`no_sync`; the mean of their losses, detached.
+
+        Raises:
+            ValueError: ``accumulation`` does not divide the rows.
+        """
+        if accumulation == 1:  # no weighting: bit for bit the plain step
+            return self.forward_backward(x, y)
+        if accumulation < 1 or len(x) % accumulation:
+            raise ValueError(f"{len(x)} rows do not split into {accumulation} equal micro-batches")
+        rows, total = len(x) // accumulation, torch.zeros((), device=x.device)
+        for i, (xi, yi) in enumerate(zip(x.split(rows), y.split(rows), strict=True)):
+            last = i == accumulation - 1
+            with contextlib.nullcontext() if last else self.no_sync():
+                total = total + self.forward_backward(xi, yi, 1.0 / accumulation)
+        return total / accumulation
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """The wrapper's ``no_sync()`` (gradients kept local, reduced after the next
+        backward outside it); a null context where ``module`` has none."""
+        sync = getattr(self.module, "no_sync", None)
+        return sync() if sync is not None else contextlib.nullcontext()
+
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        """Forward with the loss, then :meth:`backward` of ``weight x loss`` (1.0: the
+        loss itself); this rank's loss (unweighted), detached."""
         _, loss = self.module(x, targets=y)
-        self.backward(loss)
+        self.backward(loss if weight == 1.0 else loss * weight)
         return loss.detach()
 
     def state_dict(self) -> dict[str, Any]:
@@ -208,6 +243,20 @@ class Strategy:
         """Restore what :meth:`state_dict` returned on this rank."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def checkpoint_module(self) -> nn.Module:
+        """The wrapped model as ``shardkit.checkpoint.universal`` takes it (DDP,
+        ShardedDataParallel, FSDP, OffloadModel, ...): its layout adapter says which
+        piece of which plain GPT tensor this rank holds. Default ``module``."""
+        return self.module
+
+    def extra_state(self) -> dict[str, Any]:
+        """State besides the model and optimizer that a checkpoint must carry (the fp16
+        loss scaler's); plain data and tensors, the same on every rank. Default none."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`extra_state` returned (on any rank, at any world size)."""
 
     def consolidated_model_state(self) -> dict[str, Any] | None:
         """The plain GPT ``state_dict`` (on rank 0); called on every rank."""
@@ -376,8 +425,17 @@ class _PipeStrategy(Strategy):
         super().__init__(module=module, optimizer=optimizer, model=module.stage_module)
         self.gpt = gpt
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        if weight != 1.0:
+            raise ValueError(f"pipe runs whole steps only (weight {weight}, expected 1.0)")
         return self.module.forward_backward(x, y)
+
+    def accumulate(self, x: torch.Tensor, y: torch.Tensor, accumulation: int) -> torch.Tensor:
+        """Every row in one schedule (its ``--chunks`` micro-batches already accumulate
+        the gradients of the global batch): the same gradient for any ``accumulation``."""
+        return self.forward_backward(x, y)
 
     def consolidated_model_state(self) -> dict[str, Any] | None:
         merged = consolidated_state_dict(self.module.stage_module)
@@ -799,11 +857,28 @@ class _Precision(Strategy):
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
 
+    def checkpoint_module(self) -> nn.Module:
+        return self.inner.checkpoint_module()
+
+    def extra_state(self) -> dict[str, Any]:
+        state = self.inner.extra_state()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.inner.load_extra_state(state)
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
     def consolidated_model_state(self) -> dict[str, Any] | None:
         return self.inner.consolidated_model_state()
 
     def model_state_bytes(self) -> ModelStateBytes:
         return self.inner.model_state_bytes()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        return self.inner.no_sync()
 
     def backward(self, loss: torch.Tensor) -> None:
         scaled: torch.Tensor = loss if self.scaler is None else self.scaler.scale(loss)
@@ -840,14 +915,28 @@ class _TensorParallel(Strategy):
         self.inner, self.layout, self.group = inner, layout, group
         self.scaler = inner.scaler
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.inner.forward_backward(x, y)
+    def forward_backward(
+        self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        return self.inner.forward_backward(x, y, weight)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        return self.inner.no_sync()
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()  # this rank's tensor-parallel shard
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state)
+
+    def checkpoint_module(self) -> nn.Module:
+        return self.inner.checkpoint_module()
+
+    def extra_state(self) -> dict[str, Any]:
+        return self.inner.extra_state()
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.inner.load_extra_state(state)
 
     def consolidated_model_state(self) -> dict[str, Any] | None:
         """The plain GPT's state dict: the inner strategy's (tensor-parallel shards

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from gpt_checkpoint import (
     find_resume_checkpoint,
     load_checkpoint,
+    reseed,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -85,7 +86,12 @@ class JobConfig:
             ``--strategy``, ``--lr``, ``--precision``, ...).
         model_size: ``tiny``, ``small`` or ``medium`` (``shardkit.models.MODEL_SIZES``).
         steps: optimizer steps; the LR schedule spans them.
-        batch_size: sequences per rank per step.
+        batch_size: sequences per micro-batch per data-parallel rank.
+        grad_accum: micro-batches per step (gradient accumulation) of a fresh run;
+            None: 1, or what ``global_batch`` implies. A resume keeps the checkpoint's
+            global batch and derives the accumulation (:func:`batch_plan`).
+        global_batch: sequences per step over all ranks, kept when ``--resume`` meets
+            another world size; None: ``batch_size x grad_accum x`` data-parallel size.
         seq_len: tokens per sequence (the position embedding's length).
         warmup_steps: linear LR warmup; None: 10% of ``steps`` (:attr:`warmup`).
         seed: model initialisation (same on every rank) and data order.
@@ -105,6 +111,8 @@ class JobConfig:
     model_size: str = "tiny"
     steps: int = 500
     batch_size: int = 8
+    grad_accum: int | None = None
+    global_batch: int | None = None
     seq_len: int = 128
     warmup_steps: int | None = None
     seed: int = 0
@@ -154,7 +162,9 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--strategy", default=opt.name, help=f"one of {sorted(STRATEGIES)} (default {opt.name})")
     add("--model-size", default=job.model_size, choices=sorted(MODEL_SIZES), help="default tiny")
     add("--steps", type=_positive, default=job.steps, help=f"optimizer steps (default {job.steps})")
-    add("--batch-size", type=_positive, default=job.batch_size, help="sequences per rank")
+    add("--batch-size", type=_positive, default=job.batch_size, help="sequences per micro-batch")
+    add("--grad-accum", type=_positive, default=None, help="micro-batches per step (default 1)")
+    add("--global-batch", type=_positive, default=None, help="sequences per step, all ranks")
     add("--seq-len", type=_positive, default=job.seq_len, help="tokens per sequence")
     add("--lr", type=float, default=opt.lr, help=f"peak learning rate (default {opt.lr})")
     add("--warmup-steps", type=_non_negative, default=None, help="default 10%% of --steps")
@@ -203,6 +213,88 @@ class History:
     tokens_per_s: list[list[float]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a step's global batch is split over micro-batches and data-parallel ranks.
+
+    ``global_batch = micro_batch x accumulation x dp_size`` (sequences). The global
+    batch stays fixed for a whole run, resumes at another world size included; the
+    accumulation is what changes (:func:`batch_plan`).
+    """
+
+    global_batch: int
+    micro_batch: int
+    accumulation: int
+    dp_size: int
+
+    @property
+    def rows(self) -> int:
+        """Sequences per data-parallel rank per step: ``micro_batch x accumulation``."""
+        return self.micro_batch * self.accumulation
+
+    def describe(self) -> str:
+        return (
+            f"global batch {self.global_batch} = {self.micro_batch} x {self.accumulation} "
+            f"micro-batch(es) x {self.dp_size} data-parallel rank(s)"
+        )
+
+
+def _split_fix(target: int, micro: int, dp_size: int) -> str:
+    """What makes ``target`` split into ``micro x accumulation x dp_size``."""
+    fixes = []
+    if target % micro == 0:
+        fixes.append(
+            f"launch a data-parallel size that divides {target // micro} "
+            f"({target} / --batch-size {micro})"
+        )
+    if target % dp_size == 0:
+        fixes.append(
+            f"use a --batch-size that divides {target // dp_size} ({target} / {dp_size} ranks)"
+        )
+    return " or ".join(fixes) if fixes else f"launch a data-parallel size that divides {target}"
+
+
+def batch_plan(config: JobConfig, dp_size: int, saved: int | None = None) -> BatchPlan:
+    """The :class:`BatchPlan` of ``config`` on ``dp_size`` data-parallel ranks.
+
+    Args:
+        saved: the global batch of the checkpoint being resumed (kept); None: a fresh
+            run (``--global-batch``, else ``--batch-size x --grad-accum x dp_size``).
+
+    Raises:
+        InputError: the global batch is not a whole number of micro-batches per rank
+            (the message gives the arithmetic and the fix), ``--global-batch`` differs
+            from the checkpoint's, or ``--grad-accum`` contradicts ``--global-batch``.
+    """
+    micro = config.batch_size
+    if saved is None and config.global_batch is None:
+        accumulation = config.grad_accum or 1
+        return BatchPlan(micro * accumulation * dp_size, micro, accumulation, dp_size)
+    if saved is not None and config.global_batch not in (None, saved):
+        raise InputError(
+            f"--resume: the checkpoint was trained at global batch {saved}, this run asks "
+            f"--global-batch {config.global_batch}; drop --global-batch or use another --out-dir"
+        )
+    target = saved if saved is not None else config.global_batch
+    assert target is not None
+    source = "--resume: the checkpoint's global batch" if saved is not None else "--global-batch"
+    if target % (micro * dp_size):
+        raise InputError(
+            f"{source} {target} does not split over {dp_size} data-parallel rank(s): "
+            f"global batch = --batch-size {micro} x grad-accum x {dp_size} ranks, and "
+            f"{target} / ({micro} x {dp_size}) = {target / (micro * dp_size):.4g} is not a "
+            f"whole number; {_split_fix(target, micro, dp_size)}"
+        )
+    accumulation = target // (micro * dp_size)
+    if saved is None and config.grad_accum not in (None, accumulation):
+        raise InputError(
+            f"--global-batch {target} = --batch-size {micro} x --grad-accum {accumulation} x "
+            f"{dp_size} data-parallel rank(s), not --grad-accum {config.grad_accum}; "
+            "give one of the two"
+        )
+    return BatchPlan(target, micro, accumulation, dp_size)
+
+
 @dataclass
 class Run:
     """Everything the training loop touches."""
@@ -212,8 +304,11 @@ class Run:
     model: GPT
     strategy: Strategy
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    plan: BatchPlan
     sampler: BatchSampler
     val: tuple[torch.Tensor, torch.Tensor]
+    train_tokens: torch.Tensor
+    val_tokens: torch.Tensor
     num_params: int  # of the whole model, counted before a strategy shards it
     history: History = field(default_factory=History)
     step: int = 0
@@ -229,14 +324,14 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def chunks_error(config: JobConfig, world_size: int) -> str | None:
+def chunks_error(config: JobConfig, plan: BatchPlan) -> str | None:
     """Why pipe's ``--chunks`` cannot split the global batch, or None when it can."""
-    rows = config.batch_size * world_size  # the pipeline runs the global batch
+    rows = plan.global_batch  # the pipeline runs the global batch
     if config.strategy.name == "pipe" and config.strategy.chunks > rows:
         return (
             f"--chunks {config.strategy.chunks} is more micro-batches than the {rows} rows "
-            f"of a step's batch (--batch-size {config.batch_size} x {world_size} ranks); "
-            f"use --chunks <= {rows} or a larger --batch-size"
+            f"of a step's batch ({plan.describe()}); use --chunks <= {rows} or a larger "
+            "--batch-size"
         )
     return None
 
@@ -256,6 +351,19 @@ def tp_error(config: JobConfig, world_size: int) -> str | None:
             f"heads and {VOCAB_SIZE}-token vocabulary; choose a --tp that divides both"
         )
     return None
+
+
+def launch_error(config: JobConfig, env: Env) -> str | None:
+    """Why the job cannot run at this launch's world size (``--tp``, the global batch,
+    pipe's ``--chunks``), or None; the same answer on every rank."""
+    problem = tp_error(config, env.world_size)
+    if problem is not None:
+        return problem
+    try:
+        plan = batch_plan(config, data_parallel(config, env)[1])
+    except InputError as err:
+        return str(err)
+    return chunks_error(config, plan)
 
 
 def data_parallel(config: JobConfig, env: Env) -> tuple[int, int]:
@@ -280,53 +388,122 @@ def build_run(config: JobConfig, env: Env, train: torch.Tensor, val: torch.Tenso
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         strategy.optimizer, lambda s: lr_factor(s, config.warmup, config.steps)
     )
+    plan = batch_plan(config, data_parallel(config, env)[1])
+    sampler, val_xy = _data(config, env, plan, train, val)
+    return Run(
+        config, env, model, strategy, scheduler, plan, sampler, val_xy, train, val, num_params
+    )
+
+
+def _data(
+    config: JobConfig, env: Env, plan: BatchPlan, train: torch.Tensor, val: torch.Tensor
+) -> tuple[BatchSampler, tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's sampler of the global batch, and its validation windows
+    (``--eval-batches x`` global batch of them over the data-parallel ranks): both
+    functions of the global batch, not of the world size."""
     dp_rank, dp_size = data_parallel(config, env)
-    sampler = BatchSampler(train, config.batch_size, config.seq_len, config.seed, dp_rank)
-    n_val = config.eval_batches * config.batch_size * dp_size
-    val_xy = eval_windows(val, n_val, config.seq_len, dp_rank, dp_size)
-    return Run(config, env, model, strategy, scheduler, sampler, val_xy, num_params)
+    sampler = BatchSampler(train, plan.global_batch, config.seq_len, config.seed, dp_rank, dp_size)
+    n_val = config.eval_batches * plan.global_batch
+    return sampler, eval_windows(val, n_val, config.seq_len, dp_rank, dp_size)
 
 
-def checkpoint_payload(run: Run) -> dict[str, Any]:
-    """This rank's complete resumable state."""
+def set_plan(run: Run, plan: BatchPlan) -> None:
+    """Switch ``run`` to ``plan`` (a resume at another world size): a new sampler (at
+    position 0) and validation windows.
+
+    Raises:
+        InputError: pipe's ``--chunks`` does not fit the plan's global batch.
+    """
+    problem = chunks_error(run.config, plan)
+    if problem is not None:
+        raise InputError(problem)
+    run.plan = plan
+    run.sampler, run.val = _data(run.config, run.env, plan, run.train_tokens, run.val_tokens)
+
+
+def checkpoint_extra(run: Run) -> dict[str, Any]:
+    """This rank's resumable state besides the model and optimizer (the universal
+    checkpoint's ``extra``): plain data and tensors."""
     return {
-        "step": run.step,
-        "strategy": run.strategy.state_dict(),
+        "model": model_flags(run.config),
         "scheduler": run.scheduler.state_dict(),
-        "sampler": run.sampler.state_dict(),
+        "sampler": run.sampler.state_dict(),  # samples consumed globally, global batch
+        "strategy": run.strategy.extra_state(),  # the fp16 loss scaler
         "rng": rng_state(run.env.device),
         "history": asdict(run.history),
+        "world_size": run.env.world_size,
     }
 
 
-def restore(run: Run, payload: dict[str, Any]) -> None:
-    """Inverse of :func:`checkpoint_payload`."""
-    run.step = int(payload["step"])
-    run.strategy.load_state_dict(payload["strategy"])
-    run.scheduler.load_state_dict(payload["scheduler"])
-    run.sampler.load_state_dict(payload["sampler"])
-    run.history = History(**payload["history"])
-    set_rng_state(payload["rng"], run.env.device)
+def save(run: Run, out_dir: Path) -> None:
+    """This step's checkpoint (collective)."""
+    strategy = run.strategy
+    module = strategy.checkpoint_module()
+    extra = checkpoint_extra(run)
+    save_checkpoint(out_dir, run.step, module, strategy.optimizer, extra, run.config.keep)
+
+
+def restore(run: Run, step: int, saved_world_size: int, mine: Any, first: Any) -> None:
+    """Set the run's state from a checkpoint's ``extra`` (the model and optimizer are
+    loaded already): ``mine`` is this rank's (None for a rank that did not exist when it
+    was saved), ``first`` rank 0's.
+
+    The global batch, samples consumed, LR schedule, loss history and loss scaler are
+    the same on every rank: rank 0's are used. RNG states: at the same world size each
+    rank continues its own streams (bit for bit the uninterrupted run); at another
+    size every rank reseeds from ``(seed, step, rank)`` (:func:`gpt_checkpoint.reseed`).
+
+    Raises:
+        InputError: the saved global batch does not split over this run's data-parallel
+            ranks (:func:`batch_plan`), or pipe's ``--chunks`` does not fit it.
+    """
+    config, env = run.config, run.env
+    plan = batch_plan(config, data_parallel(config, env)[1], first["sampler"]["global_batch"])
+    set_plan(run, plan)
+    run.step = step
+    run.sampler.load_state_dict(first["sampler"])
+    run.scheduler.load_state_dict(first["scheduler"])
+    run.strategy.load_extra_state(first["strategy"])
+    run.history = History(**first["history"])
+    if saved_world_size == env.world_size and mine is not None:
+        set_rng_state(mine["rng"], env.device)
+    else:
+        reseed(config.seed, step, env.rank, env.device)
 
 
 def model_flags(config: JobConfig) -> dict[str, Any]:
-    """The flags that fix the model's shapes (kept in each checkpoint's manifest)."""
+    """The flags that fix the model's shapes (kept in each checkpoint)."""
     return {"model_size": config.model_size, "seq_len": config.seq_len, "tp": config.strategy.tp}
 
 
 def maybe_resume(run: Run, out_dir: Path) -> None:
-    """Restore the newest intact checkpoint (a damaged newer one: warn and skip it)."""
-    ckpt = find_resume_checkpoint(out_dir, run.env.world_size, lambda line: warn(run, line))
+    """Restore the newest intact checkpoint (a damaged newer one: warn and skip it),
+    written at any world size by any strategy."""
+    ckpt = find_resume_checkpoint(out_dir, lambda line: warn(run, line))
     if ckpt is None:
         say(run, f"--resume: no checkpoint in {out_dir}; starting from step 0")
         return
-    env = run.env
-    shapes, strategy = model_flags(run.config), run.config.strategy.name
+    env, strategy = run.env, run.strategy
+    before = run.plan
+    loaded = load_checkpoint(
+        ckpt, strategy.checkpoint_module(), strategy.optimizer, model_flags(run.config)
+    )
     restore(
-        run,
-        load_checkpoint(ckpt, env.rank, env.world_size, strategy, env.device, shapes),
+        run, int(loaded.step), int(loaded.saved_world_size), loaded.extra(env.rank), loaded.extra(0)
     )
     say(run, f"resumed from {ckpt} at step {run.step}")
+    if (loaded.saved_world_size, loaded.saved_strategy) != (
+        env.world_size,
+        run.config.strategy.name,
+    ):
+        say(
+            run,
+            f"elastic resume: saved by {loaded.saved_world_size} rank(s) with --strategy "
+            f"{loaded.saved_strategy}, now {env.world_size} with --strategy "
+            f"{run.config.strategy.name}; {run.plan.describe()}",
+        )
+    elif run.plan != before:
+        say(run, f"resume keeps the checkpoint's {run.plan.describe()}")
 
 
 def say(run: Run, line: str) -> None:
@@ -358,7 +535,7 @@ def train_step(run: Run) -> float:
         NonFiniteLossError: no scaler and the mean loss is not finite.
     """
     x, y = (t.to(run.env.device, non_blocking=True) for t in run.sampler.next_batch())
-    mean = run.strategy.train_step(x, y)
+    mean = run.strategy.train_step(x, y, run.plan.accumulation)
     if not math.isfinite(mean) and run.strategy.scaler is None:
         raise NonFiniteLossError(
             f"step {run.step + 1}: the training loss is {mean} (mean over the "
@@ -417,7 +594,7 @@ def report(run: Run, tokens_per_s: float | None) -> None:
 def train_loop(run: Run, out_dir: Path) -> None:
     """Steps ``run.step + 1 .. stop``: train, report, checkpoint."""
     config = run.config
-    tokens_per_step = config.batch_size * config.seq_len * data_parallel(config, run.env)[1]
+    tokens_per_step = run.plan.global_batch * config.seq_len
     stop = min(config.steps, config.stop_after or config.steps)
     if run.step == 0:
         report(run, None)
@@ -452,14 +629,7 @@ def train_loop(run: Run, out_dir: Path) -> None:
                 window_s, window_steps = 0.0, 0
             end_of_run = run.step == stop and (config.save_every > 0 or stop < config.steps)
             if (config.save_every and run.step % config.save_every == 0) or end_of_run:
-                save_checkpoint(
-                    out_dir,
-                    run.step,
-                    checkpoint_payload(run),
-                    config.strategy.name,
-                    config.keep,
-                    model_flags(config),
-                )
+                save(run, out_dir)
     finally:
         bar.close()
         profiler.close()
@@ -468,11 +638,12 @@ def train_loop(run: Run, out_dir: Path) -> None:
 def summary(run: Run, wall_s: float) -> dict[str, Any]:
     """metrics.json's content (a collective: it gathers every rank's state bytes)."""
     config, h = run.config, run.history
-    dp_size = data_parallel(config, run.env)[1]
-    tokens = run.steps_this_run * config.batch_size * config.seq_len * dp_size
+    tokens = run.steps_this_run * run.plan.global_batch * config.seq_len
     return {
         "strategy": config.strategy.name,
         "world_size": run.env.world_size,
+        "global_batch": run.plan.global_batch,
+        "grad_accum": run.plan.accumulation,
         "model_size": config.model_size,
         "param_count": run.num_params,
         "step": run.step,
@@ -537,8 +708,8 @@ def run_job(
         run,
         f"{config.model_size} GPT: {run.num_params:,} parameters | strategy "
         f"{config.strategy.name}{tp_note if degree > 1 else ''} | {env.world_size} rank(s) on "
-        f"{env.device.type} | batch {config.batch_size}x{config.seq_len} tokens per "
-        f"{'data-parallel ' if degree > 1 else ''}rank | {len(data[0]):,} train / "
+        f"{env.device.type} | {run.plan.describe()}, {config.seq_len} tokens each | "
+        f"{len(data[0]):,} train / "
         f"{len(data[1]):,} val tokens",
     )
     for callback in callbacks:
@@ -572,7 +743,7 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Callback] = ()) -> i
         return fail(err, first)
     env = setup_distributed()
     try:
-        problem = tp_error(config, env.world_size) or chunks_error(config, env.world_size)
+        problem = launch_error(config, env)
         if problem is not None:  # the same on every rank: rank 0 says it
             return fail(InputError(problem), env.rank == 0)
         run_job(config, env, data, callbacks)

@@ -29,6 +29,7 @@ from tests.examples import faults
 TINY = ["--model-size", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1"]
 COMMON = [*TINY, "--steps", "8", "--eval-every", "4", "--save-every", "3"]
 FAULTS = Path(faults.__file__)  # train_gpt.py with a fault hook, as a torchrun script
+SHARD0, SHARD1 = "shard-0-of-2.safetensors", "shard-1-of-2.safetensors"  # universal format
 
 
 def _metrics(out_dir: Path) -> dict[str, Any]:
@@ -106,7 +107,7 @@ def _damaged_resumes(root: Path) -> list[Any]:
     if rank == 0:  # rank 1's file: only rank 1 hashes it, rank 0 must hear of it
         shutil.copytree(root / "truncate", root / "flip")
         for how in ("truncate", "flip"):
-            _damage(root / how / "ckpt-000006" / "rank1.pt", how)
+            _damage(root / how / "ckpt-000006" / SHARD1, how)
     dist.barrier()
     for how in ("truncate", "flip"):
         out.append(_main_quiet([*COMMON, "--out-dir", str(root / how), "--resume"]))
@@ -116,7 +117,7 @@ def _damaged_resumes(root: Path) -> list[Any]:
     dist.barrier()
     if rank == 0:  # every checkpoint damaged: refuse, do not restart from step 0
         for ckpt in ("ckpt-000006", "ckpt-000008"):
-            _damage(root / "flip" / ckpt / "rank0.pt", "truncate")
+            _damage(root / "flip" / ckpt / SHARD0, "truncate")
     dist.barrier()
     out.append(_main_quiet([*COMMON, "--out-dir", str(root / "flip"), "--resume"]))
     return out
@@ -139,7 +140,7 @@ def test_damaged_latest_falls_back_to_previous(
         assert len(lines) == 1, lines  # one line, on rank 0 only
         (warning,) = lines
         assert warning.startswith("train_gpt.py: warning: checkpoint "), warning
-        assert f"{how}/ckpt-000006/rank1.pt is {problem}" in warning, warning
+        assert f"{how}/ckpt-000006/{SHARD1} is {problem}" in warning, warning
         assert warning.rstrip().endswith("using ckpt-000003 instead"), warning
         _assert_same_run(full_run, tmp_path / how)
         assert _metrics(tmp_path / how)["start_step"] == 3
@@ -148,16 +149,17 @@ def test_damaged_latest_falls_back_to_previous(
     for _, lines in (per_rank[0][4], per_rank[1][4]):  # every rank ends with one line
         assert len(lines) == 1, lines
         assert lines[0].startswith("train_gpt.py: error: --resume: no usable checkpoint")
-        assert "ckpt-000008/rank0.pt is truncated" in lines[0], lines
+        assert f"ckpt-000008/{SHARD0} is truncated" in lines[0], lines
 
 
 def _planted_resume(root: Path) -> list[Any]:
     """On each pool rank: a run stopped after step 3; rank 0 plants a pickle payload in
-    ``ckpt-000003/rank1.pt`` (manifest rewritten to match); ``--resume``."""
+    ``ckpt-000003/extra-1.pt`` (rank 1's resumable state; manifest rewritten to match);
+    ``--resume``."""
     out: list[Any] = [_main_quiet([*COMMON, "--out-dir", str(root), "--stop-after", "3"])]
     dist.barrier()
     if dist.get_rank() == 0:
-        plant_payload(root / "ckpt-000003", "rank1.pt", root / "marker")
+        plant_payload(root / "ckpt-000003", "extra-1.pt", root / "marker")
     dist.barrier()
     out.append(_main_quiet([*COMMON, "--out-dir", str(root), "--resume"]))
     dist.barrier()
@@ -176,7 +178,7 @@ def test_resume_refuses_pickle_payload(rank_pool: Any, tmp_path: Path) -> None:
         assert not marker
         assert len(lines) == 1, lines  # the same error on rank 0, whose file is intact
         assert lines[0].startswith(
-            f"train_gpt.py: error: --resume: {tmp_path / 'ckpt-000003' / 'rank1.pt'} holds "
+            f"train_gpt.py: error: --resume: {tmp_path / 'ckpt-000003' / 'extra-1.pt'} holds "
             "an object that is not a tensor or a plain container"
         ), lines
         assert "posix.system" in lines[0] and "refused: loading it could run code" in lines[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,20 +68,33 @@ def _run_main(argvs: list[list[str]]) -> list[int]:
 
 
 def _write_foreign_checkpoint(out_dir: Path) -> None:
-    """A checkpoint written by 1 rank (this process): resuming from it on 2 ranks must fail."""
+    """A checkpoint of another program (per-rank files, no universal layout)."""
     save_checkpoint(out_dir, 3, {"rank0.pt": {}}, layout={"strategy": "ddp"})
+
+
+def _losses_close(a: list[list[float]], b: list[list[float]], rtol: float) -> None:
+    assert [s for s, _ in a] == [s for s, _ in b]
+    for (step, x), (_, y) in zip(a, b, strict=True):
+        assert abs(x - y) <= rtol * abs(x), (step, x, y)
 
 
 def test_resume_reproduces_losses_exactly(rank_pool: Any, tmp_path: Path) -> None:
     """Run 8 steps straight; run 3 steps then resume to 8: the same losses, bitwise.
 
-    Also: resuming from a checkpoint of another world size fails on every rank with
-    exit code 2 (no hang); ``--resume`` with no checkpoint starts at step 0.
+    Elastic: a checkpoint written by 1 rank (this process, ``--batch-size 8``: global
+    batch 8) resumes on 2 ranks at ``--batch-size 4`` (8 = 4 x 1 x 2) and ends on the
+    same losses to float rounding (the same global batches, reduced in another order);
+    at ``--batch-size 3`` the global batch 8 does not split over 2 ranks: exit 2 on
+    every rank. A checkpoint of another program and other model shapes: exit 2 (no
+    hang); ``--resume`` with no checkpoint starts at step 0.
     """
     common = [*TINY, "--steps", "8", "--eval-every", "4", "--save-every", "3"]
     full, split, foreign = tmp_path / "full", tmp_path / "split", tmp_path / "foreign"
-    fresh = tmp_path / "fresh"
+    fresh, grown, refused = tmp_path / "fresh", tmp_path / "grown", tmp_path / "refused"
     _write_foreign_checkpoint(foreign)
+    one_rank = [*common, "--batch-size", "8", "--stop-after", "3"]
+    assert train_gpt.main([*one_rank, "--out-dir", str(grown)]) == 0  # 1 rank, in process
+    shutil.copytree(grown, refused)
     codes = rank_pool(2).run(
         _run_main,
         [
@@ -90,10 +104,16 @@ def test_resume_reproduces_losses_exactly(rank_pool: Any, tmp_path: Path) -> Non
             [*common, "--out-dir", str(foreign), "--resume"],
             [*common, "--out-dir", str(fresh), "--resume"],  # nothing to resume: step 0
             [*common, "--out-dir", str(full), "--resume", "--seq-len", "16"],  # other shapes
+            [*common, "--out-dir", str(grown), "--resume"],  # 1 rank -> 2 ranks
+            [*common, "--out-dir", str(refused), "--resume", "--batch-size", "3"],
         ],
-        timeout_s=180,
+        timeout_s=240,
     )
-    assert codes == [[0, 0, 0, 2, 0, 2], [0, 0, 0, 2, 0, 2]]  # bad resumes end every rank
+    assert codes == [[0, 0, 0, 2, 0, 2, 0, 2]] * 2  # bad resumes end every rank
+    g = _metrics(grown)
+    assert (g["start_step"], g["world_size"], g["global_batch"], g["grad_accum"]) == (3, 2, 8, 1)
+    _losses_close(g["train_loss"], _metrics(full)["train_loss"], rtol=1e-5)
+    _losses_close(g["val_loss"], _metrics(full)["val_loss"], rtol=1e-5)
     a, b = _metrics(full), _metrics(split)
     assert _metrics(fresh)["train_loss"] == a["train_loss"]
     assert (a["start_step"], b["start_step"], b["step"]) == (0, 3, 8)
@@ -106,9 +126,35 @@ def test_resume_reproduces_losses_exactly(rank_pool: Any, tmp_path: Path) -> Non
     assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
     with pytest.raises(gpt_checkpoint.InputError, match=r"--seq-len 32 \(this run: 16\)"):
         shapes = {"model_size": "tiny", "seq_len": 16}
-        gpt_checkpoint.load_checkpoint(
-            full / "ckpt-000008", 0, 2, "ddp", torch.device("cpu"), shapes
-        )
+        gpt_checkpoint.check_resumable(full / "ckpt-000008", 0, shapes)
+    with pytest.raises(gpt_checkpoint.InputError, match="holds no main-job state"):
+        gpt_checkpoint.check_resumable(foreign / "ckpt-000003", 0, shapes)
+
+
+def test_global_batch_arithmetic() -> None:
+    """global batch = micro batch x accumulation x data-parallel size; refusals show it."""
+    plan = train_gpt.batch_plan(train_gpt.parse_args(["--batch-size", "4"]), 2)
+    assert (plan.global_batch, plan.accumulation, plan.rows) == (8, 1, 4)
+    config = train_gpt.parse_args(["--batch-size", "2", "--grad-accum", "3"])
+    assert train_gpt.batch_plan(config, 2).global_batch == 12
+    resumed = train_gpt.batch_plan(config, 1, saved=12)  # the checkpoint's wins
+    assert (resumed.global_batch, resumed.accumulation) == (12, 6)
+    with pytest.raises(gpt_checkpoint.InputError) as err:
+        train_gpt.batch_plan(config, 5, saved=12)
+    assert str(err.value) == (
+        "--resume: the checkpoint's global batch 12 does not split over 5 data-parallel "
+        "rank(s): global batch = --batch-size 2 x grad-accum x 5 ranks, and 12 / (2 x 5) "
+        "= 1.2 is not a whole number; launch a data-parallel size that divides 6 "
+        "(12 / --batch-size 2)"
+    )
+    with pytest.raises(gpt_checkpoint.InputError, match="use a --batch-size that divides 4"):
+        train_gpt.batch_plan(train_gpt.parse_args(["--batch-size", "3"]), 2, saved=8)
+    with pytest.raises(gpt_checkpoint.InputError, match="trained at global batch 8, this run asks --global-batch 16"):
+        pass_16 = train_gpt.parse_args(["--global-batch", "16"])
+        train_gpt.batch_plan(pass_16, 2, saved=8)
+    with pytest.raises(gpt_checkpoint.InputError, match="not --grad-accum 3; give one"):
+        both = train_gpt.parse_args(["--global-batch", "16", "--grad-accum", "3"])
+        train_gpt.batch_plan(both, 1)
 
 
 def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
