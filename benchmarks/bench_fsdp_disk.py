@@ -1,0 +1,195 @@
+"""FSDP's disk tier: a GPT whose model state exceeds the machine's RAM, trained on 2 ranks.
+
+Run::
+
+    python -m benchmarks.bench_fsdp_disk --quick          # a small GPT, 2 steps: a smoke run
+    python -m benchmarks.bench_fsdp_disk --n-layer 34 --n-embd 2048 --n-head 16 --steps 3 \\
+        --dir /var/tmp/fsdp-disk                            # 1.71B params, 25.5 GiB of state
+
+Each rank builds the GPT on the meta device, wraps every block in an FSDP unit (and the
+rest in the root unit) with one :class:`~shardkit.nn.data_parallel.fully_sharded.DiskOffload`,
+so each unit is materialised, sharded and written as generation 0 one at a time, then
+trains with AdamW (fp32) on one fixed batch of random tokens and targets per rank
+(memorised: the loss must fall). Reported per
+step and rank: loss (averaged over ranks), step time, bytes read and written
+(:class:`~shardkit.nn.data_parallel.fully_sharded.DiskStats`), the time the training
+thread waited for reads, and the resident set (``VmRSS`` after the step, ``VmHWM`` peak
+of the rank's process). Model state: 16 bytes per parameter (fp32 parameter, gradient,
+two AdamW moments). The files are deleted at the end.
+
+Markdown goes to stdout and ``benchmarks/results/bench_fsdp_disk-<time>.md``, raw
+numbers to the ``.json`` beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.common import ADAMW, RESULTS, peak_rss_bytes, status_bytes
+from shardkit.models import GPT, Block, GPTConfig
+from shardkit.nn.data_parallel.fully_sharded import DiskOffload
+from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
+from shardkit.testing import run_distributed
+
+GIB = 2**30
+
+
+def _init(module: nn.Module) -> None:
+    """``param_init_fn``: materialise one module's own tensors with the GPT's initialisation."""
+    module.to_empty(device="cpu", recurse=False)
+    with torch.no_grad():
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        else:
+            GPT._init_weights(module)
+
+
+def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One rank: build on meta, wrap on the disk tier, train ``steps`` steps."""
+    rank = dist.get_rank()
+    torch.set_num_threads(cfg["threads"])
+    config = GPTConfig(
+        vocab_size=cfg["vocab"],
+        block_size=cfg["seq"],
+        n_layer=cfg["n_layer"],
+        n_head=cfg["n_head"],
+        n_embd=cfg["n_embd"],
+    )
+    start = time.perf_counter()
+    with torch.device("meta"):
+        gpt = GPT(config)
+    params = gpt.num_parameters()
+    disk = DiskOffload(cfg["dir"])
+    options: dict[str, Any] = {"disk_offload": disk, "param_init_fn": _init}
+    with enable_wrap(wrapper_cls=FSDP, **options):
+        model = FSDP(auto_wrap(gpt, transformer_auto_wrap_policy({Block})), **options)
+    optimizer = disk.optimizer(torch.optim.AdamW, **ADAMW)
+    out: dict[str, Any] = {
+        "rank": rank,
+        "params": params,
+        "build_s": time.perf_counter() - start,
+        "rss_built": status_bytes("VmRSS"),
+        "hwm_built": peak_rss_bytes(),
+        "units": len(disk.units),
+        "shard_bytes": sum(u.nbytes for u in disk.units),
+        "steps": [],
+    }
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+    y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+    for step in range(cfg["steps"]):
+        start = time.perf_counter()
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        seconds = time.perf_counter() - start
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        stats = disk.history[-1]
+        out["steps"].append(
+            {
+                "step": step + 1,
+                "loss": float(mean) / dist.get_world_size(),
+                "seconds": seconds,
+                "bytes_read": stats.bytes_read,
+                "bytes_written": stats.bytes_written,
+                "read_wait_s": stats.read_wait_s,
+                "rss": status_bytes("VmRSS"),
+                "hwm": peak_rss_bytes(),
+            }
+        )
+        if rank == 0:
+            print(f"step {step + 1}: {out['steps'][-1]}", flush=True)
+    disk.close()
+    dist.barrier()
+    return out
+
+
+def report(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
+    """The Markdown table of a run."""
+    params = ranks[0]["params"]
+    state = 16 * params
+    lines = [
+        f"# FSDP disk tier: GPT {cfg['n_layer']} x {cfg['n_embd']} on {cfg['world']} ranks",
+        "",
+        f"- parameters: {params:,} ({params / 1e9:.2f}B); model state (fp32 AdamW, 16 B "
+        f"per parameter): {state / GIB:.1f} GiB; machine RAM: "
+        f"{_mem_total() / GIB:.1f} GiB",
+        f"- units: {ranks[0]['units']} per rank; shard per rank {ranks[0]['shard_bytes'] / GIB:.2f}"
+        f" GiB; batch {cfg['batch']} x {cfg['seq']} tokens per rank; {cfg['threads']} thread(s)"
+        " per rank",
+        "- build (meta -> generation 0 on disk): "
+        + ", ".join(f"rank {r['rank']} {r['build_s']:.0f} s" for r in ranks),
+        "",
+        "| step | loss | rank | step s | read GiB | written GiB | read wait s | RSS MiB | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for index in range(len(ranks[0]["steps"])):
+        for r in ranks:
+            s = r["steps"][index]
+            lines.append(
+                f"| {s['step']} | {s['loss']:.4f} | {r['rank']} | {s['seconds']:.1f} | "
+                f"{s['bytes_read'] / GIB:.2f} | {s['bytes_written'] / GIB:.2f} | "
+                f"{s['read_wait_s']:.1f} | {s['rss'] / 2**20:.0f} | {s['hwm'] / 2**20:.0f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _mem_total() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add = parser.add_argument
+    add("--n-layer", type=int, default=34)
+    add("--n-embd", type=int, default=2048)
+    add("--n-head", type=int, default=16)
+    add("--vocab", type=int, default=256)
+    add("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    add("--batch", type=int, default=1, help="sequences per rank (default 1)")
+    add("--steps", type=int, default=3)
+    add("--world", type=int, default=2)
+    add("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
+    add("--dir", default=None, help="parent of the offload directory (default: a temp dir)")
+    add("--timeout", type=float, default=4 * 3600.0, help="seconds for the whole run")
+    add("--quick", action="store_true", help="GPT 2 x 128, 2 steps: a smoke run")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.n_layer, args.n_embd, args.n_head, args.steps = 2, 128, 4, 2
+    parent = Path(args.dir or tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix="fsdp-disk-", dir=parent))
+    cfg = {**vars(args), "dir": str(directory), "seq": args.seq}
+    try:
+        ranks = run_distributed(
+            rank_main, args.world, cfg, timeout_s=args.timeout, num_threads=args.threads
+        )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    text = report(cfg, ranks)
+    print(text)
+    if not args.quick:
+        RESULTS.mkdir(exist_ok=True)
+        stem = RESULTS / f"bench_fsdp_disk-{time.strftime('%Y%m%d-%H%M%S')}"
+        stem.with_suffix(".md").write_text(text)
+        stem.with_suffix(".json").write_text(json.dumps({"config": cfg, "ranks": ranks}, indent=1))
+        print(f"wrote {stem}.md / .json")
+
+
+if __name__ == "__main__":
+    main()
