@@ -9,9 +9,10 @@
 checkpoint directory (``ckpt-<step>/`` with ``manifest.json``), or a plain directory
 of shard files. ``inspect`` prints the step, format, world size, every file with its
 size, sha256 and whether it matches the manifest, the parameters (name, shape,
-dtype) and the optimizer state. ``convert`` writes the consolidated plain
-``state_dict`` of an FSDP sharded checkpoint (``torch.save`` format, or safetensors by
-the file's suffix), for inference or another library. Both run in one process, without
+dtype; bytes for a universal checkpoint) and the optimizer state. ``convert`` writes
+the consolidated plain ``state_dict`` of a universal or FSDP sharded checkpoint
+(``torch.save`` format, or safetensors by the file's suffix), for inference or
+another library. Both run in one process, without
 ranks (see :mod:`shardkit.checkpoint.reader`).
 
 Exit status: 0; 1 when the checkpoint is damaged, unsafe or holds nothing to convert
@@ -46,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("checkpoint", type=Path, help="a checkpoint root or directory")
     inspect.add_argument("--json", action="store_true", help="print it as one JSON object")
     convert = sub.add_parser(
-        "convert", help="write the consolidated state_dict of an FSDP sharded checkpoint"
+        "convert",
+        help="write the consolidated state_dict of a universal or FSDP sharded checkpoint",
     )
     convert.add_argument("checkpoint", type=Path, help="a checkpoint root or directory")
     convert.add_argument(
@@ -70,7 +72,9 @@ def _format_info(info: CheckpointInfo) -> list[str]:
         created = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(info.created_unix_s))
         lines.append(f"created     {created}")
     if info.layout:
-        lines.append(f"layout      {json.dumps(info.layout, sort_keys=True)}")
+        # a universal checkpoint's keys and groups are listed below, not in one line
+        shown = {k: v for k, v in info.layout.items() if k not in ("keys", "optimizer")}
+        lines.append(f"layout      {json.dumps(shown, sort_keys=True)}")
     total = sum(f.size_bytes for f in info.files)
     lines.append(f"files       {len(info.files)}, {total:,} bytes ({_mib(total)})")
     for f in info.files:
@@ -89,10 +93,13 @@ def _format_info(info: CheckpointInfo) -> list[str]:
         width = max(len(p.name) for p in info.params)
         for p in info.params:
             where = f"  ({p.unit})" if p.unit else ""
-            lines.append(f"  {p.name:<{width}}  {list(p.shape)}  {p.dtype}{where}")
+            size = f"  {p.size_bytes:,} bytes" if p.size_bytes is not None else ""
+            lines.append(f"  {p.name:<{width}}  {list(p.shape)}  {p.dtype}{size}{where}")
     if info.optimizer is not None:
         opt = info.optimizer
         lines.append(f"optimizer   state keys {', '.join(opt['state_keys']) or '-'}")
+        if opt.get("scalar_keys"):
+            lines.append(f"  scalar state {', '.join(opt['scalar_keys'])}")
         for i, group in enumerate(opt["param_groups"]):
             lines.append(f"  group {i}: {json.dumps(group, sort_keys=True)}")
         if "owned_by_rank" in opt:

@@ -11,7 +11,11 @@ a checkpoint directory in one process, without a process group and without the m
 - an OSS sharded checkpoint (``OSS.save_sharded``, format ``shardkit.sharded_optim/1``):
   the optimizer state it holds (it holds no parameters);
 - a checkpoint of the main job (``examples/train_gpt.py``): its strategy and model
-  flags, and the names and shapes of rank 0's model state.
+  flags, and the names and shapes of rank 0's model state;
+- a universal checkpoint (:mod:`shardkit.checkpoint.universal`, format
+  ``shardkit.universal/1``): the saving strategy, every key's shape, dtype and bytes,
+  the optimizer's param groups and state names (from the shard files' headers), and
+  the full tensors, each put together from the byte ranges of its pieces.
 
 [Note: reading a wrapper's format without importing the wrapper]
 The layers forbid ``shardkit.checkpoint`` to import ``shardkit.nn`` (a lower layer
@@ -62,10 +66,13 @@ from shardkit.checkpoint.manifest import (
     read_manifest,
     verify_checkpoint,
 )
+from shardkit.checkpoint.universal.loader import read_saved_index, read_tensor
+from shardkit.checkpoint.universal.meta import FORMAT as UNIVERSAL_FORMAT
 
 __all__ = [
     "FSDP_SHARDED_FORMAT",
     "OSS_SHARDED_FORMAT",
+    "UNIVERSAL_FORMAT",
     "CheckpointInfo",
     "FileInfo",
     "ParamInfo",
@@ -85,6 +92,8 @@ _OSS_FILE = re.compile(r"optim-shard-(\d+)-of-(\d+)\.pt")
 _KIND = {
     FSDP_SHARDED_FORMAT: "FSDP sharded (flat parameter shards per unit, one file per rank)",
     OSS_SHARDED_FORMAT: "OSS sharded (optimizer state only, one file per rank)",
+    UNIVERSAL_FORMAT: "universal (pieces of every tensor and its optimizer state, one "
+    "safetensors file per rank; loads into any strategy at any world size)",
 }
 
 
@@ -108,6 +117,7 @@ class ParamInfo:
     shape: list[int]
     dtype: str
     unit: str  # the FSDP unit key, "buffer", or "" where the format has no units
+    size_bytes: int | None = None  # the full tensor's bytes, where the format says
 
 
 @dataclass
@@ -392,6 +402,8 @@ def inspect_checkpoint(path: PathLike) -> CheckpointInfo:
         info.world_size = len(records)
         info.optimizer = _optim_summary_oss(records)
         info.notes.append("optimizer state only: the parameters are saved with the model")
+    elif fmt == UNIVERSAL_FORMAT and manifest is not None:
+        _inspect_universal(info, ckpt, manifest)
     elif fmt == "main job" and manifest is not None:
         rank0 = [f.name for f in manifest.files if f.rank == 0]
         if rank0:
@@ -405,10 +417,47 @@ def inspect_checkpoint(path: PathLike) -> CheckpointInfo:
     return info
 
 
+def _inspect_universal(info: CheckpointInfo, ckpt: Path, manifest: Manifest) -> None:
+    layout = manifest.layout
+    for key, meta in layout["keys"].items():
+        dtype = getattr(torch, meta["dtype"])
+        size = _numel(meta["shape"]) * torch.empty(0, dtype=dtype).element_size()
+        info.params.append(ParamInfo(key, list(meta["shape"]), meta["dtype"], "", size))
+    index = read_saved_index(ckpt, manifest)
+    optim = layout.get("optimizer")
+    if optim is not None:
+        info.optimizer = {
+            "class": optim["class"],
+            "param_groups": [
+                {**group["hyper"], "num_params": len(group["keys"])}
+                for group in optim["param_groups"]
+            ],
+            "state_keys": sorted({s for _, s in index.pieces if s}),
+            "scalar_keys": sorted({s for per in index.scalars.values() for s in per}),
+            "params_with_state": len({k for k, s in index.pieces if s}),
+        }
+    info.notes.append(
+        f"saved by strategy {layout.get('strategy')!r} on {manifest.world_size} ranks; "
+        "load_universal loads it into any strategy at any world size"
+    )
+
+
+def _consolidate_universal(ckpt: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
+    index = read_saved_index(ckpt, manifest)
+    state = {
+        key: read_tensor(ckpt, index, key, tuple(meta["shape"]), meta["dtype"])
+        for key, meta in manifest.layout["keys"].items()
+    }
+    for alias, key in manifest.layout.get("aliases", {}).items():
+        state[alias] = state[key]  # a tied weight under each of its names
+    return state
+
+
 def consolidate(path: PathLike) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The full ``state_dict`` (original parameter names, full shapes) of the FSDP
-    sharded checkpoint at ``path``, and notes on what it lacks (see [Note: names in
-    the FSDP format]). Verifies the checksums of the files first.
+    """The full ``state_dict`` (original parameter names, full shapes) of the universal
+    or FSDP sharded checkpoint at ``path``, and notes on what it lacks (see [Note:
+    names in the FSDP format]; a universal checkpoint's tied tensors come under each of
+    their keys). Verifies the checksums of the files first.
 
     Each parameter is read from the byte ranges of the shard files that hold it
     (memory-mapped); the output holds the whole model once.
@@ -424,6 +473,9 @@ def consolidate(path: PathLike) -> tuple[dict[str, torch.Tensor], list[str]]:
     ckpt = find_checkpoint_dir(path)
     manifest = read_manifest(ckpt) if (ckpt / MANIFEST_NAME).is_file() else None
     fmt = _detect_format(ckpt, manifest)
+    if fmt == UNIVERSAL_FORMAT and manifest is not None:
+        verify_checkpoint(ckpt)
+        return _consolidate_universal(ckpt, manifest), []
     if fmt != FSDP_SHARDED_FORMAT:
         what = {
             OSS_SHARDED_FORMAT: "an OSS sharded checkpoint holds optimizer state only, no "
@@ -432,8 +484,8 @@ def consolidate(path: PathLike) -> tuple[dict[str, torch.Tensor], list[str]]:
             "model.pt in --out-dir, written at the end of the run",
         }.get(fmt, f"format {fmt!r} is not one convert reads")
         raise ValueError(
-            f"{ckpt}: nothing to convert: {what}; convert reads FSDP sharded checkpoints "
-            f"({FSDP_SHARDED_FORMAT})"
+            f"{ckpt}: nothing to convert: {what}; convert reads universal checkpoints "
+            f"({UNIVERSAL_FORMAT}) and FSDP sharded checkpoints ({FSDP_SHARDED_FORMAT})"
         )
     if manifest is not None:
         verify_checkpoint(ckpt)

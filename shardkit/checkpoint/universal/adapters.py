@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.checkpoint.universal.layout import ParamEntry, TensorView, register_layout
 
-__all__ = ["DDPLayout", "PlainLayout", "model_tensors"]
+__all__ = ["DDPLayout", "PlainLayout", "model_tensors", "tied_aliases"]
 
 
 def model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
@@ -40,6 +40,19 @@ def model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
             continue
         seen.add(id(tensor))
         yield key, tensor, id(tensor) in params
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{key: first key}`` for every ``state_dict()`` key whose tensor is also under an
+    earlier key (a tied weight)."""
+    first: dict[int, str] = {}
+    out = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            out[key] = first[id(tensor)]
+        else:
+            first[id(tensor)] = key
+    return out
 
 
 def _rank_world(group: Any) -> tuple[int, int]:
@@ -99,6 +112,10 @@ class PlainLayout:
 
     def after_load(self) -> None:
         """Nothing: every rank read every piece itself."""
+
+    def aliases(self) -> dict[str, str]:
+        """Tied keys: ``{other key: first key}``."""
+        return tied_aliases(self.model)
 
 
 class DDPLayout(PlainLayout):

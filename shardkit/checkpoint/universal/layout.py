@@ -22,6 +22,7 @@ __all__ = [
     "LayoutAdapter",
     "ParamEntry",
     "TensorView",
+    "aliases_of",
     "layout_of",
     "register_layout",
 ]
@@ -120,6 +121,18 @@ class LayoutAdapter(Protocol):
     def after_load(self) -> None:
         """Called once after every piece was filled (e.g. re-sync replicas, bump versions)."""
         ...
+
+
+def aliases_of(adapter: Any) -> dict[str, str]:
+    """The adapter's tied keys, ``{other key: first key}`` (e.g. ``{"lm_head.weight":
+    "wte.weight"}``), from its optional method ``aliases()``; ``{}`` without one.
+
+    Stored in the manifest so that a consolidated state dict (``python -m
+    shardkit.checkpoint convert``) has every key of the plain model; loading needs
+    none of it (the adapter lists each tied tensor once, under its first key).
+    """
+    method = getattr(adapter, "aliases", None)
+    return dict(method()) if callable(method) else {}
 
 
 LayoutFactory = Callable[[Any, Any], LayoutAdapter]  # (model, optimizer or None) -> adapter

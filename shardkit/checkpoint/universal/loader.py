@@ -46,7 +46,7 @@ from shardkit.checkpoint.universal.optim_state import (
     optimizer_params,
     restore_hyperparameters,
 )
-from shardkit.checkpoint.universal.plan import Filler, cover_problem
+from shardkit.checkpoint.universal.plan import Filler, assemble, cover_problem
 from shardkit.checkpoint.universal.shardfile import (
     SavedPiece,
     SavedScalar,
@@ -54,7 +54,13 @@ from shardkit.checkpoint.universal.shardfile import (
     read_index,
 )
 
-__all__ = ["LoadedCheckpoint", "SavedIndex", "load_universal", "read_saved_index"]
+__all__ = [
+    "LoadedCheckpoint",
+    "SavedIndex",
+    "load_universal",
+    "read_saved_index",
+    "read_tensor",
+]
 
 PathLike = str | os.PathLike[str]
 _SHARD_PREFIX = "shard-"
@@ -143,6 +149,25 @@ class _FileSource:
             handle = self._open[piece.file] = safe_open(str(self.ckpt / piece.file), framework="pt")
         self.read_elements += hi - lo
         return handle.get_slice(piece.name)[lo:hi]
+
+
+def read_tensor(
+    ckpt: Path, index: SavedIndex, key: str, shape: tuple[int, ...], dtype: str, state: str = ""
+) -> torch.Tensor:
+    """The full tensor ``key`` (or its optimizer state ``state``) of checkpoint ``ckpt``,
+    put together from the byte ranges of its pieces (one process, no ranks).
+
+    Raises:
+        CheckpointMismatchError: the pieces do not hold every element exactly once.
+    """
+    pieces = index.pieces.get((key, state), [])
+    if not any(s == 0 for s in shape) or pieces:
+        problem = cover_problem(pieces, shape)
+        if problem is not None:
+            raise CheckpointMismatchError(ckpt, "coverage", f"{ckpt}: {key!r}: {problem}")
+    if not pieces:
+        return torch.empty(shape, dtype=dtype_from_name(dtype))
+    return assemble(pieces, _FileSource(ckpt)).view(shape)
 
 
 def _agree(error: BaseException | None, group: Any, world_size: int) -> None:

@@ -6,7 +6,8 @@
      "keys": {"wte.weight": {"shape": [64, 32], "dtype": "float32"}, ...},
      "optimizer": {"class": "AdamW",
                    "param_groups": [{"hyper": {"lr": 0.01, "betas": [0.9, 0.999], ...},
-                                     "keys": ["wte.weight", ...]}, ...]} or null}
+                                     "keys": ["wte.weight", ...]}, ...]} or null,
+     "aliases": {"lm_head.weight": "wte.weight"}}   # tied keys: other -> first
 
 :func:`build_layout` also checks, from what every rank writes, that each element of
 each key (and of each saved optimizer state) is written exactly once.
@@ -90,7 +91,11 @@ def build_layout(
                     if key not in record["keys"]:
                         record["keys"].append(key)
         optimizer = {"class": optimizer_type.__name__, "param_groups": groups}
+    aliases: dict[str, str] = {}
+    for summary in summaries:
+        aliases.update(summary.get("aliases", {}))
     return {
+        "aliases": aliases,
         "format": FORMAT,
         "strategy": strategy,
         "world_size": world_size,

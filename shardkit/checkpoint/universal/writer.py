@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from shardkit.checkpoint.manifest import load_tensors_only, save_checkpoint
 from shardkit.checkpoint.universal.adapters import _rank_world
-from shardkit.checkpoint.universal.layout import ParamEntry, layout_of
+from shardkit.checkpoint.universal.layout import ParamEntry, aliases_of, layout_of
 from shardkit.checkpoint.universal.meta import KeyMeta, build_layout, extra_file_name
 from shardkit.checkpoint.universal.optim_state import group_keys, group_records, state_slices
 from shardkit.checkpoint.universal.shardfile import (
@@ -191,6 +191,7 @@ def save_universal(
         shard, written = _shard_file(entries, optimizer, file)
         extra_data = _extra_bytes(extra, rank)
         summary = _local_summary(entries, optimizer, written)
+        summary["aliases"] = aliases_of(adapter)
     except (ValueError, TypeError) as err:
         summary = err
     summaries = _all_gather(summary, group, world_size)
