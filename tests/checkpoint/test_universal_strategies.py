@@ -8,7 +8,7 @@ and optimizer state (consolidated per original key) equal A's exactly; A matches
 twin and B's next step matches the twin's next step to fp32 rounding.
 
 ``SHARDKIT_HYPOTHESIS_EXAMPLES`` bounds the examples of the property test over
-(save layout, load layout) pairs (default 2, 4 pairs each); all run in the one 4-rank pool.
+(save layout, load layout) pairs (default 5, 4 pairs each); all run in the one 4-rank pool.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from hypothesis import strategies as st
 
 from tests.checkpoint.universal_workers import KINDS_SEQ, run_pairs
 
-EXAMPLES = int(os.environ.get("SHARDKIT_HYPOTHESIS_EXAMPLES", "2"))
+EXAMPLES = int(os.environ.get("SHARDKIT_HYPOTHESIS_EXAMPLES", "5"))
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 
 Pair = tuple[tuple[str, str, int], tuple[str, int]]
 
 REQUIRED: dict[str, Pair] = {
-    "fsdp4->oss2": (("gpt", "fsdp", 4), ("oss", 2)),
+    "fsdp4-nested->oss2": (("gpt", "fsdp_nested", 4), ("oss", 2)),
     "tp2xfsdp2->fsdp4": (("gpt", "tp_fsdp", 4), ("fsdp", 4)),
     "pipe2->fsdp3": (("seq", "pipe", 2), ("fsdp", 3)),
     "offload->plain2": (("seq", "offload", 1), ("plain", 2)),
@@ -38,6 +38,7 @@ REQUIRED: dict[str, Pair] = {
     "fsdp2->ddp3": (("gpt", "fsdp", 2), ("ddp", 3)),
     "sdp3->pipe2": (("seq", "sdp", 3), ("pipe", 2)),
     "oss4->offload": (("seq", "oss", 4), ("offload", 1)),
+    "pipe-local->fsdp2": (("seq", "pipe_local", 1), ("fsdp", 2)),
 }
 
 
@@ -86,6 +87,7 @@ LAYOUTS = {  # kind -> world sizes it runs at (seq family)
     "fsdp": (1, 2, 3, 4),
     "hsdp": (2, 4),
     "pipe": (1, 2, 3),
+    "pipe_local": (1,),
     "offload": (1,),
 }
 assert set(LAYOUTS) == set(KINDS_SEQ)

@@ -35,14 +35,22 @@ from shardkit.checkpoint.universal.optim_state import entry_offset
 from shardkit.checkpoint.universal.views import local_rows, write_range
 from shardkit.distributed import mpu
 from shardkit.models import GPT, GPTConfig
-from shardkit.nn import FSDP, OffloadModel, PipelineStage, ScheduleGPipe, ShardedDataParallel
+from shardkit.nn import (
+    FSDP,
+    OffloadModel,
+    Pipe,
+    PipelineStage,
+    ScheduleGPipe,
+    ShardedDataParallel,
+)
 from shardkit.nn.pipe import stage_module
 from shardkit.nn.tensor_parallel import gpt_plan, parallelize
 from shardkit.optim import OSS
+from tests.nn.data_parallel.fsdp_workers import wrap_model
 
 TINY = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 BATCH = 12  # divisible by every data-parallel size 1..4
-KINDS_SEQ = ("plain", "ddp", "oss", "sdp", "fsdp", "hsdp", "pipe", "offload")
+KINDS_SEQ = ("plain", "ddp", "oss", "sdp", "fsdp", "hsdp", "pipe", "pipe_local", "offload")
 TRAIN_STEPS = 2
 
 Consolidated = dict[str, Any]  # {"params": {key: tensor}, "state": {key: {name: tensor}}, ...}
@@ -137,11 +145,13 @@ class Run:
 
     def _build(self, base: nn.Module) -> tuple[Any, Any]:
         kind, g = self.kind, self.group
-        if kind == "plain" or kind == "offload":
+        if kind in ("plain", "offload", "pipe_local"):
             self.dp_rank, self.dp_size = 0, 1  # every rank steps the global batch
             model: Any = base
             if kind == "offload":
                 model = OffloadModel(base, "cpu", "cpu", num_slices=2)
+            if kind == "pipe_local":
+                model = Pipe(base, balance=[2, 4], devices=["cpu", "cpu"], chunks=2)
             return model, adamw(model.parameters())
         if kind == "ddp":
             return DistributedDataParallel(base, process_group=g), adamw(base.parameters())
@@ -165,6 +175,9 @@ class Run:
                 process_group=g,
             )
             return ShardedDataParallel(base, oss, process_group=g), oss
+        if kind == "fsdp_nested":  # one unit per GPT block inside the root unit
+            model = wrap_model(base, "block", process_group=g)
+            return model, adamw(model.parameters())
         if kind == "fsdp":
             model = FSDP(base, process_group=g)
             return model, adamw(model.parameters())
