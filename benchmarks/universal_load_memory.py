@@ -55,6 +55,7 @@ def _model_and_optim(with_optim: bool) -> tuple[GPT, torch.optim.Optimizer | Non
 
 def _save(directory: Path) -> None:
     model, optim = _model_and_optim(True)
+    assert optim is not None
     torch.save(model.state_dict(), directory / "model.pt")
     torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, directory / "full.pt")
     save_universal(directory / "universal_model", 1, model)
