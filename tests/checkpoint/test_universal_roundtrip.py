@@ -105,6 +105,8 @@ def _ddp_worker(root: Path) -> dict[str, Any]:
     one = DistributedDataParallel(_model())
     one_opt = _optimizer(one.module)
     load_universal(root / "one", one, one_opt)
+    # a plain module (no DDP) saved by 2 ranks: each writes half of every tensor
+    save_universal(root / "plain", 4, one.module, one_opt)
     return {"saved": saved, "ckpt": str(ckpt), "one": _snapshot(one.module, one_opt)}
 
 
@@ -176,3 +178,8 @@ def test_ddp_two_ranks_and_one(rank_pool: Any, tmp_path: Path) -> None:
     loaded = load_universal(ckpt, plain, plain_opt)
     assert_same(saved, _snapshot(plain, plain_opt))
     assert loaded.extra(1)["rank"] == 1 and loaded.extra(0)["pos"] == [0, 3]
+    plain2 = _model()
+    plain2_opt = _optimizer(plain2, lr=(3.0, 3.0))
+    loaded = load_universal(tmp_path / "plain", plain2, plain2_opt)
+    assert (loaded.saved_world_size, loaded.saved_strategy) == (2, "plain")
+    assert_same(one, _snapshot(plain2, plain2_opt))

@@ -131,3 +131,20 @@ def test_not_universal_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointMismatchError, match="is not a universal checkpoint") as caught:
         load_universal(tmp_path, _model(1))
     assert caught.value.problem == "format"
+
+
+def test_other_optimizer_class_refused(tmp_path: Path) -> None:
+    model = _model(1)
+    adam = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 3)).sum().backward()
+    adam.step()
+    save_universal(tmp_path, 1, model, adam)
+    target = _model(2)
+    sgd = torch.optim.SGD(target.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(
+        CheckpointMismatchError, match="holds the state of a Adam optimizer, this run steps a SGD"
+    ):
+        load_universal(tmp_path, target, sgd)
+    assert not _same(target, model)  # refused before any piece was filled
+    load_universal(tmp_path, target)  # the model alone
+    assert _same(target, model)

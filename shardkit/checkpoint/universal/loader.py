@@ -43,6 +43,7 @@ from shardkit.checkpoint.universal.layout import ParamEntry, layout_of
 from shardkit.checkpoint.universal.meta import FORMAT, extra_file_name
 from shardkit.checkpoint.universal.optim_state import (
     entry_offset,
+    optimizer_class,
     optimizer_params,
     restore_hyperparameters,
 )
@@ -53,6 +54,7 @@ from shardkit.checkpoint.universal.shardfile import (
     dtype_from_name,
     read_index,
 )
+from shardkit.checkpoint.universal.writer import check_entry
 
 __all__ = [
     "LoadedCheckpoint",
@@ -107,10 +109,16 @@ class SavedIndex:
 
     pieces: dict[tuple[str, str], list[SavedPiece]]
     scalars: dict[str, dict[str, SavedScalar]]
+    _states: dict[str, list[str]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for key, state in sorted(self.pieces):
+            if state:
+                self._states.setdefault(key, []).append(state)
 
     def states(self, key: str) -> list[str]:
-        """The element-wise optimizer state names saved for ``key``."""
-        return sorted(s for k, s in self.pieces if k == key and s)
+        """The element-wise optimizer state names saved for ``key``, sorted."""
+        return self._states.get(key, [])
 
 
 def read_saved_index(ckpt: Path, manifest: Manifest) -> SavedIndex:
@@ -389,6 +397,16 @@ def _load_local(
     strict: bool,
 ) -> LoadedCheckpoint:
     layout = manifest.layout
+    for entry in entries:
+        check_entry(entry)
+    saved_class = (layout.get("optimizer") or {}).get("class")
+    if optimizer is not None and saved_class not in (None, optimizer_class(optimizer)):
+        raise CheckpointMismatchError(
+            ckpt,
+            "optimizer",
+            f"{ckpt} holds the state of a {saved_class} optimizer, this run steps a "
+            f"{optimizer_class(optimizer)}: pass optimizer=None to load the model only",
+        )
     _key_problems(ckpt, layout, entries, all_keys, strict)
     index = read_saved_index(ckpt, manifest)
     _cover_check(ckpt, index, layout, {e.key for e in entries if e.key in layout["keys"]})

@@ -64,10 +64,11 @@ def build_layout(
     strategy: str,
     world_size: int,
     groups: list[dict[str, Any]] | None,
-    optimizer_type: type,
+    optimizer_class: str,
 ) -> dict[str, Any]:
     """The manifest layout from every rank's summary (``{"keys", "written",
-    "groups"}``, rank order) and this rank's optimizer param groups.
+    "groups", "aliases"}``, rank order), this rank's optimizer param groups and the
+    optimizer's class name (:func:`~.optim_state.optimizer_class`).
 
     Raises:
         ValueError: an element written twice or by no rank (the keys are named, at
@@ -90,7 +91,7 @@ def build_layout(
                 for key in summary["groups"].get(g, []):
                     if key not in record["keys"]:
                         record["keys"].append(key)
-        optimizer = {"class": optimizer_type.__name__, "param_groups": groups}
+        optimizer = {"class": optimizer_class, "param_groups": groups}
     aliases: dict[str, str] = {}
     for summary in summaries:
         aliases.update(summary.get("aliases", {}))

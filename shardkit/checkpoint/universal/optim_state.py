@@ -24,6 +24,7 @@ __all__ = [
     "group_keys",
     "group_records",
     "hyperparameters",
+    "optimizer_class",
     "optimizer_params",
     "restore_hyperparameters",
     "state_slices",
@@ -89,6 +90,13 @@ def state_slices(
                 f"{tuple(param.shape)}: the universal checkpoint holds element-wise "
                 "state (shaped like the parameter) and scalars only"
             )
+
+
+def optimizer_class(optimizer: Any) -> str:
+    """The name of the class whose state the optimizer holds: a wrapper's inner
+    optimizer (``OSS.optim``: ``"AdamW"``), else the optimizer's own class."""
+    inner = getattr(optimizer, "optim", None)
+    return type(inner if isinstance(inner, torch.optim.Optimizer) else optimizer).__name__
 
 
 def optimizer_params(optimizer: Any) -> dict[int, int]:

@@ -31,7 +31,12 @@ from shardkit.checkpoint.manifest import load_tensors_only, save_checkpoint
 from shardkit.checkpoint.universal.adapters import _rank_world
 from shardkit.checkpoint.universal.layout import ParamEntry, aliases_of, layout_of
 from shardkit.checkpoint.universal.meta import KeyMeta, build_layout, extra_file_name
-from shardkit.checkpoint.universal.optim_state import group_keys, group_records, state_slices
+from shardkit.checkpoint.universal.optim_state import (
+    group_keys,
+    group_records,
+    optimizer_class,
+    state_slices,
+)
 from shardkit.checkpoint.universal.shardfile import (
     SavedPiece,
     SavedScalar,
@@ -41,12 +46,14 @@ from shardkit.checkpoint.universal.shardfile import (
 )
 from shardkit.checkpoint.universal.views import check_view
 
-__all__ = ["save_universal"]
+__all__ = ["check_entry", "save_universal"]
 
 PathLike = str | os.PathLike[str]
 
 
-def _check_entry(entry: ParamEntry) -> None:
+def check_entry(entry: ParamEntry) -> None:
+    """Raise ``ValueError`` naming the key when ``entry``'s view, range or tensor size
+    is inconsistent."""
     check_view(entry.view)
     n = entry.stop - entry.start
     if not 0 <= entry.start <= entry.stop <= entry.view.local_numel:
@@ -82,7 +89,7 @@ def _shard_file(
         pieces.append((record, tensor))
 
     for entry in entries:
-        _check_entry(entry)
+        check_entry(entry)
         if not entry.write or entry.stop == entry.start:
             continue
         add(entry.key, "", entry, entry.tensor)
@@ -202,7 +209,9 @@ def save_universal(
         first_rank, first = failed[0]
         raise type(first)(f"rank {first_rank}: {first}")
     hyper = group_records(optimizer, {}) if optimizer is not None else None
-    layout = build_layout(summaries, adapter.strategy, world_size, hyper, type(optimizer))
+    layout = build_layout(
+        summaries, adapter.strategy, world_size, hyper, optimizer_class(optimizer)
+    )
     files = {file: shard, extra_file_name(rank): extra_data}
     return save_checkpoint(root, step, files, layout=layout, keep=keep, group=group, save=_write)
 
