@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 import shardkit.checkpoint.generations as generations
-from shardkit.models import GPT
+from shardkit.models import GPT, Block
 from shardkit.nn.data_parallel.fully_sharded import DiskOffload
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.nn.data_parallel.fully_sharded.unit import units_in
+from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 from tests.nn.data_parallel.fsdp_workers import (
     TINY,
     global_batch,
@@ -226,6 +227,13 @@ def misuse(root: str) -> dict[str, str]:
     disk = DiskOffload(str(Path(root) / "a"))
     model = wrap_model(tiny_gpt(), "block", disk_offload=disk)
     out["no_optimizer"] = _raises(lambda: model(x, y)[1].backward())
+    disk.close()
+
+    disk = DiskOffload(str(Path(root) / "e"))
+    with enable_wrap(wrapper_cls=FSDP, disk_offload=disk):
+        inner = auto_wrap(tiny_gpt(), transformer_auto_wrap_policy({Block}))
+    blocks_only = FSDP(inner)  # the root unit without disk_offload
+    out["root_in_memory"] = _raises(lambda: blocks_only(x, y))
     disk.close()
 
     model, optimizer = _disk_model(str(Path(root) / "b"), {"nesting": "block", "optim": "sgd"})

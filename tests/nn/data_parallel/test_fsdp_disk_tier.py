@@ -79,6 +79,10 @@ def test_killed_process_resumes_from_previous_generation(rank_pool: Any, tmp_pat
 def test_refusals(rank_pool: Any, tmp_path: Path) -> None:
     for out in rank_pool(2).run(w.misuse, str(tmp_path)):
         assert "RuntimeError" in out["no_optimizer"] and "disk.optimizer(" in out["no_optimizer"]
+        assert (
+            "is on a disk tier but the FSDP unit wrapping GPT is in memory"
+            in (out["root_in_memory"])
+        )
         assert "without a backward since the last one" in out["step_without_backward"]
         assert "without a backward since the last one" in out["double_step"]
         assert out["changed"] == "True"

@@ -43,10 +43,11 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ from shardkit.checkpoint.generations import GenerationStore, packed_offsets, rea
 from shardkit.distributed.optim_guard import exempt_optimizer
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
 
-__all__ = ["DiskOffload", "DiskOptimizer", "DiskStats", "DiskUnit"]
+__all__ = ["DiskOffload", "DiskOptimizer", "DiskStats", "DiskUnit", "check_one_tier"]
 
 FORMAT = "shardkit.fsdp.disk/1"
 _OWNED = re.compile(r"^unit\d+\.(params|optim)\.g\d+$")
@@ -88,7 +89,9 @@ class DiskOffload:
     Usage::
 
         disk = DiskOffload("/nvme/run1")
-        model = auto_wrap(build_on_meta(), FSDP, disk_offload=disk)  # or FSDP(..., disk_offload=disk)
+        with enable_wrap(wrapper_cls=FSDP, disk_offload=disk):
+            model = auto_wrap(model_on_meta, transformer_auto_wrap_policy({Block}))
+        model = FSDP(model, disk_offload=disk)  # the root unit on disk too
         optimizer = disk.optimizer(torch.optim.AdamW, lr=1e-4)
         loss_fn(model(x), y).backward()  # every unit steps in its backward
         optimizer.step()  # acknowledges the step (see [Note: stepping inside backward])
@@ -537,6 +540,37 @@ class DiskUnit:
             ],
             "values": values,
         }
+
+
+class TieredUnit(Protocol):
+    """What :func:`check_one_tier` reads of a unit (``UnitRuntime`` has it)."""
+
+    label: str
+    disk: DiskUnit | None
+    handle: FlatParamHandle
+
+
+def check_one_tier(units: Sequence[TieredUnit]) -> None:
+    """At the root's first forward: either every unit holding parameters is on one disk
+    tier, or none is (a unit left in memory would never be stepped by the tier's
+    optimizer: its parameters would silently stay at their initial values).
+
+    Raises:
+        ValueError: naming a unit on disk and one not (or on another tier).
+    """
+    holding = [u for u in units if u.handle.infos]
+    tiers = {id(u.disk.tier) if u.disk is not None else None for u in holding}
+    if len(tiers) <= 1:
+        return
+    on_disk = next(u for u in holding if u.disk is not None)
+    tier = on_disk.disk.tier if on_disk.disk is not None else None
+    other = next(u for u in holding if u.disk is None or u.disk.tier is not tier)
+    raise ValueError(
+        f"{on_disk.label} is on a disk tier but {other.label} is "
+        f"{'in memory' if other.disk is None else 'on another one'}: pass the same "
+        "disk_offload=DiskOffload(...) to every FSDP unit of the model, the root included "
+        "(with auto_wrap: to enable_wrap and to the outer FSDP)"
+    )
 
 
 def _check_same_generation(generation: int, group: dist.ProcessGroup | None) -> None:
