@@ -39,7 +39,7 @@ from shardkit.nn.data_parallel.fully_sharded.consolidate import (
     consolidate_shard_weights,
     local_metadata,
 )
-from shardkit.nn.data_parallel.fully_sharded.disk_tier import DiskOffload
+from shardkit.nn.data_parallel.fully_sharded.disk_tier import DiskOffload, check_one_tier
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle, ParamInfo
 from shardkit.nn.data_parallel.fully_sharded.materialize import (
     ParamInitFn,
@@ -362,6 +362,7 @@ class FullyShardedDataParallel(nn.Module):
                 if runtime is not None:
                     runtime.path = clean_name(name + ".").rstrip(".")
             self._unit.become_root(units_in(self), self._config.broadcast_buffers)
+            check_one_tier(units_in(self))
 
     # forward -------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
