@@ -10,6 +10,10 @@ Two views of the same quantity:
   stages from the paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
   Toward Training Trillion Parameter Models", section 5.1 and figure 1).
 
+Besides the model state, :func:`buffer_pools` reports the reused working buffers
+(FSDP's full parameter and gradient buffers of its units): how many exist, how many
+hold memory now and at most since :func:`reset_buffer_peaks`, and their bytes.
+
 [Note: why storages, not tensors]
 ``p.numel() * p.element_size()`` over-counts tied weights (an LM head sharing the
 token embedding) and under-counts views into a larger flat buffer (a sharded flat
@@ -25,9 +29,14 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "BufferAccount",
+    "BufferPoolStats",
     "ModelStateBytes",
     "ZeroMemoryEstimate",
+    "buffer_account",
+    "buffer_pools",
     "model_state_bytes",
+    "reset_buffer_peaks",
     "zero_memory_estimate",
 ]
 
@@ -126,6 +135,110 @@ def model_state_bytes(
     optimizer_state = 0 if optimizer is None else _count_new(_optimizer_tensors(optimizer), seen)
     buffers = _count_new(module.buffers(), seen)
     return ModelStateBytes(parameters, gradients, optimizer_state, buffers)
+
+
+@dataclass(frozen=True)
+class BufferPoolStats:
+    """One pool of reused working buffers on this rank (a snapshot).
+
+    Attributes:
+        buffers: buffers that exist (each keeps its address; only resident ones hold
+            memory).
+        capacity_bytes: bytes of all of them together (the address space reserved).
+        resident: buffers holding memory now.
+        resident_bytes: bytes of those.
+        peak_resident: the most buffers resident at once since the last
+            :func:`reset_buffer_peaks` (or the start of the process).
+        peak_resident_bytes: the most bytes resident at once over the same span.
+    """
+
+    buffers: int
+    capacity_bytes: int
+    resident: int
+    resident_bytes: int
+    peak_resident: int
+    peak_resident_bytes: int
+
+
+class BufferAccount:
+    """The counts behind one :class:`BufferPoolStats`; the owner of the buffers calls
+    :meth:`add` / :meth:`remove` when one is made / goes away and :meth:`acquired` /
+    :meth:`released` when its memory comes / goes (sizes in bytes)."""
+
+    def __init__(self) -> None:
+        self.buffers = self.capacity = self.resident = self.resident_bytes = 0
+        self.peak_resident = self.peak_resident_bytes = 0
+
+    def add(self, nbytes: int) -> None:
+        """A buffer of ``nbytes`` bytes was made (not resident)."""
+        self.buffers += 1
+        self.capacity += nbytes
+
+    def remove(self, nbytes: int) -> None:
+        """A buffer of ``nbytes`` bytes went away (released before)."""
+        self.buffers -= 1
+        self.capacity -= nbytes
+
+    def acquired(self, nbytes: int) -> None:
+        """A buffer of ``nbytes`` bytes became resident."""
+        self.resident += 1
+        self.resident_bytes += nbytes
+        self.peak_resident = max(self.peak_resident, self.resident)
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+
+    def released(self, nbytes: int) -> None:
+        """A resident buffer of ``nbytes`` bytes gave its memory back."""
+        self.resident -= 1
+        self.resident_bytes -= nbytes
+
+    def stats(self) -> BufferPoolStats:
+        """A snapshot of the counts."""
+        return BufferPoolStats(
+            self.buffers,
+            self.capacity,
+            self.resident,
+            self.resident_bytes,
+            self.peak_resident,
+            self.peak_resident_bytes,
+        )
+
+
+_ACCOUNTS: dict[str, BufferAccount] = {}
+
+
+def buffer_account(pool: str) -> BufferAccount:
+    """The account of the pool named ``pool`` on this rank (made on first use)."""
+    return _ACCOUNTS.setdefault(pool, BufferAccount())
+
+
+def buffer_pools() -> dict[str, BufferPoolStats]:
+    """Every pool of reused working buffers on this rank (this process), by name.
+
+    FSDP's pools: ``"fsdp unit parameters"`` (each unit's full parameters; resident from
+    the unit's all-gather to its reshard) and ``"fsdp unit gradients"`` (each unit's full
+    gradient; resident from the unit's first gradient in a backward until its
+    reduce-scatter is done). ``docs/fsdp.md`` ("Memory per rank") gives the bound on
+    ``peak_resident``.
+
+    Returns:
+        ``{pool name: BufferPoolStats}``, empty before any buffer was made.
+
+    Example:
+        >>> from shardkit.memory import buffer_pools, reset_buffer_peaks
+        >>> reset_buffer_peaks()
+        >>> # ... training steps ...
+        >>> peak = buffer_pools().get("fsdp unit parameters")
+    """
+    return {name: account.stats() for name, account in _ACCOUNTS.items()}
+
+
+def reset_buffer_peaks() -> None:
+    """Start the peaks of every pool afresh from what is resident now."""
+    for account in _ACCOUNTS.values():
+        account.peak_resident, account.peak_resident_bytes = (
+            account.resident,
+            account.resident_bytes,
+        )
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ same limitation on dim 0.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from torch import nn
 
 from shardkit.checkpoint.universal.layout import TensorView
 from shardkit.nn.data_parallel.fully_sharded.placement import Placement
+from shardkit.nn.data_parallel.fully_sharded.unit_buffers import GRADIENTS, PARAMETERS, UnitBuffer
 
 __all__ = ["FlatLayout", "FlatParamHandle", "FullFlat", "ParamInfo", "ParamLocation"]
 
@@ -141,17 +143,6 @@ class ParamInfo:
         return self.locations[0].name
 
 
-def _free(tensor: torch.Tensor) -> None:
-    tensor.untyped_storage().resize_(0)
-
-
-def _alloc(tensor: torch.Tensor) -> None:
-    storage = tensor.untyped_storage()
-    wanted = tensor.numel() * tensor.element_size()
-    if storage.nbytes() != wanted:
-        storage.resize_(wanted)
-
-
 def _row_pieces(start: int, length: int, row: int) -> list[tuple[int, ...]]:
     """``length`` elements from ``start`` of a row-major parameter with rows of ``row``
     elements (0: a vector) as (partial row,) (rows, row) (partial row,) pieces."""
@@ -173,7 +164,8 @@ class FullFlat:
         infos: the unit's parameters, in flat order.
         layout: the unit's flat layout.
         alias: the buffer to use (the local shard, when it is the full buffer); default
-            None: a new buffer of ``dtype`` on ``device``, freed after the views are made.
+            None: the unit's own :class:`~.unit_buffers.UnitBuffer` of ``dtype`` on
+            ``device`` (released until :meth:`alloc`).
     """
 
     def __init__(
@@ -184,11 +176,11 @@ class FullFlat:
         device: torch.device,
         alias: torch.Tensor | None = None,
     ) -> None:
-        self.owned = alias is None
-        # Allocated for now: the views are made from it, then it is freed.
-        self.flat = (
-            torch.empty(layout.padded, dtype=dtype, device=device) if alias is None else alias
-        )
+        self.buffer: UnitBuffer | None = None
+        if alias is None:
+            self.buffer = UnitBuffer(layout.padded, dtype, device, PARAMETERS)
+            alias = self.buffer.tensor
+        self.flat = alias
         self.views = [
             nn.Parameter(
                 self.flat[start : start + info.numel].view(info.shape),
@@ -196,17 +188,17 @@ class FullFlat:
             )
             for start, info in zip(layout.offsets, infos)
         ]
-        self.free()
 
     def alloc(self) -> None:
         """Give the buffer its memory (contents undefined until gathered)."""
-        if self.owned:
-            _alloc(self.flat)
+        if self.buffer is not None:
+            self.buffer.acquire()
 
     def free(self) -> None:
-        """Release the buffer's memory; the views stay as metadata."""
-        if self.owned:
-            _free(self.flat)
+        """Release the buffer's memory; the buffer and its views stay valid (see
+        [Note: keep the storage, give back the pages] in :mod:`.unit_buffers`)."""
+        if self.buffer is not None:
+            self.buffer.release()
 
 
 class FlatParamHandle:
@@ -245,6 +237,13 @@ class FlatParamHandle:
         self._precise_full: FullFlat | None = None
         self.full = self.compute_full  # the active one: compute_full, or full precision
         self.sharded_params = [self._sharded_view(i) for i in range(len(infos))]
+        self._grad: UnitBuffer | None = None  # the full flat gradient, made at the first one
+        self._grad_views: list[torch.Tensor] = []
+        self._grad_taken = False  # handed to a reduction: stale once that is done
+        self._grad_pointed: set[int] = set()  # .grad pointed into it since it was zeros
+        self._grad_hooked: set[int] = set()
+        for index in self.trainable:
+            self._hook_grad(index)
         self.use_sharded()
 
     # construction --------------------------------------------------------------
@@ -279,6 +278,8 @@ class FlatParamHandle:
             forms.append(self._precise_full.views)
         for params in forms:
             params[index].requires_grad_(requires_grad)
+        if requires_grad:
+            self._hook_grad(index)
 
     def as_sharded(self, param: nn.Parameter) -> nn.Parameter:
         """The sharded parameter of ``param`` if it is one of the unit's unsharded
@@ -383,32 +384,103 @@ class FlatParamHandle:
         """True if some parameter of the unit does not require a gradient."""
         return any(not info.requires_grad for info in self.infos)
 
+    # [Note: the flat gradient buffer]
+    # A unit's full gradient lives in one UnitBuffer ``(N * S,)`` of the compute dtype
+    # (see .unit_buffers). A tensor hook on each trainable unsharded parameter runs just
+    # before autograd accumulates its gradient and points the parameter's ``.grad`` at
+    # the parameter's place in the buffer; autograd then adds into it in place (under
+    # no_sync, micro-batch after micro-batch), so no per-parameter gradient is allocated
+    # and take_flat_grad copies nothing. The buffer goes to the reduce-scatter as is and
+    # is released when the reduced shard was accumulated (accumulate_grad_shard), or at
+    # the latest when the next gradient arrives. Released memory reads as zeros, which
+    # is what frozen and unused parameters and the padding contribute.
+    def _hook_grad(self, index: int) -> None:
+        view = self.compute_full.views[index]
+        if index not in self._grad_hooked and view.requires_grad and view.numel():
+            view.register_hook(functools.partial(_point_grad_into_buffer, self, index))
+            self._grad_hooked.add(index)
+
+    def _grad_buffer(self) -> UnitBuffer:
+        """The flat gradient buffer, resident, holding only the live unsharded ``.grad``
+        (zeros elsewhere)."""
+        p = self.placement
+        if self._grad is None:
+            self._grad = UnitBuffer(
+                self.layout.padded, p.compute_dtype, p.compute_device, GRADIENTS
+            )
+            flat = self._grad.tensor
+            self._grad_views = [
+                flat[start : start + info.numel].view(info.shape)
+                for start, info in zip(self.layout.offsets, self.infos)
+            ]
+        self.release_flat_grad()  # a reduction took it and is done with it
+        self._grad.acquire(zero=True)
+        return self._grad
+
+    def point_grad(self, index: int) -> None:
+        """Before autograd accumulates a gradient into unsharded parameter ``index``:
+        make its ``.grad`` the parameter's view of the flat gradient buffer unless it has
+        a gradient already (see [Note: the flat gradient buffer])."""
+        param = self.unsharded_params[index]
+        if param.grad is None and param.requires_grad:
+            self._grad_buffer()
+            param.grad = self._grad_views[index]
+            self._grad_pointed.add(index)
+
+    def _is_grad_view(self, index: int, grad: torch.Tensor) -> bool:
+        view = self._grad_views[index] if self._grad_views else None
+        return view is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
+
     def take_flat_grad(self) -> torch.Tensor:
         """The padded flat gradient ``(N * S,)`` of the unsharded parameters, in the
-        reduce dtype on the compute device.
+        reduce dtype on the compute device: the flat gradient buffer itself when the
+        reduce dtype is the compute dtype (released by :meth:`accumulate_grad_shard` or
+        :meth:`release_flat_grad`), else a cast copy.
 
         Missing gradients (frozen, unused or empty parameters) and padding are zeros.
         The unsharded parameters' ``.grad`` are cleared. Parameters that had one are
         remembered for :meth:`accumulate_grad_shard` (a parameter frozen after its
         gradient was accumulated, e.g. inside ``no_sync``, keeps it, as in plain torch).
         """
-        p = self.placement
-        out = torch.zeros(self.layout.padded, dtype=p.reduce_dtype, device=p.compute_device)
-        for index, (start, param) in enumerate(zip(self.layout.offsets, self.unsharded_params)):
-            if param.grad is not None:
-                out[start : start + self.infos[index].numel].copy_(param.grad.reshape(-1))
-                param.grad = None
-                self._with_grad.add(index)
+        buffer = self._grad_buffer()
+        for index, param in enumerate(self.unsharded_params):
+            grad, view = param.grad, self._grad_views[index]
+            if grad is None:
+                if index in self._grad_pointed:
+                    view.zero_()  # a .grad pointed here was dropped
+                continue
+            if not self._is_grad_view(index, grad):  # create_graph, or assigned by hand
+                view.copy_(grad)
+            param.grad = None
+            self._with_grad.add(index)
+        self._grad_taken = True
+        reduce_dtype = self.placement.reduce_dtype
+        if buffer.tensor.dtype == reduce_dtype:
+            return buffer.tensor
+        out = buffer.tensor.to(reduce_dtype)
+        self.release_flat_grad()
         return out
+
+    def release_flat_grad(self) -> None:
+        """Give back the flat gradient buffer's memory once a reduction is done with it
+        (a no-op unless :meth:`take_flat_grad` handed it out)."""
+        if self._grad is not None and self._grad_taken:
+            self._grad.release()
+            self._grad_taken = False
+            self._grad_pointed.clear()
 
     def accumulate_grad_shard(self, grad_shard: torch.Tensor, divide_by: float = 1.0) -> None:
         """Add a reduced gradient shard ``(S,)``, divided by ``divide_by``, into the
-        sharded parameters' ``.grad`` (master dtype, on the shard device).
+        sharded parameters' ``.grad`` (master dtype, on the shard device), then release
+        the flat gradient buffer (the reduction is done with it).
 
         A ``.grad`` that is None becomes a view of the (moved, cast) shard: no copy when
-        it is already on the shard device in the master dtype.
+        it is already on the shard device in the master dtype and not a part of the
+        flat gradient buffer (one rank: the shard is the buffer; it is copied).
         """
         grad_shard = self.placement.to_shard_home(grad_shard)
+        if self._grad is not None and _same_storage(grad_shard, self._grad.tensor):
+            grad_shard = grad_shard.clone()
         if divide_by != 1.0:
             grad_shard.div_(divide_by)
         indices = sorted(set(self.trainable) | self._with_grad)
@@ -420,3 +492,12 @@ class FlatParamHandle:
                 param.grad = piece
             else:
                 param.grad.add_(piece)
+        self.release_flat_grad()
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _point_grad_into_buffer(handle: FlatParamHandle, index: int, grad: torch.Tensor) -> None:
+    handle.point_grad(index)
