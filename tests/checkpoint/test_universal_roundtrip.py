@@ -13,12 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from shardkit.checkpoint import CheckpointError
 from shardkit.checkpoint.manifest import read_manifest
 from shardkit.checkpoint.universal import (
     DDPLayout,
@@ -27,6 +29,7 @@ from shardkit.checkpoint.universal import (
     load_universal,
     save_universal,
 )
+from tests.checkpoint.payload import plant_payload
 
 
 def _model() -> nn.Module:
@@ -110,6 +113,28 @@ def _ddp_worker(root: Path) -> dict[str, Any]:
     return {"saved": saved, "ckpt": str(ckpt), "one": _snapshot(one.module, one_opt)}
 
 
+def _errors_worker(root: Path) -> list[str]:
+    """One rank's bad input fails the collective on every rank (no rank left waiting)."""
+    rank, out = dist.get_rank(), []
+    model = DistributedDataParallel(_model())
+    bad = {"x": np.zeros(1)} if rank == 1 else {}
+    try:
+        save_universal(root, 1, model, extra=bad)
+    except TypeError as err:
+        out.append(f"save: {err}")
+    save_universal(root, 2, model, extra={"rank": rank})
+    dist.barrier()
+    if rank == 0:
+        plant_payload(root / "ckpt-000002", "extra-1.pt", root / "marker")
+    dist.barrier()
+    try:
+        load_universal(root, model)
+    except CheckpointError as err:
+        out.append(f"load: {type(err).__name__} {err.problem}: {err}")
+    out.append(f"marker: {(root / 'marker').exists()}")
+    return out
+
+
 def test_plain_roundtrip_one_rank(tmp_path: Path) -> None:
     model, optimizer = _model(), None
     optimizer = _optimizer(model)
@@ -183,3 +208,14 @@ def test_ddp_two_ranks_and_one(rank_pool: Any, tmp_path: Path) -> None:
     loaded = load_universal(tmp_path / "plain", plain2, plain2_opt)
     assert (loaded.saved_world_size, loaded.saved_strategy) == (2, "plain")
     assert_same(one, _snapshot(plain2, plain2_opt))
+
+
+def test_errors_agree_on_every_rank(rank_pool: Any, tmp_path: Path) -> None:
+    out = rank_pool(2).run(_errors_worker, tmp_path, timeout_s=120)
+    for rank in range(2):
+        save, _, marker = out[rank]
+        assert save.startswith("save: ") and "extra of rank 1 holds something other" in save
+        assert marker == "marker: False"
+    assert out[0][1].startswith("load: CheckpointError load: loading failed on rank 1: ")
+    assert out[1][1].startswith("load: CheckpointUnsafeError unsafe: ")
+    assert not (tmp_path / "ckpt-000001").exists()  # the failed save wrote nothing
