@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from shardkit.checkpoint.manifest import _rank_world
 from shardkit.checkpoint.universal.layout import ParamEntry, TensorView, register_layout
 
 __all__ = ["DDPLayout", "PlainLayout", "model_tensors", "tied_aliases"]
@@ -53,12 +53,6 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
         else:
             first[id(tensor)] = key
     return out
-
-
-def _rank_world(group: Any) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 class PlainLayout:

@@ -33,12 +33,12 @@ from shardkit.checkpoint.manifest import (
     CheckpointError,
     CheckpointMismatchError,
     Manifest,
+    _rank_world,
     find_valid_checkpoint,
     load_tensors_only,
     read_manifest,
     verify_checkpoint,
 )
-from shardkit.checkpoint.universal.adapters import _rank_world
 from shardkit.checkpoint.universal.layout import ParamEntry, layout_of
 from shardkit.checkpoint.universal.meta import FORMAT, extra_file_name
 from shardkit.checkpoint.universal.optim_state import (

@@ -27,8 +27,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from shardkit.checkpoint.manifest import load_tensors_only, save_checkpoint
-from shardkit.checkpoint.universal.adapters import _rank_world
+from shardkit.checkpoint.manifest import _rank_world, load_tensors_only, save_checkpoint
 from shardkit.checkpoint.universal.layout import ParamEntry, aliases_of, layout_of
 from shardkit.checkpoint.universal.meta import KeyMeta, build_layout, extra_file_name
 from shardkit.checkpoint.universal.optim_state import (
