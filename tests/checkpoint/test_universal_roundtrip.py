@@ -219,3 +219,29 @@ def test_errors_agree_on_every_rank(rank_pool: Any, tmp_path: Path) -> None:
     assert out[0][1].startswith("load: CheckpointError load: loading failed on rank 1: ")
     assert out[1][1].startswith("load: CheckpointUnsafeError unsafe: ")
     assert not (tmp_path / "ckpt-000001").exists()  # the failed save wrote nothing
+
+
+class _Odd(nn.Module):
+    """An empty parameter, a 0-dim one, a non-contiguous one and a transposed buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = nn.Parameter(torch.randn(0, 3))
+        self.scalar = nn.Parameter(torch.randn(()))
+        self.strided = nn.Parameter(torch.randn(3, 2).t())
+        self.register_buffer("table", torch.randn(2, 4).t())
+
+
+def test_empty_scalar_and_strided_tensors(tmp_path: Path) -> None:
+    """Regression: an empty parameter's Adam state (its step) was dropped on load, and
+    the coverage check refused the empty tensor."""
+    model = _Odd()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    (model.scalar * 3 + model.strided.square().sum() + model.empty.sum()).backward()
+    optimizer.step()
+    save_universal(tmp_path, 1, model, optimizer)
+    fresh = _Odd()
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    load_universal(tmp_path, fresh, fresh_opt)
+    assert_same(_snapshot(model, optimizer), _snapshot(fresh, fresh_opt))
+    assert not fresh.strided.is_contiguous()  # filled in place

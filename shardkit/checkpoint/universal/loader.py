@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -253,7 +254,7 @@ def _cover_check(
     problems = []
     for key in sorted(set(keys)):
         shape = tuple(layout["keys"][key]["shape"])
-        if not any(shape):  # empty: nothing to hold
+        if math.prod(shape) == 0:  # empty: nothing to hold
             continue
         states = [""] + index.states(key)
         for state in states:

@@ -89,8 +89,8 @@ def _shard_file(
 
     for entry in entries:
         check_entry(entry)
-        if not entry.write or entry.stop == entry.start:
-            continue
+        if not entry.write or entry.start == entry.stop < entry.view.local_numel:
+            continue  # (an empty tensor is written: its optimizer state's scalars)
         add(entry.key, "", entry, entry.tensor)
         if optimizer is None or entry.param is None:
             continue
