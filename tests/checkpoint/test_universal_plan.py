@@ -201,7 +201,7 @@ def layouts(draw: Any, shapes: dict[str, tuple[int, ...]]) -> Layout:
 def cases(draw: Any) -> tuple[dict[str, tuple[int, ...]], Layout, Layout]:
     shapes = {}
     for i in range(draw(st.integers(1, 3))):
-        dims = draw(st.lists(st.sampled_from([1, 2, 3, 4, 6]), min_size=1, max_size=3))
+        dims = draw(st.lists(st.sampled_from([0, 1, 2, 3, 4, 6]), min_size=0, max_size=3))
         shapes[f"layer{i}.weight"] = tuple(dims)
     return shapes, draw(layouts(shapes)), draw(layouts(shapes))
 
