@@ -25,10 +25,13 @@ from shardkit.checkpoint.manifest import read_manifest
 from shardkit.checkpoint.universal import (
     DDPLayout,
     PlainLayout,
+    TensorView,
     layout_of,
     load_universal,
     save_universal,
 )
+from shardkit.checkpoint.universal.tensor_views import set_view
+from shardkit.nn.tensor_parallel.partition import shard
 from tests.checkpoint.payload import plant_payload
 
 
@@ -133,6 +136,40 @@ def _errors_worker(root: Path) -> list[str]:
         out.append(f"load: {type(err).__name__} {err.problem}: {err}")
     out.append(f"marker: {(root / 'marker').exists()}")
     return out
+
+
+def _tp_full() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 6))
+
+
+def _tp_worker(root: Path) -> dict[str, Any]:
+    """Each rank holds part r of 2 (stride 3, a fused q|k|v) of the Linear, the
+    LayerNorm whole; one AdamW step on its own part; saved by the plain layout."""
+    rank = dist.get_rank()
+    full = _tp_full()
+    local = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 3))
+    local[0].load_state_dict(full[0].state_dict())
+    with torch.no_grad():
+        for name in ("weight", "bias"):
+            part = shard(getattr(full[1], name), 0, rank, 2, stride=3)
+            getattr(local[1], name).copy_(part)
+            set_view(
+                getattr(local[1], name),
+                TensorView((6, *part.shape[1:]), 0, rank, 2, 3),
+            )
+    optimizer = torch.optim.AdamW(local.parameters(), lr=0.1)
+    local(torch.ones(2, 4)).sum().backward()
+    for p in local[0].parameters():  # replicas: the same gradient on every rank
+        assert p.grad is not None
+        dist.all_reduce(p.grad)
+    optimizer.step()
+    ckpt = save_universal(root, 1, local, optimizer)
+    states = {
+        name: {k: v.clone() for k, v in optimizer.state[p].items()}
+        for name, p in local.named_parameters()
+    }
+    return {"ckpt": str(ckpt), "model": local.state_dict(), "state": states}
 
 
 def test_plain_roundtrip_one_rank(tmp_path: Path) -> None:
@@ -245,3 +282,23 @@ def test_empty_scalar_and_strided_tensors(tmp_path: Path) -> None:
     load_universal(tmp_path, fresh, fresh_opt)
     assert_same(_snapshot(model, optimizer), _snapshot(fresh, fresh_opt))
     assert not fresh.strided.is_contiguous()  # filled in place
+
+
+def test_tensor_parallel_parts_into_a_plain_model(rank_pool: Any, tmp_path: Path) -> None:
+    """Parts of 2 (stride 3) saved by 2 ranks load into the whole model in one process
+    (the assemble-and-cut path), parameters and AdamW state; the strategy says tp2."""
+    out = rank_pool(2).run(_tp_worker, tmp_path, timeout_s=120)
+    model = _tp_full()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    loaded = load_universal(tmp_path, model, optimizer)
+    assert loaded.saved_strategy == "plain+tp2"
+    for rank in range(2):
+        for name in ("1.weight", "1.bias"):
+            value = model.state_dict()[name]
+            assert torch.equal(shard(value, 0, rank, 2, stride=3), out[rank]["model"][name])
+            param = dict(model.named_parameters())[name]
+            for key in ("exp_avg", "exp_avg_sq"):
+                mine = shard(optimizer.state[param][key], 0, rank, 2, stride=3)
+                assert torch.equal(mine, out[rank]["state"][name][key]), (name, key)
+        assert torch.equal(model.state_dict()["0.weight"], out[rank]["model"]["0.weight"])
+    assert optimizer.param_groups[0]["lr"] == 0.1

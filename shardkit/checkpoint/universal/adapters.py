@@ -72,11 +72,17 @@ class PlainLayout:
         self.rank, self.world_size = _rank_world(group)
 
     def entries(self) -> Iterator[ParamEntry]:
-        from shardkit.checkpoint.universal.tensor_views import view_of  # imports this module
+        """Every tensor's pieces; afterwards ``strategy`` says ``"+tp<T>"`` when some
+        tensor is a tensor-parallel part of T."""
+        # tensor_views imports this module: imported here, not at the top
+        from shardkit.checkpoint.universal.tensor_views import strategy_name, view_of
 
+        views = []
         for key, tensor, is_param in model_tensors(self.model):
             view = view_of(tensor)
+            views.append(view)
             yield from self._pieces(key, tensor, view, tensor if is_param else None)
+        self.strategy = strategy_name(type(self).strategy, views)
 
     def _writes(self, view: TensorView) -> tuple[bool, bool]:
         """(this rank may write the tensor, its pieces are spread over the group)."""
