@@ -38,7 +38,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gpt_data import InputError
-from torch import nn
 
 from shardkit.checkpoint import manifest
 from shardkit.checkpoint.manifest import CheckpointError, CheckpointFallbackWarning
@@ -59,7 +58,7 @@ __all__ = [
 def save_checkpoint(
     out_dir: Path,
     step: int,
-    model: nn.Module,
+    model: Any,
     optimizer: torch.optim.Optimizer,
     extra: dict[str, Any],
     keep: int = 2,
@@ -160,7 +159,7 @@ def check_resumable(ckpt: Path, rank: int, flags: dict[str, Any]) -> None:
 
 def load_checkpoint(
     ckpt: Path,
-    model: nn.Module,
+    model: Any,
     optimizer: torch.optim.Optimizer,
     flags: dict[str, Any],
 ) -> LoadedCheckpoint:

@@ -244,7 +244,7 @@ class Strategy:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def checkpoint_module(self) -> nn.Module:
+    def checkpoint_module(self) -> Any:
         """The wrapped model as ``shardkit.checkpoint.universal`` takes it (DDP,
         ShardedDataParallel, FSDP, OffloadModel, ...): its layout adapter says which
         piece of which plain GPT tensor this rank holds. Default ``module``."""
@@ -432,6 +432,11 @@ class _PipeStrategy(Strategy):
             raise ValueError(f"pipe runs whole steps only (weight {weight}, expected 1.0)")
         return self.module.forward_backward(x, y)
 
+    def checkpoint_module(self) -> Any:
+        """This rank's :class:`PipelineStage` (its layers under the ``gpt_stages``
+        names, written whole by this rank)."""
+        return self.module.stage
+
     def accumulate(self, x: torch.Tensor, y: torch.Tensor, accumulation: int) -> torch.Tensor:
         """Every row in one schedule (its ``--chunks`` micro-batches already accumulate
         the gradients of the global batch): the same gradient for any ``accumulation``."""
@@ -511,6 +516,11 @@ class _OffloadStrategy(Strategy):
     def consolidated_model_state(self) -> dict[str, Any] | None:
         return self._gpt_state()
 
+    def checkpoint_module(self) -> Any:
+        """The :class:`OffloadModel` (its slices under the ``gpt_stages`` names; the
+        universal checkpoint refuses the disk tier)."""
+        return self.module.offload
+
 
 def _offload(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """OffloadModel over the GPT's stages (embedding, blocks, head; the tied embedding /
@@ -557,15 +567,12 @@ class _FSDPStrategy(Strategy):
         return model_state_bytes(self.module, self.optimizer)
 
 
-def _no_decay(name: str) -> bool:
-    """Biases and LayerNorm weights, chosen by original parameter name."""
-    return name.endswith("bias") or ".ln_" in name or name.startswith("ln_")
-
-
 def _fsdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
-    """FullyShardedDataParallel, one unit per Block + the root (ZeRO-3); AdamW without
-    weight decay on biases and norms (FSDP keeps the original parameter names).
-    ``--precision bf16|fp16``: FSDP's own mixed precision (:func:`fsdp_policy`)."""
+    """FullyShardedDataParallel, one unit per Block + the root (ZeRO-3); AdamW with the
+    settings of every strategy (one param group: a checkpoint moves between
+    strategies, and the universal checkpoint refuses param groups whose
+    hyperparameters differ). ``--precision bf16|fp16``: FSDP's own mixed precision
+    (:func:`fsdp_policy`)."""
     group = data_parallel_group()
     return _fully_sharded(model, config, {} if group is None else {"process_group": group})
 
@@ -593,13 +600,8 @@ def _fully_sharded(model: GPT, config: StrategyConfig, extra: dict[str, Any]) ->
     with enable_wrap(wrapper_cls=FullyShardedDataParallel, **fsdp_kwargs):
         wrapped = auto_wrap(model, transformer_auto_wrap_policy(blocks))
     module = FullyShardedDataParallel(wrapped, **fsdp_kwargs)
-    kwargs = adamw_kwargs(config)
-    named = list(module.named_parameters())
-    groups: list[dict[str, Any]] = [
-        {"params": [p for n, p in named if not _no_decay(n)]},
-        {"params": [p for n, p in named if _no_decay(n)], "weight_decay": 0.0},
-    ]
-    return _FSDPStrategy(module=module, optimizer=torch.optim.AdamW(groups, **kwargs))
+    optimizer = torch.optim.AdamW(module.parameters(), **adamw_kwargs(config))
+    return _FSDPStrategy(module=module, optimizer=optimizer)
 
 
 # The registry ---------------------------------------------------------------------------
@@ -857,7 +859,7 @@ class _Precision(Strategy):
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
 
-    def checkpoint_module(self) -> nn.Module:
+    def checkpoint_module(self) -> Any:
         return self.inner.checkpoint_module()
 
     def extra_state(self) -> dict[str, Any]:
@@ -929,7 +931,7 @@ class _TensorParallel(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state)
 
-    def checkpoint_module(self) -> nn.Module:
+    def checkpoint_module(self) -> Any:
         return self.inner.checkpoint_module()
 
     def extra_state(self) -> dict[str, Any]:

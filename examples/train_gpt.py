@@ -359,6 +359,13 @@ def launch_error(config: JobConfig, env: Env) -> str | None:
     problem = tp_error(config, env.world_size)
     if problem is not None:
         return problem
+    saves = config.save_every > 0 or config.stop_after is not None or config.resume
+    if config.strategy.offload_dir is not None and saves:
+        return (
+            "--offload-dir: checkpoints (--save-every, --stop-after, --resume) cannot hold "
+            "offload's disk tier yet; use --save-every 0 without --stop-after and --resume, "
+            "or drop --offload-dir (CPU memory)"
+        )
     try:
         plan = batch_plan(config, data_parallel(config, env)[1])
     except InputError as err:

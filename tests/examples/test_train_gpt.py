@@ -149,7 +149,10 @@ def test_global_batch_arithmetic() -> None:
     )
     with pytest.raises(gpt_checkpoint.InputError, match="use a --batch-size that divides 4"):
         train_gpt.batch_plan(train_gpt.parse_args(["--batch-size", "3"]), 2, saved=8)
-    with pytest.raises(gpt_checkpoint.InputError, match="trained at global batch 8, this run asks --global-batch 16"):
+    with pytest.raises(
+        gpt_checkpoint.InputError,
+        match="trained at global batch 8, this run asks --global-batch 16",
+    ):
         pass_16 = train_gpt.parse_args(["--global-batch", "16"])
         train_gpt.batch_plan(pass_16, 2, saved=8)
     with pytest.raises(gpt_checkpoint.InputError, match="not --grad-accum 3; give one"):

@@ -1,0 +1,175 @@
+"""Elastic training of the main job: lose a node, go on smaller, grow back.
+
+Two torchrun agents on loopback are the two "nodes" (``--nnodes 1:2``, one rank each,
+c10d rendezvous on 127.0.0.1, ``--max-restarts 3``), as in ``docs/elastic.md``:
+
+1. both train (world size 2, global batch 8 = 4 x 1 x 2) and checkpoint at step 4;
+2. node B dies in step 7 (its agent and its worker SIGKILLed, a hook of
+   ``tests/examples/faults.py``); A's worker fails on the next collective, A's agent
+   restarts it, the rendezvous closes with A alone after ``last_call_timeout``, and
+   the job resumes from step 4 at world size 1 (global batch 8 = 4 x 2 x 1);
+3. at world size 1 the worker holds after the step-8 checkpoint (another hook) until
+   node B comes back: a new agent joins, A's agent sees the waiting node and
+   restarts its worker, and both resume from step 8 at world size 2 and finish.
+
+The run ends where the uninterrupted 2-rank run ends, to float rounding: the same
+global batches (``BatchSampler`` draws each step's global batch from the seed and the
+step), reduced in another order.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import train_gpt
+
+from shardkit.checkpoint.manifest import read_manifest
+from tests.examples import faults
+
+TINY = ["--model-size", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1"]
+JOB = [*TINY, "--steps", "16", "--eval-every", "8", "--save-every", "4"]
+FAULTS = Path(faults.__file__)
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torch.distributed.run") is None,
+    reason="torchrun (torch.distributed.run) is not available",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _agent(
+    port: int, out_dir: Path, log: IO[str], host: bool, *flags: str
+) -> subprocess.Popen[str]:
+    """One node: a torchrun agent with one worker, in a session of its own."""
+    conf = f"is_host={int(host)},last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2"]
+    cmd += ["--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval", "0.5"]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    cmd += ["--rdzv-id", "elastic-test", "--rdzv-conf", conf, "--local-addr", "127.0.0.1"]
+    cmd += [str(FAULTS), *JOB, "--resume", "--out-dir", str(out_dir), *flags]
+    cmd += ["--fault-hold-at-step", "8", "--fault-hold-world-size", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a fresh store per round (gpt_dist.py)
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+
+
+def _wait_for(
+    what: str, ready: Callable[[], bool], alive: subprocess.Popen[str], log: Path
+) -> None:
+    deadline = time.monotonic() + 300
+    while not ready():
+        if alive.poll() is not None:
+            pytest.fail(f"{what}: node A ended ({alive.returncode}):\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within 300 s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def _saved_by_one_rank(out_dir: Path, step: int) -> bool:
+    latest = out_dir / "latest"
+    if not latest.is_file() or latest.read_text().strip() != f"ckpt-{step:06d}":
+        return False
+    return read_manifest(out_dir / f"ckpt-{step:06d}").world_size == 1
+
+
+def _metrics(out_dir: Path) -> dict[str, Any]:
+    return json.loads((out_dir / "metrics.json").read_text())
+
+
+def _uninterrupted(argv: list[str]) -> int:
+    return train_gpt.main(argv)
+
+
+def test_lose_a_node_shrink_and_grow_back(rank_pool: Any, tmp_path: Path) -> None:
+    out, port = tmp_path / "elastic", _free_port()
+    logs = {name: tmp_path / f"{name}.log" for name in ("a", "b", "b2")}
+    agents: list[subprocess.Popen[str]] = []
+    try:
+        with logs["a"].open("w") as a_log, logs["b"].open("w") as b_log:
+            agents.append(_agent(port, out, a_log, True))
+            time.sleep(0.5)  # A hosts the rendezvous store
+            agents.append(_agent(port, out, b_log, False, "--fault-kill-node-at-step", "6"))
+            _wait_for(
+                "resume at world size 1", lambda: _saved_by_one_rank(out, 8), agents[0], logs["a"]
+            )
+            assert agents[1].wait(timeout=30) == -signal.SIGKILL  # node B is gone
+            with logs["b2"].open("w") as b2_log:  # node B comes back
+                agents.append(_agent(port, out, b2_log, False))
+                assert agents[0].wait(timeout=300) == 0, logs["a"].read_text()[-3000:]
+                assert agents[2].wait(timeout=300) == 0, logs["b2"].read_text()[-3000:]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+    printed = logs["a"].read_text() + logs["b2"].read_text()
+    assert f"resumed from {out / 'ckpt-000004'} at step 4" in printed, printed[-3000:]
+    assert "elastic resume: saved by 2 rank(s) with --strategy ddp, now 1" in printed
+    assert f"resumed from {out / 'ckpt-000008'} at step 8" in printed
+    assert "elastic resume: saved by 1 rank(s) with --strategy ddp, now 2" in printed
+    m = _metrics(out)
+    assert (m["step"], m["start_step"], m["world_size"]) == (16, 8, 2)
+    assert (m["global_batch"], m["grad_accum"]) == (8, 1)
+    assert [s for s, _ in m["train_loss"]] == list(range(1, 17))
+
+    reference = tmp_path / "reference"  # the same job, never interrupted, on 2 ranks
+    codes = rank_pool(2).run(_uninterrupted, [*JOB, "--out-dir", str(reference)], timeout_s=120)
+    assert codes == [0, 0]
+    r = _metrics(reference)
+    assert r["train_loss"][:4] == m["train_loss"][:4]  # up to the step-4 checkpoint: bitwise
+    for (step, got), (_, want) in zip(m["train_loss"], r["train_loss"], strict=True):
+        assert abs(got - want) <= 1e-4 * want, (step, got, want)
+    (_, final), (_, final_ref) = m["val_loss"][-1], r["val_loss"][-1]
+    print(  # the numbers of docs/elastic.md (pytest -s shows them)
+        f"\nelastic: final val {final!r} (uninterrupted {final_ref!r}, relative "
+        f"{abs(final - final_ref) / final_ref:.2e}); train step 16 {m['train_loss'][-1][1]!r} "
+        f"(uninterrupted {r['train_loss'][-1][1]!r})"
+    )
+    assert abs(final - final_ref) <= 1e-4 * final_ref, (final, final_ref)  # target: 1%
+
+
+def _runs(argvs: list[list[str]]) -> list[int]:
+    return [train_gpt.main(argv) for argv in argvs]
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [("fsdp", "oss"), ("sdp", "fsdp"), ("hsdp", "ddp"), ("oss", "sdp")],
+)
+def test_resume_other_strategy_and_world_size(
+    rank_pool: Any, tmp_path: Path, saved: str, resumed: str
+) -> None:
+    """A checkpoint of ``saved`` on 2 ranks resumes under ``resumed`` on 1 rank (this
+    process; gradient accumulation 2 keeps the global batch 4) and ends on the losses
+    of the uninterrupted ddp run on 2 ranks, to float rounding."""
+    job = [*TINY, "--batch-size", "2", "--steps", "6", "--eval-every", "3", "--save-every", "3"]
+    first = [*job, "--strategy", saved, "--stop-after", "3", "--out-dir", str(tmp_path / "run")]
+    if saved == "hsdp":
+        first += ["--shard-size", "2"]
+    reference = [*job, "--out-dir", str(tmp_path / "reference")]
+    assert rank_pool(2).run(_runs, [first, reference], timeout_s=180) == [[0, 0]] * 2
+    argv = [*job, "--strategy", resumed, "--resume", "--out-dir", str(tmp_path / "run")]
+    assert train_gpt.main(argv) == 0
+    m, r = _metrics(tmp_path / "run"), _metrics(tmp_path / "reference")
+    assert (m["start_step"], m["world_size"], m["global_batch"], m["grad_accum"]) == (3, 1, 4, 2)
+    for (step, got), (_, want) in zip(m["train_loss"], r["train_loss"], strict=True):
+        assert abs(got - want) <= 1e-4 * want, (step, got, want)
+    for (step, got), (_, want) in zip(m["val_loss"], r["val_loss"], strict=True):
+        assert abs(got - want) <= 1e-4 * want, (step, got, want)
