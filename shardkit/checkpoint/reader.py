@@ -22,8 +22,8 @@ The layers forbid ``shardkit.checkpoint`` to import ``shardkit.nn`` (a lower lay
 never imports a higher one; see docs/architecture.md). The FSDP sharded format is
 plain data (dicts, lists, ints, strings and tensors, documented in
 ``shardkit.nn.data_parallel.fully_sharded.sharded_checkpoint``), so this module reads
-it through that documented structure, as the universal checkpoint reader will: which
-slice of which parameter each file holds. It only reads: the format stays the FSDP
+it through that documented structure: which slice of which parameter each file
+holds (a universal checkpoint says it in its shard files' headers). It only reads: the format stays the FSDP
 package's. ``tests/checkpoint/test_cli.py`` runs it on checkpoints written by the
 real ``save_fsdp_sharded`` and checks :data:`FSDP_SHARDED_FORMAT` against the FSDP
 package's constant, so a change of the format fails there.
