@@ -53,8 +53,9 @@ all have one), so gradients are reduced once per step (:meth:`Strategy.accumulat
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -67,6 +68,7 @@ from gpt_stage_init import materialize_stage
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from shardkit.checkpoint.universal import LayoutAdapter, ParamEntry, layout_of, register_layout
 from shardkit.distributed.compression import get_compressor, register_ddp_comm_hook
 from shardkit.distributed.hybrid import hybrid_groups
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
@@ -433,9 +435,9 @@ class _PipeStrategy(Strategy):
         return self.module.forward_backward(x, y)
 
     def checkpoint_module(self) -> Any:
-        """This rank's :class:`PipelineStage` (its layers under the ``gpt_stages``
-        names, written whole by this rank)."""
-        return self.module.stage
+        """The :class:`PipelineGPT`: this rank's stage under the plain GPT's keys
+        (:class:`GPTKeys`)."""
+        return self.module
 
     def accumulate(self, x: torch.Tensor, y: torch.Tensor, accumulation: int) -> torch.Tensor:
         """Every row in one schedule (its ``--chunks`` micro-batches already accumulate
@@ -517,9 +519,50 @@ class _OffloadStrategy(Strategy):
         return self._gpt_state()
 
     def checkpoint_module(self) -> Any:
-        """The :class:`OffloadModel` (its slices under the ``gpt_stages`` names; the
-        universal checkpoint refuses the disk tier)."""
-        return self.module.offload
+        """The :class:`OffloadGPT`: its slices under the plain GPT's keys
+        (:class:`GPTKeys`; the universal checkpoint refuses the disk tier)."""
+        return self.module
+
+
+def gpt_key(stage_key: str) -> str:
+    """The plain GPT's key of a ``gpt_stages`` key: ``"0.wte.weight"`` -> ``"wte.weight"``,
+    ``"2.attn.qkv.weight"`` -> ``"blocks.1.attn.qkv.weight"``, ``"5.ln_f.bias"`` ->
+    ``"ln_f.bias"`` (the embedding and the head keep their attribute names)."""
+    index, _, rest = stage_key.partition(".")
+    if rest.startswith(("wte.", "wpe.", "ln_f.", "lm_head.")):
+        return rest
+    return f"blocks.{int(index) - 1}.{rest}"
+
+
+class GPTKeys:
+    """The universal-checkpoint layout of a ``gpt_stages`` wrapper (pipe, offload) under
+    the plain GPT's keys, so that its checkpoints cross to and from ddp, oss, sdp, fsdp.
+
+    ``inner`` is the wrapper's own adapter (keys of ``gpt_stages``). The tied LM-head
+    weight appears as ``lm_head.weight`` only where it is a copy of its own (the last
+    pipeline stage, the first holding ``wte.weight``): the plain GPT saves the tied
+    weight once, as ``wte.weight``, so that copy is listed under ``wte.weight`` and
+    not written (the first stage writes it), and loading fills it from ``wte.weight``.
+    """
+
+    def __init__(self, inner: LayoutAdapter) -> None:
+        self.inner = inner
+        self.strategy = inner.strategy
+
+    def entries(self) -> Iterator[ParamEntry]:
+        for entry in self.inner.entries():
+            key = gpt_key(entry.key)
+            if key == "lm_head.weight":
+                yield dataclasses.replace(entry, key="wte.weight", write=False)
+            else:
+                yield dataclasses.replace(entry, key=key)
+
+    def after_load(self) -> None:
+        self.inner.after_load()
+
+
+register_layout(PipelineGPT, lambda model, optimizer: GPTKeys(layout_of(model.stage, optimizer)))
+register_layout(OffloadGPT, lambda model, optimizer: GPTKeys(layout_of(model.offload, optimizer)))
 
 
 def _offload(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:

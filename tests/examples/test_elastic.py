@@ -151,7 +151,14 @@ def _runs(argvs: list[list[str]]) -> list[int]:
 
 @pytest.mark.parametrize(
     ("saved", "resumed"),
-    [("fsdp", "oss"), ("sdp", "fsdp"), ("hsdp", "ddp"), ("oss", "sdp")],
+    [
+        ("fsdp", "oss"),
+        ("sdp", "fsdp"),
+        ("hsdp", "ddp"),
+        ("oss", "sdp"),
+        ("pipe", "fsdp"),  # two stages -> the plain GPT's keys (examples/strategies.GPTKeys)
+        ("ddp", "offload"),
+    ],
 )
 def test_resume_other_strategy_and_world_size(
     rank_pool: Any, tmp_path: Path, saved: str, resumed: str
