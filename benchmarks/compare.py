@@ -35,7 +35,9 @@ row with its error.
 Output: ``benchmarks/results/compare-<time>.json`` (everything, with the machine, the
 load average at start and end and the command), ``.md`` (the table) and PNG plots
 (``-memory.png``: model-state bytes per rank vs world size with the ZeRO formula
-lines; ``-ratio.png``: step time over torch DDP's).
+lines; ``-ratio.png``: step time over torch DDP's; ``-rss.png``: the peak resident set
+of every step, per strategy: ``VmHWM`` reset before each step through
+``/proc/self/clear_refs``, the largest rank, median and range over rounds).
 """
 
 from __future__ import annotations
@@ -138,29 +140,39 @@ def run_config(spec: Mapping[str, Any]) -> dict[str, Any]:
         ``times`` (s per timed step, slowest rank), ``losses`` (this rank's loss of
         every step, warm-up included), ``state`` (bytes by category),
         ``comm`` (:meth:`benchmarks.comm.CommCounter.snapshot` over the timed steps),
-        ``rss_start`` / ``rss_peak`` (``VmHWM`` bytes before building / at the end).
+        ``rss_start`` / ``rss_peak`` (``VmHWM`` bytes before building / over the run),
+        ``rss_steps`` (the peak resident set of every step, warm-up included, bytes;
+        ``rss_steps_kind``: "per step", or "running" where the peak cannot be reset).
     """
     rss_start = peak_rss_bytes()
     if spec.get("memory_limit_bytes"):
         start_rss_watchdog(int(spec["memory_limit_bytes"]))
     counter = comm.install()
     counter.reset()
+    rss_steps: list[int] = []
     try:
         torch.manual_seed(0)
         config = GPTConfig(**spec["model"])
         runner = BY_NAME[spec["strategy"]].build(config, spec)
         x, y = _batch(config, spec["batch"])
+        built_peak = peak_rss_bytes()
+        per_step = reset_peak_rss()
         loss, state = _measured_step(runner, x, y)
+        rss_steps.append(peak_rss_bytes())
         losses = [loss]
         for _ in range(spec["warmup"] - 1):
+            reset_peak_rss()
             losses.append(runner.train_step(x, y))
+            rss_steps.append(peak_rss_bytes())
         times = []
         for _ in range(spec["steps"]):
             dist.barrier()
+            reset_peak_rss()
             with counter.counting():
                 start = time.perf_counter()
                 losses.append(runner.train_step(x, y))
                 elapsed = time.perf_counter() - start
+            rss_steps.append(peak_rss_bytes())
             times.append(slowest(elapsed))
     finally:
         comm.uninstall()  # a reused process (a test's rank pool) gets torch's own back
@@ -170,8 +182,23 @@ def run_config(spec: Mapping[str, Any]) -> dict[str, Any]:
         "state": state,
         "comm": counter.snapshot(),
         "rss_start": rss_start,
-        "rss_peak": peak_rss_bytes(),
+        "rss_peak": max([built_peak, *rss_steps]),
+        "rss_steps": rss_steps,
+        "rss_steps_kind": "per step" if per_step else "running",
     }
+
+
+def reset_peak_rss() -> bool:
+    """Start this process's ``VmHWM`` afresh from its current resident set (Linux:
+    ``5`` written to ``/proc/self/clear_refs``), so that the next reading is the peak
+    of what ran in between; False where that is not possible (the readings are then
+    the running peak)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------- runs

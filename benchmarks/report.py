@@ -57,11 +57,20 @@ def _memory(ok: list[dict[str, Any]], world: int, psi: int, stage: int | None) -
         "rss_start_bytes": [max(r["ranks"][k]["rss_start"] for r in ok) for k in range(world)],
         "state_bytes": states,
     }
+    curves = [_rss_curve(r) for r in ok if all("rss_steps" in k for k in r["ranks"])]
+    if curves:
+        row["rss_steps_bytes"] = curves  # per round: each step's peak, the largest rank
+        row["rss_steps_kind"] = ok[0]["ranks"][0].get("rss_steps_kind", "per step")
     if stage is not None:
         formula = zero_memory_estimate(psi, world, stage, mixed_precision=False).total
         row["formula_bytes"] = formula
         row["state_over_formula"] = max(_model_bytes(s) for s in states) / formula
     return row
+
+
+def _rss_curve(record: dict[str, Any]) -> list[int]:
+    """The peak resident set of every step of one run, the largest rank's (bytes)."""
+    return [max(step) for step in zip(*(rank["rss_steps"] for rank in record["ranks"]))]
 
 
 def _comm(ok: list[dict[str, Any]], world: int, psi: int, stage: int | None) -> Row:
@@ -216,7 +225,8 @@ NOTES = """\
 - x DDP: this median over torch DDP's median in the same run; paired: the median over
   rounds of (this round's median / DDP's median in the same round), [min-max over rounds].
 - tokens/s: world size x batch x sequence length / median step time.
-- peak RSS: VmHWM of each rank's process (fresh processes per run; the maximum over rounds).
+- peak RSS: VmHWM of each rank's process (fresh processes per run; the maximum over rounds);
+  the -rss.png plot shows it step by step (VmHWM reset before each step).
 - params/grads/optim: model-state bytes per rank (shardkit.memory.model_state_bytes of the
   rank's local tensors), the rank with the most; x ZeRO formula: that sum over the fp32
   AdamW formula of the strategy's stage (4 + 4 + 8 bytes per parameter; Rajbhandari et
@@ -291,8 +301,52 @@ def _ratio_plot(ax: Any, rows: list[Row]) -> None:
     ax.set_xlabel("step time / torch DDP (paired median over rounds; bars: min-max)")
 
 
+def _rss_plot(ax: Any, rows: list[Row], world: int, size: str) -> None:
+    """Each strategy's peak resident set per step (median over rounds, band: min-max)."""
+    for row in rows:
+        if (row["world_size"], row["model_size"]) != (world, size) or "rss_steps_bytes" not in row:
+            continue
+        curves = row["rss_steps_bytes"]
+        steps = range(1, min(len(c) for c in curves) + 1)
+        per_step = [[c[i - 1] / MIB for c in curves] for i in steps]
+        (line,) = ax.plot(steps, [statistics.median(v) for v in per_step], "o-", ms=3)
+        line.set_label(row["strategy"])
+        low, high = [min(v) for v in per_step], [max(v) for v in per_step]
+        ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
+    kind = next((r["rss_steps_kind"] for r in rows if "rss_steps_kind" in r), "per step")
+    ax.set_title(f"GPT {size}, N = {world}: peak RSS {kind} (largest rank)")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("step (warm-up included)")
+    ax.set_ylabel("MiB per rank")
+
+
+def write_rss_plot(rows: list[Row], stem: Path) -> Path | None:
+    """``<stem>-rss.png``: the peak resident set of every step, one panel per (world size,
+    model size), a line per strategy; None when no row has the curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(
+        dict.fromkeys((r["world_size"], r["model_size"]) for r in rows if "rss_steps_bytes" in r)
+    )
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels) + 3, 5), squeeze=False)
+    for ax, (world, size) in zip(axes[0], panels):
+        _rss_plot(ax, rows, world, size)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    fig.tight_layout()
+    path = Path(f"{stem}-rss.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_plots(rows: list[Row], stem: Path) -> list[Path]:
-    """``<stem>-memory.png`` and ``<stem>-ratio.png`` (matplotlib, Agg); the paths."""
+    """``<stem>-memory.png``, ``<stem>-ratio.png`` and, where the runs recorded it,
+    ``<stem>-rss.png`` (:func:`write_rss_plot`) (matplotlib, Agg); the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -313,4 +367,5 @@ def write_plots(rows: list[Row], stem: Path) -> list[Path]:
     ratio = Path(f"{stem}-ratio.png")
     fig.savefig(ratio, dpi=100)
     plt.close(fig)
-    return [memory, ratio]
+    rss = write_rss_plot(rows, stem)
+    return [memory, ratio] + ([rss] if rss is not None else [])

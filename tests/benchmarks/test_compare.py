@@ -67,6 +67,9 @@ def test_every_strategy_times_steps_and_measures_rss(
         for r in ranks:
             assert len(r["times"]) == STEPS and min(r["times"]) > 0, name
             assert r["rss_peak"] >= r["rss_start"] > 0, name
+            # the peak of every step (VmHWM reset before each): warm-up + timed steps
+            assert len(r["rss_steps"]) == 1 + STEPS and r["rss_steps_kind"] == "per step"
+            assert min(r["rss_steps"]) > 0 and max(r["rss_steps"]) <= r["rss_peak"], name
         assert ranks[0]["times"] == ranks[1]["times"], name  # the slowest rank's time
 
 
@@ -194,8 +197,14 @@ def test_report_of_measured_runs(measured: dict[str, list[dict[str, Any]]], tmp_
     assert page.count("\n| ") == len(rows) + 2  # header, rows, one "not installed" row
     assert "| DeepSpeed ZeRO-1 | - | - | not installed |" in page
     paths = write_plots(rows, tmp_path / "run")
-    assert [p.name for p in paths] == ["run-memory.png", "run-ratio.png"]
+    assert [p.name for p in paths] == ["run-memory.png", "run-ratio.png", "run-rss.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+    curve = ddp["rss_steps_bytes"][0]  # one round: each step's peak, the larger rank
+    assert curve == [max(a, b) for a, b in zip(*(r["rss_steps"] for r in measured["torch DDP"]))]
+
+
+def rows_of(doc: dict[str, Any]) -> dict[str, Any]:
+    return {r["strategy"]: r for r in doc["summary"]}
 
 
 def test_write_outputs_round_trips_json(
@@ -226,7 +235,8 @@ def test_write_outputs_round_trips_json(
     }
     page = write_outputs(doc, tmp_path / "run")
     saved = json.loads((tmp_path / "run.json").read_text())
-    assert saved["plots"] == ["run-memory.png", "run-ratio.png"]
+    assert saved["plots"] == ["run-memory.png", "run-ratio.png", "run-rss.png"]
+    assert len(rows_of(saved)["shardkit fsdp"]["rss_steps_bytes"]) == 2  # one curve a round
     rows = {r["strategy"]: r for r in saved["summary"]}
     assert rows["torch DDP"]["n_steps"] == 2 * STEPS and rows["torch DDP"]["x_ddp_paired"] == 1.0
     assert rows["broken"]["error"] == "rank 0: E: x"
