@@ -60,6 +60,8 @@ def views(draw: Any, shape: tuple[int, ...] | None = None) -> TensorView:
 
 
 def _cover(draw: Any, numel: int) -> list[tuple[int, int]]:
+    if numel == 0:  # an empty tensor: one empty piece (its holder lists it)
+        return [(0, 0)]
     cuts = sorted(draw(st.lists(st.integers(0, numel), max_size=4)))
     bounds = [0, *cuts, numel]
     return [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
