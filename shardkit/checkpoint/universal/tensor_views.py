@@ -79,4 +79,3 @@ def strategy_name(base: str, views: Iterable[TensorView]) -> str:
     tensor-parallel part of ``T``: the ``strategy`` an adapter reports."""
     degrees = sorted({v.parts for v in views if v.split_dim is not None})
     return f"{base}+tp{degrees[-1]}" if degrees else base
-
