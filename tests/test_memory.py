@@ -87,3 +87,30 @@ def test_zero_bad_input() -> None:
         zero_memory_estimate(10, 0, 1)
     with pytest.raises(ValueError, match="num_params must be >= 0"):
         zero_memory_estimate(-1, 2, 1)
+
+
+def test_buffer_account_counts_now_and_peak() -> None:
+    from shardkit.memory import buffer_account, buffer_pools, reset_buffer_peaks
+
+    account = buffer_account("test_memory pool")
+    assert buffer_account("test_memory pool") is account  # one account per name
+    account.add(100)
+    account.add(50)
+    account.acquired(100)
+    account.acquired(50)
+    account.released(100)
+    stats = buffer_pools()["test_memory pool"]
+    assert (stats.buffers, stats.capacity_bytes, stats.resident, stats.resident_bytes) == (
+        2,
+        150,
+        1,
+        50,
+    )
+    assert (stats.peak_resident, stats.peak_resident_bytes) == (2, 150)
+    reset_buffer_peaks()  # the peaks start again from what is resident now
+    stats = buffer_pools()["test_memory pool"]
+    assert (stats.peak_resident, stats.peak_resident_bytes) == (1, 50)
+    account.released(50)
+    account.remove(100)
+    account.remove(50)
+    assert buffer_pools()["test_memory pool"].buffers == 0
