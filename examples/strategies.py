@@ -692,8 +692,9 @@ class StrategySpec:
             every Block in ``checkpoint_wrapper`` before the factory runs;
             ``"built-in"``: the strategy recomputes its slices itself and refuses the
             flag; ``"no"``: refused. Default ``"flag"``.
-        checkpoint_layout: what this rank's checkpoint file holds (the strategy's
-            ``state_dict``), for the docs. Default: the full model and optimizer.
+        checkpoint_layout: what this rank writes of the universal checkpoint (its
+            layout adapter, ``docs/universal_checkpoint_layouts.md``), for the docs.
+            Default: the r-th 1/N of every tensor and its AdamW state.
         options: the flags only this strategy reads (:class:`StrategyConfig` field
             names); another strategy refuses them when set to other than the default.
 
@@ -709,7 +710,7 @@ class StrategySpec:
     precision: PrecisionMode | None = None
     loss_scaler: LossScaler | None = None
     activation_checkpointing: Checkpointing = "flag"
-    checkpoint_layout: str = "the full model and optimizer state"
+    checkpoint_layout: str = "the r-th 1/N of every tensor and its AdamW state"
     options: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -746,7 +747,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             zero_stage=1,
             precision="autocast",
             loss_scaler="sharded",
-            checkpoint_layout="the full model, this rank's optimizer shard",
+            checkpoint_layout="the parameters it owns (OSS), whole, with their AdamW state",
             options=("grad_compression", "tp"),
         ),
         StrategySpec(
@@ -756,7 +757,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             zero_stage=2,
             precision="autocast",
             loss_scaler="sharded",
-            checkpoint_layout="the full model, this rank's optimizer shard",
+            checkpoint_layout="the parameters it owns (OSS), whole, with their AdamW state",
             options=("grad_compression", "tp"),
         ),
         StrategySpec(
@@ -767,7 +768,8 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             meta_init="optional",
             precision="native",
             loss_scaler="sharded",
-            checkpoint_layout="this rank's parameter and optimizer shards",
+            checkpoint_layout="the pieces of each parameter in its flat shard, and their "
+            "AdamW state",
             options=("grad_compression", "tp"),
         ),
         StrategySpec(
@@ -779,7 +781,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             meta_init="optional",
             precision="native",
             loss_scaler="sharded",
-            checkpoint_layout="this rank's parameter and optimizer shards",
+            checkpoint_layout="as fsdp, on the first replica (shard group) only",
             options=("shard_size", "grad_compression"),
         ),
         StrategySpec(
@@ -788,7 +790,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             "one pipeline stage per rank, `--chunks` micro-batches; AdamW per stage",
             zero_stage=None,
             meta_init="default",
-            checkpoint_layout="this rank's stage and its optimizer state",
+            checkpoint_layout="its stage, whole, with its AdamW state",
             options=("chunks", "schedule"),
         ),
         StrategySpec(
@@ -797,7 +799,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             "`OffloadModel`: 4 slices on CPU memory or disk, gradients averaged",
             zero_stage=0,
             activation_checkpointing="built-in",
-            checkpoint_layout="the full model and optimizer (disk tier: its generation)",
+            checkpoint_layout="rank 0: every tensor with its AdamW state (not the disk tier)",
             options=("offload_dir",),
         ),
     ]
@@ -1074,7 +1076,7 @@ _COLUMNS = (
     "fp16 loss scaler",
     "`--activation-checkpointing`",
     "meta init",
-    "a rank's checkpoint file holds",
+    "a rank writes (universal checkpoint)",
     "its own flags",
 )
 
