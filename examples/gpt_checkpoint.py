@@ -135,13 +135,18 @@ def _agree(error: str | None) -> None:
         raise InputError(error)
 
 
-def check_resumable(ckpt: Path, rank: int, flags: dict[str, Any]) -> None:
+def check_resumable(
+    ckpt: Path,
+    rank: int,
+    flags: dict[str, Any],
+    check: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
     """Check ``ckpt`` before loading it: rank 0's ``extra`` is the main job's and has
     this run's model flags; this rank's ``extra`` (if it saved one) is tensors and
-    plain containers only.
+    plain containers only; ``check(rank 0's extra)`` passes.
 
     Raises:
-        InputError: either check failed (:class:`CheckpointError` turned into one line).
+        InputError: a check failed (:class:`CheckpointError` turned into one line).
     """
     with _as_input_error():
         saved = manifest.read_manifest(ckpt)
@@ -155,6 +160,8 @@ def check_resumable(ckpt: Path, rank: int, flags: dict[str, Any]) -> None:
             )
         check_model_flags(first.get("model", {}), flags, ckpt)
         peek.extra(rank)
+        if check is not None:
+            check(first)
 
 
 def load_checkpoint(
@@ -162,6 +169,7 @@ def load_checkpoint(
     model: Any,
     optimizer: torch.optim.Optimizer,
     flags: dict[str, Any],
+    check: Callable[[dict[str, Any]], None] | None = None,
 ) -> LoadedCheckpoint:
     """Load ``ckpt`` into ``model`` and ``optimizer`` at this run's world size and
     strategy (a collective); the loaded checkpoint (``.step``, ``.saved_world_size``,
@@ -170,13 +178,14 @@ def load_checkpoint(
     Raises:
         InputError: on every rank, with the first failing rank's message: the
             checkpoint is damaged or not the main job's, was written with other model
-            flags (:func:`check_model_flags`), or an ``extra`` file holds an object
-            other than tensors and plain containers (refused unloaded: it could run
-            code); or loading failed (e.g. a layout that cannot be resharded).
+            flags (:func:`check_model_flags`), ``check`` refused rank 0's ``extra``
+            (all before loading), or an ``extra`` file holds an object other than
+            tensors and plain containers (refused unloaded: it could run code); or
+            loading failed (e.g. a layout that cannot be resharded).
     """
     error: str | None = None
     try:
-        check_resumable(ckpt, dist.get_rank() if dist.is_initialized() else 0, flags)
+        check_resumable(ckpt, dist.get_rank() if dist.is_initialized() else 0, flags, check)
     except InputError as err:
         error = str(err)
     _agree(error)

@@ -439,6 +439,7 @@ def checkpoint_extra(run: Run) -> dict[str, Any]:
         "rng": rng_state(run.env.device),
         "history": asdict(run.history),
         "world_size": run.env.world_size,
+        "strategy_name": run.config.strategy.name,  # --strategy (the layout may add +tp<T>)
     }
 
 
@@ -490,24 +491,28 @@ def maybe_resume(run: Run, out_dir: Path) -> None:
     if ckpt is None:
         say(run, f"--resume: no checkpoint in {out_dir}; starting from step 0")
         return
-    env, strategy = run.env, run.strategy
+    config, env, strategy = run.config, run.env, run.strategy
+    dp_size = data_parallel(config, env)[1]
+
+    def check(first: dict[str, Any]) -> None:  # before loading: refuse what cannot fit
+        problem = chunks_error(
+            config, batch_plan(config, dp_size, first["sampler"]["global_batch"])
+        )
+        if problem is not None:
+            raise InputError(problem)
+
     before = run.plan
-    loaded = load_checkpoint(
-        ckpt, strategy.checkpoint_module(), strategy.optimizer, model_flags(run.config)
-    )
-    restore(
-        run, int(loaded.step), int(loaded.saved_world_size), loaded.extra(env.rank), loaded.extra(0)
-    )
+    module, optimizer = strategy.checkpoint_module(), strategy.optimizer
+    loaded = load_checkpoint(ckpt, module, optimizer, model_flags(config), check)
+    first: dict[str, Any] = loaded.extra(0) or {}  # present: checked before loading
+    restore(run, int(loaded.step), int(loaded.saved_world_size), loaded.extra(env.rank), first)
     say(run, f"resumed from {ckpt} at step {run.step}")
-    if (loaded.saved_world_size, loaded.saved_strategy) != (
-        env.world_size,
-        run.config.strategy.name,
-    ):
+    saved = (loaded.saved_world_size, first.get("strategy_name", loaded.saved_strategy))
+    if saved != (env.world_size, config.strategy.name):
         say(
             run,
-            f"elastic resume: saved by {loaded.saved_world_size} rank(s) with --strategy "
-            f"{loaded.saved_strategy}, now {env.world_size} with --strategy "
-            f"{run.config.strategy.name}; {run.plan.describe()}",
+            f"elastic resume: saved by {saved[0]} rank(s) with --strategy {saved[1]}, now "
+            f"{env.world_size} with --strategy {config.strategy.name}; {run.plan.describe()}",
         )
     elif run.plan != before:
         say(run, f"resume keeps the checkpoint's {run.plan.describe()}")
