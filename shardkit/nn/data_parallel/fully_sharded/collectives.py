@@ -12,10 +12,22 @@ numbers come back), so the version is recorded before the all-gather is issued a
 issued and again after its ``wait()`` (an asynchronous gloo all-gather bumps the
 counter when it completes, on its own thread), with
 ``torch.autograd._unsafe_preserve_version_counter``, as torch's FSDP does.
+
+[Note: reduce-scatter on gloo]
+gloo has no reduce-scatter of its own: torch's gloo ``reduce_scatter_single`` clones
+the whole input on the calling thread, all-reduces the clone (each rank sends
+``2 (N - 1) / N`` of the buffer, twice a reduce-scatter's share) and copies its chunk
+out. On CPU tensors over gloo, :func:`reduce_scatter_flat` therefore runs one
+``all_to_all_single`` instead (rank r receives chunk r of every rank: ``(N - 1) / N``
+of the buffer sent per rank, no clone) and sums the N received chunks into the shard
+at ``wait()``, in rank order. Measured on 2 ranks, 25 MB fp32: about 120 ms for
+gloo's reduce-scatter against 25 ms for the all-to-all and the sum. NCCL (and any
+non-gloo backend) keeps its native reduce-scatter.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +63,7 @@ class Pending:
     done: bool = field(default=False)
     keep_version: Any = None  # a version-preserving context made before the issue
     keep_alive: Any = None  # an input that must live until the collective completes
+    finish: Callable[[], Any] | None = None  # completes the result, before ``then``
     operation: str = ""  # for a CollectiveError: e.g. "all-gather of parameters"
     group: Any = None
 
@@ -70,6 +83,8 @@ class Pending:
                     with self.keep_version:
                         self.work.wait()
         self.done = True
+        if self.finish is not None:
+            self.finish()
         if self.then is not None:
             self.then()
 
@@ -115,13 +130,39 @@ def reduce_scatter_flat(
     *,
     async_op: bool = False,
 ) -> Pending:
-    """Sum ``flat`` ``(N * S,)`` over ranks; rank r receives elements ``[r*S, (r+1)*S)``."""
+    """Sum ``flat`` ``(N * S,)`` over ranks into ``shard_out`` ``(S,)``: rank r receives
+    elements ``[r*S, (r+1)*S)``. Over gloo, an all-to-all and a local sum (see [Note:
+    reduce-scatter on gloo]); ``shard_out`` is written by the returned
+    :class:`Pending`'s ``wait()`` when ``async_op``, else before returning."""
     if flat.numel() == 0:
         return Pending(done=True)
-    with collective_context(_WRAPPER, _SCATTER, group):
-        work = dist.reduce_scatter_single(shard_out, flat, group=group, async_op=async_op)
     nbytes = flat.numel() * flat.element_size()
-    return Pending(work=work, nbytes=nbytes, operation=_SCATTER, group=group)
+    if not _over_gloo(flat, group):
+        with collective_context(_WRAPPER, _SCATTER, group):
+            work = dist.reduce_scatter_single(shard_out, flat, group=group, async_op=async_op)
+        return Pending(work=work, nbytes=nbytes, operation=_SCATTER, group=group)
+    received = torch.empty_like(flat)  # row i: rank i's chunk for this rank
+    with collective_context(_WRAPPER, _SCATTER, group):
+        work = dist.all_to_all_single(received, flat, group=group, async_op=async_op)
+    rows = received.view(dist.get_world_size(group), -1)
+    pending = Pending(
+        work=work,
+        nbytes=nbytes,
+        keep_alive=flat,
+        operation=_SCATTER,
+        group=group,
+        finish=functools.partial(torch.sum, rows, 0, out=shard_out),
+    )
+    if not async_op:  # complete now; ``wait()`` runs only the caller's ``then``
+        assert pending.finish is not None
+        pending.finish()
+        pending.finish = None
+    return pending
+
+
+def _over_gloo(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """True if collectives on ``tensor`` in ``group`` run on gloo (CPU tensors)."""
+    return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
