@@ -30,6 +30,18 @@ trainable parameters have reported, its gradient is complete. Parameters that re
 no gradient (unused) are handled by ``finalize_backward``, a callback queued on
 autograd's engine that runs when the whole backward pass ends.
 
+[Note: the last unit keeps its full parameters]
+The last unit of the forward order (once the order is recorded, from the second
+forward on) is the first whose backward runs, right after the root's tail (a loss
+head, typically), so it stays unsharded after its forward instead of freeing its full
+parameters and all-gathering them again at once, with nothing to overlap that
+all-gather (torchtitan leaves its last block unresharded for the same reason; FSDP2
+does so for the root). One all-gather less per step; the memory peak is unchanged,
+since the prefetch in backward would hold the same buffer: the root's, this unit's
+and one prefetched unit's full parameters. It is kept as the root's are: put away by
+its backward, by the end of the backward pass, or before a forward without backward
+follows (see [Note: one forward, one current copy] in ``root``).
+
 [Note: frozen parameters]
 A frozen parameter has no gradient to report, yet a later backward op may read it (a
 frozen ``Linear`` early in the unit needs its weight for the input's gradient after
@@ -343,7 +355,9 @@ class UnitRuntime:
         """After the forward: reshard (unless kept) and hook the outputs for backward."""
         with record_function("FSDP::post_forward"):
             needing_grad = _tensors_needing_grad(output) if torch.is_grad_enabled() else []
-            keep = self.is_root and self.config.disable_reshard_on_root
+            keep = (self.is_root and self.config.disable_reshard_on_root) or (
+                bool(needing_grad) and self._backward_starts_here()
+            )
             if not needing_grad or (self.config.reshard_after_forward and not keep):
                 keep_secondary = (
                     bool(needing_grad)
@@ -361,6 +375,13 @@ class UnitRuntime:
             self.training_state = TrainingState.IDLE
             if self.is_root:
                 self._root().end_forward(bool(needing_grad), self.sync_gradients)
+
+    def _backward_starts_here(self) -> bool:
+        """True for the last unit of the (recorded) forward order, not the root: its
+        backward comes first, so it keeps its full parameters (see [Note: the last unit
+        keeps its full parameters])."""
+        root = self._root()
+        return not self.is_root and root.order_frozen and root.neighbour(self, +1) is None
 
     # backward --------------------------------------------------------------------
     def pre_backward(self, forward_version: int) -> None:
