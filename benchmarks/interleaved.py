@@ -1,0 +1,127 @@
+"""Step time of several strategies in the same ranks, steps interleaved: paired ratios.
+
+Run::
+
+    python -m benchmarks.interleaved                        # DDP, sdp, fsdp; anchor GPT
+    python -m benchmarks.interleaved --rounds 4 --steps 3 --strategies "torch DDP" "shardkit fsdp"
+
+:mod:`benchmarks.compare` runs each strategy in fresh ranks, one after the other; on a
+machine shared with other jobs the load moves between runs, so small differences (a
+few percent) need many rounds. Here one set of spawned gloo ranks (one thread each)
+builds every strategy (the main job's registry, AdamW, the GPT and batch of
+``benchmarks.compare``), warms each up, then runs ``--rounds`` rounds of ``--steps``
+steps; within a step index every strategy runs one training step (forward, backward,
+``before_step``, step, ``zero_grad``) back to back, the order rotating by one from
+round to round. Each step's time is the slowest rank's. The ratio of a strategy is
+paired twice: per step index (its step over the first strategy's step of the same
+index and round) and per round (its round median over the first strategy's).
+
+Printed and written to ``benchmarks/results/interleaved-<time>.json``: per strategy the
+median step (ms) and the median over rounds of the round ratio, with the median of the
+per-step ratios and their range. Caveat: the strategies share one process (allocator,
+caches), which ``benchmarks.compare`` does not; confirm a final number there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from benchmarks.common import slowest, timestamp
+from benchmarks.compare import _batch, model_config
+from benchmarks.profile_step import _step, _strategy
+from shardkit.testing import run_distributed
+
+
+def interleaved_rank(spec: Mapping[str, Any]) -> dict[str, list[list[float]]]:
+    """Body of every rank: ``{strategy: [[s per step] per round]}`` (slowest rank)."""
+    config = model_config(spec["size"], spec["seq_len"])
+    x, y = _batch(config, spec["batch"])
+    names = list(spec["strategies"])
+    built = {name: _strategy(name, config, spec) for name in names}
+    for name in names:
+        for _ in range(spec["warmup"]):
+            _step(built[name], x, y)
+    times: dict[str, list[list[float]]] = {name: [] for name in names}
+    for round_index in range(spec["rounds"]):
+        order = names[round_index % len(names) :] + names[: round_index % len(names)]
+        for name in names:
+            times[name].append([])
+        for _ in range(spec["steps"]):
+            for name in order:
+                dist.barrier()
+                start = time.perf_counter()
+                _step(built[name], x, y)
+                times[name][-1].append(slowest(time.perf_counter() - start))
+    return times
+
+
+def summarize(times: Mapping[str, list[list[float]]]) -> dict[str, dict[str, float]]:
+    """Per strategy: median step (ms), round-paired and step-paired ratios to the first."""
+    names = list(times)
+    base = times[names[0]]
+    out = {}
+    for name in names:
+        rounds = times[name]
+        per_round = [statistics.median(r) / statistics.median(b) for r, b in zip(rounds, base)]
+        per_step = [t / b for r, br in zip(rounds, base) for t, b in zip(r, br)]
+        out[name] = {
+            "median_ms": 1e3 * statistics.median([t for r in rounds for t in r]),
+            "round_ratio": statistics.median(per_round),
+            "step_ratio": statistics.median(per_step),
+            "step_ratio_min": min(per_step),
+            "step_ratio_max": max(per_step),
+            "rounds": len(rounds),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.interleaved", description=__doc__)
+    parser.add_argument(
+        "--strategies", nargs="+", default=["torch DDP", "shardkit sdp", "shardkit fsdp"]
+    )
+    parser.add_argument("--size", default="anchor", help="model size (default anchor)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank (default 8)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens (default 128)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    parser.add_argument("--steps", type=int, default=3, help="steps per round (default 3)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    spec = {
+        "strategies": args.strategies,
+        "size": args.size,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "warmup": args.warmup,
+    }
+    times = run_distributed(interleaved_rank, args.world_size, spec, timeout_s=3600)[0]
+    summary = summarize(times)
+    print(
+        f"{'strategy':<16}{'median ms':>11}{'x first (rounds)':>18}{'x first (steps)':>17}  range"
+    )
+    for name, row in summary.items():
+        print(
+            f"{name:<16}{row['median_ms']:11.0f}{row['round_ratio']:18.3f}"
+            f"{row['step_ratio']:17.3f}  [{row['step_ratio_min']:.2f}, {row['step_ratio_max']:.2f}]"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"interleaved-{timestamp()}.json"
+    record = {"args": {**vars(args), "out": str(args.out)}, "times": times, "summary": summary}
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
