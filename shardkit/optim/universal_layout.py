@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from shardkit.checkpoint.universal.adapters import tied_aliases
 from shardkit.checkpoint.universal.layout import ParamEntry, register_layout
 from shardkit.checkpoint.universal.tensor_views import strategy_name, view_of
 from shardkit.checkpoint.universal.whole import whole_entries
@@ -72,6 +73,10 @@ class OSSLayout:
             return owner == rank if owner is not None else rank == 0
 
         return whole_entries(self.model, owned, writes)
+
+    def aliases(self) -> dict[str, str]:
+        """Tied keys, ``{other key: first key}``, for the manifest."""
+        return tied_aliases(self.model)
 
     def after_load(self) -> None:
         """Drop the consolidated state cached by ``consolidate_state_dict`` (stale now)."""

@@ -44,8 +44,11 @@ from shardkit.checkpoint.universal.layout import ParamEntry, layout_of
 from shardkit.checkpoint.universal.meta import FORMAT, extra_file_name
 from shardkit.checkpoint.universal.optim_state import (
     entry_offset,
+    group_keys,
+    merge_group_keys,
     optimizer_class,
     optimizer_params,
+    plan_hyperparameters,
     restore_hyperparameters,
 )
 from shardkit.checkpoint.universal.plan import Filler, assemble, cover_problem
@@ -361,24 +364,28 @@ def load_universal(
     error: BaseException | None = None
     loaded: LoadedCheckpoint | None = None
     adapter: Any = None
-    all_keys: list[Any] = []
+    # every rank's keys, and the keys of each param group (a rank may hold no piece of
+    # a group's parameters, yet sets its hyperparameters)
+    held: list[Any] = [(set(), {})]
     try:
         manifest = read_manifest(ckpt)
         _check_format(ckpt, manifest)
         adapter = layout_of(model, optimizer, group=group)
         entries = list(adapter.entries())
-        all_keys = [{e.key for e in entries}]
+        groups = group_keys(entries, optimizer) if optimizer is not None else {}
+        held = [({e.key for e in entries}, groups)]
     except BaseException as err:  # every rank must reach the gather below
         error = err
-        all_keys = [set()]
     if world_size > 1:
-        mine = all_keys[0]
-        all_keys = [None] * world_size
-        dist.all_gather_object(all_keys, mine, group=group)
+        mine = held[0]
+        held = [None] * world_size
+        dist.all_gather_object(held, mine, group=group)
     if error is None:
         try:
+            all_keys: set[str] = set().union(*(keys for keys, _ in held))
+            all_groups = merge_group_keys(g for _, g in held)
             loaded = _load_local(
-                ckpt, manifest, entries, set().union(*all_keys), optimizer, rank, strict
+                ckpt, manifest, entries, all_keys, all_groups, optimizer, rank, strict
             )
         except BaseException as err:
             error = err
@@ -393,6 +400,7 @@ def _load_local(
     manifest: Manifest,
     entries: list[ParamEntry],
     all_keys: set[str],
+    all_groups: dict[int, list[str]],
     optimizer: Any,
     rank: int,
     strict: bool,
@@ -409,13 +417,15 @@ def _load_local(
             f"{optimizer_class(optimizer)}: pass optimizer=None to load the model only",
         )
     _key_problems(ckpt, layout, entries, all_keys, strict)
+    hyper: dict[int, dict[str, Any]] = {}
+    if optimizer is not None and layout.get("optimizer"):
+        hyper, problems = plan_hyperparameters(all_groups, layout["optimizer"]["param_groups"])
+        if problems:  # before anything is filled
+            raise CheckpointMismatchError(ckpt, "param groups", f"{ckpt}: " + "; ".join(problems))
     index = read_saved_index(ckpt, manifest)
     _cover_check(ckpt, index, layout, {e.key for e in entries if e.key in layout["keys"]})
     _fill(entries, index, optimizer, _FileSource(ckpt))
-    if optimizer is not None and layout.get("optimizer"):
-        problems = restore_hyperparameters(optimizer, entries, layout["optimizer"]["param_groups"])
-        if problems:
-            raise CheckpointMismatchError(ckpt, "param groups", "; ".join(problems))
+    restore_hyperparameters(optimizer, hyper)
     loaded = LoadedCheckpoint(
         ckpt, manifest.step, manifest.world_size, str(layout.get("strategy")), manifest
     )

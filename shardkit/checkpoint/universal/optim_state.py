@@ -5,7 +5,7 @@ shaped like ``param`` contributes the piece's range (:func:`state_slices`); a nu
 or a one-element tensor of another shape is a scalar (Adam's ``step``). Loading
 creates or overwrites ``optimizer.state[param][name]`` the same way. Param groups'
 hyperparameters travel as JSON with the keys of their parameters
-(:func:`group_records`, :func:`restore_hyperparameters`), so a resumed run gets lr,
+(:func:`group_records`, :func:`plan_hyperparameters`, :func:`restore_hyperparameters`), so a resumed run gets lr,
 betas and weight decay per group back, whatever the new layout.
 """
 
@@ -24,8 +24,10 @@ __all__ = [
     "group_keys",
     "group_records",
     "hyperparameters",
+    "merge_group_keys",
     "optimizer_class",
     "optimizer_params",
+    "plan_hyperparameters",
     "restore_hyperparameters",
     "state_slices",
 ]
@@ -145,26 +147,47 @@ def group_records(optimizer: Any, keys: Mapping[int, list[str]]) -> list[dict[st
     ]
 
 
-def restore_hyperparameters(
-    optimizer: Any, entries: Iterable[ParamEntry], saved: list[dict[str, Any]]
-) -> list[str]:
-    """Set each param group's hyperparameters to those of the saved group holding its
-    parameters' keys. Returns the problems (a group whose keys were in saved groups
-    with different hyperparameters), empty when none."""
+def merge_group_keys(per_rank: Iterable[Mapping[int, list[str]]]) -> dict[int, list[str]]:
+    """The union of every rank's :func:`group_keys` (a rank lists only the keys of the
+    pieces it holds: an FSDP rank whose flat shard holds no element of a parameter,
+    an OSS rank that owns none of a group's parameters)."""
+    out: dict[int, list[str]] = {}
+    for keys in per_rank:
+        for g, names in keys.items():
+            merged = out.setdefault(int(g), [])
+            merged.extend(k for k in names if k not in merged)
+    return out
+
+
+def plan_hyperparameters(
+    keys: Mapping[int, list[str]], saved: list[dict[str, Any]]
+) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """Which saved hyperparameters each param group gets: ``({group index: saved
+    hyperparameters}, problems)``, the hyperparameters of the saved group holding the
+    group's keys (``keys``: :func:`merge_group_keys` over every rank, so that every
+    rank sets every group, also one it holds no piece of). A problem: a group whose
+    keys were in saved groups with different hyperparameters (then that group is
+    left out)."""
     saved_of = {key: g for g, record in enumerate(saved) for key in record["keys"]}
+    plan: dict[int, dict[str, Any]] = {}
     problems = []
-    for g, keys in group_keys(entries, optimizer).items():
-        found = sorted({saved_of[k] for k in keys if k in saved_of})
+    for g, names in sorted(keys.items()):
+        found = sorted({saved_of[k] for k in names if k in saved_of})
         hypers = [saved[i]["hyper"] for i in found]
         if any(h != hypers[0] for h in hypers):
             problems.append(
                 f"param group {g} holds keys of saved groups {found} with different "
                 f"hyperparameters: {hypers}"
             )
-            continue
-        if hypers:
-            _set_group(optimizer.param_groups[g], hypers[0])
-    return problems
+        elif hypers:
+            plan[g] = hypers[0]
+    return plan, problems
+
+
+def restore_hyperparameters(optimizer: Any, plan: Mapping[int, Mapping[str, Any]]) -> None:
+    """Set each planned param group's hyperparameters (see :func:`plan_hyperparameters`)."""
+    for g, hyper in plan.items():
+        _set_group(optimizer.param_groups[g], hyper)
 
 
 def _set_group(group: dict[str, Any], hyper: Mapping[str, Any]) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardkit.checkpoint.universal.adapters import tied_aliases
 from shardkit.checkpoint.universal.layout import ParamEntry, register_layout
 from shardkit.checkpoint.universal.optim_state import optimizer_params
 from shardkit.checkpoint.universal.tensor_views import strategy_name, view_of
@@ -79,6 +80,10 @@ class OffloadLayout:
         """Every tensor whole, under the plain model's key."""
         writer = self.writer
         return whole_entries(self.model, self.held, lambda t, p: writer, self._rename)
+
+    def aliases(self) -> dict[str, str]:
+        """Tied keys, ``{other key: first key}``, under the plain model's keys."""
+        return {self._rename(k): self._rename(v) for k, v in tied_aliases(self.model).items()}
 
     def after_load(self) -> None:
         """Nothing: the master copies were filled in place (no slice is resident)."""

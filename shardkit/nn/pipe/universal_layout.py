@@ -22,10 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardkit.checkpoint.universal.adapters import PlainLayout
+from shardkit.checkpoint.universal.adapters import PlainLayout, tied_aliases
 from shardkit.checkpoint.universal.layout import (
     LayoutAdapter,
     ParamEntry,
+    aliases_of,
     layout_of,
     register_layout,
 )
@@ -38,6 +39,11 @@ from shardkit.nn.pipe.stage import PipelineStage
 __all__ = ["PipeLayout", "StageLayout"]
 
 _PARTITION = re.compile(r"partitions\.\d+\.")
+
+
+def _original_key(key: str) -> str:
+    """A ``Pipe`` key without its ``partitions.<j>.``."""
+    return _PARTITION.sub("", key, 1)
 
 
 def _always(tensor: torch.Tensor, is_param: bool) -> bool:
@@ -68,6 +74,10 @@ class StageLayout:
         held = optimizer_params(self.optimizer) if self.optimizer is not None else {}
         return whole_entries(self.module, held, _always)
 
+    def aliases(self) -> dict[str, str]:
+        """Tied keys within the stage, ``{other key: first key}``, for the manifest."""
+        return aliases_of(self.inner) if self.inner is not None else tied_aliases(self.module)
+
     def after_load(self) -> None:
         """The inner wrapper's ``after_load``, if any."""
         if self.inner is not None:
@@ -86,9 +96,12 @@ class PipeLayout:
     def entries(self) -> Iterable[ParamEntry]:
         """Every tensor whole, under the original ``nn.Sequential``'s key."""
         writer = self.writer
-        return whole_entries(
-            self.pipe, self.held, lambda t, p: writer, lambda key: _PARTITION.sub("", key, 1)
-        )
+        return whole_entries(self.pipe, self.held, lambda t, p: writer, _original_key)
+
+    def aliases(self) -> dict[str, str]:
+        """Tied keys, ``{other key: first key}``, under the original keys."""
+        key = _original_key
+        return {key(k): key(v) for k, v in tied_aliases(self.pipe).items()}
 
     def after_load(self) -> None:
         """Nothing: the partitions were filled in place."""

@@ -46,12 +46,22 @@ class FSDPLayout:
 
     Raises:
         TypeError: ``model`` is not a root FSDP module.
+        ValueError: units on the disk tier (``disk_offload``).
     """
 
     def __init__(self, model: nn.Module, optimizer: Any = None) -> None:
         self.units = named_units(model)
         if "flat_param" not in self.units:
             raise TypeError(f"expected a root FullyShardedDataParallel; got {type(model).__name__}")
+        on_disk = [label for label, unit in self.units.items() if unit.disk is not None]
+        if on_disk:
+            raise ValueError(
+                f"the universal checkpoint does not save or load FSDP units on the disk tier "
+                f"({len(on_disk)} units, e.g. {on_disk[0]!r}: their shards and optimizer "
+                "state are files of the DiskOffload directory, empty in memory): that "
+                "directory is the checkpoint (DiskOffload(..., resume=True)), or save "
+                "model.state_dict()"
+            )
         self.model = model
         self.root: UnitRuntime = self.units["flat_param"]
         self.held = optimizer_params(optimizer) if optimizer is not None else {}
@@ -98,6 +108,12 @@ class FSDPLayout:
                 param=sharded if id(sharded) in self.held else None,
                 write=self.replica_writer and writes_replica(view),
             )
+
+    def aliases(self) -> dict[str, str]:
+        """Tied keys, ``{other key: first key}`` (a GPT's ``lm_head.weight`` ->
+        ``wte.weight``), for the manifest (``convert`` writes every name)."""
+        param_keys, _ = _state_dict_keys(self.model)
+        return {k: keys[0] for keys in param_keys.values() for k in keys[1:]}
 
     def after_load(self) -> None:
         """Nothing to do: every rank filled its own shards (replicas included) in place;

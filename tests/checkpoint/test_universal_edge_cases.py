@@ -1,0 +1,171 @@
+"""Universal checkpoints: cases found by trying the API as a new user (issue 21).
+
+- Param-group hyperparameters reach every rank, also a rank that holds no piece of a
+  group's parameters (an FSDP rank whose flat shard has no element of them, an OSS
+  rank that owns none of them); before, such a rank kept its own values and the next
+  save recorded them.
+- Every wrapper's adapter reports the tied keys, so ``convert`` writes a state dict
+  that loads with ``strict=True`` (before, only the plain and DDP layouts did: an
+  FSDP, OSS or ShardedDataParallel checkpoint of a GPT lost ``lm_head.weight``).
+- A param-group mismatch is refused before anything is filled.
+- FSDP on the disk tier is refused by name (before: "piece [0, 106) has 106
+  elements, its tensor 0").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from shardkit.checkpoint import CheckpointMismatchError
+from shardkit.checkpoint.cli import main as cli_main
+from shardkit.checkpoint.manifest import read_manifest
+from shardkit.checkpoint.universal import load_universal, save_universal
+from shardkit.models import GPT, gpt_config
+from shardkit.nn import FSDP, OffloadModel, Pipe, ShardedDataParallel
+from shardkit.nn.data_parallel.fully_sharded.disk_tier import DiskOffload
+from shardkit.optim import OSS
+
+LRS = (0.01, 0.05)
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _groups(model: nn.Module, lrs: tuple[float, float]) -> list[dict[str, Any]]:
+    """Group 1: the last bias alone (the end of the flat parameter: rank 1's shard at
+    2 ranks; owned by one OSS rank); group 0: the rest."""
+    params = list(model.parameters())
+    return [{"params": params[:-1], "lr": lrs[0]}, {"params": params[-1:], "lr": lrs[1]}]
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny", vocab_size=32, block_size=8))
+
+
+def _worker(root: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    fsdp = FSDP(_mlp())
+    fsdp_opt = torch.optim.AdamW(_groups(fsdp, (0.9, 0.9)))
+    load_universal(root / "plain", fsdp, fsdp_opt)
+    out["fsdp_lr"] = [g["lr"] for g in fsdp_opt.param_groups]
+    again = save_universal(root / "again", 2, fsdp, fsdp_opt)
+    groups = read_manifest(again).layout["optimizer"]["param_groups"]
+    out["resaved_lr"] = [g["hyper"]["lr"] for g in groups]
+    plain = _mlp()
+    oss = OSS(_groups(plain, (0.9, 0.9)), torch.optim.AdamW)
+    load_universal(root / "plain", plain, oss)
+    out["oss_lr"] = [g["lr"] for g in oss.param_groups]
+    out["owners"] = sorted(oss.param_to_rank.values())
+    # tied keys of a GPT under every data-parallel wrapper
+    for kind in ("fsdp", "oss", "sdp"):
+        model: Any = _gpt()
+        if kind == "fsdp":
+            model = FSDP(model)
+            optimizer: Any = torch.optim.AdamW(model.parameters())
+        else:
+            optimizer = OSS(model.parameters(), torch.optim.AdamW)
+            if kind == "sdp":
+                model = ShardedDataParallel(model, optimizer)
+        ckpt = save_universal(root / kind, 1, model, optimizer)
+        out[kind] = read_manifest(ckpt).layout["aliases"]
+    # FSDP on the disk tier: its shards are empty in memory
+    disk = DiskOffload(str(root / "disk"))
+    on_disk = FSDP(_mlp(), disk_offload=disk)
+    try:
+        save_universal(root / "on_disk", 1, on_disk, disk.optimizer(torch.optim.AdamW))
+    except ValueError as err:
+        out["disk"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(rank_pool: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    root = tmp_path_factory.mktemp("universal_edge")
+    model = _mlp()
+    optimizer = torch.optim.AdamW(_groups(model, LRS))
+    model(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    save_universal(root / "plain", 1, model, optimizer)
+    return root, rank_pool(2).run(_worker, root, timeout_s=120)
+
+
+def test_hyperparameters_on_ranks_without_pieces(two_ranks: tuple[Path, list[Any]]) -> None:
+    """Regression: the rank holding no piece of group 1 kept lr 0.9 (FSDP rank 0, the
+    OSS rank owning no parameter of it), and a save from FSDP recorded 0.9."""
+    _, out = two_ranks
+    assert out[0]["owners"] == [0, 1, 1, 1]  # group 1's one parameter: one owner
+    for rank in range(2):
+        assert out[rank]["fsdp_lr"] == list(LRS), rank
+        assert out[rank]["oss_lr"] == list(LRS), rank
+        assert out[rank]["resaved_lr"] == list(LRS), rank
+
+
+def test_every_wrapper_records_tied_keys(two_ranks: tuple[Path, list[Any]], tmp_path: Path) -> None:
+    """Regression: FSDP, OSS and ShardedDataParallel checkpoints of a GPT had no aliases,
+    so ``convert`` left out ``lm_head.weight`` and the strict load failed."""
+    root, out = two_ranks
+    for kind in ("fsdp", "oss", "sdp"):
+        assert out[0][kind] == {"lm_head.weight": "wte.weight"}, kind
+        target = tmp_path / f"{kind}.pt"
+        assert cli_main(["convert", str(root / kind), str(target)]) == 0
+        state = torch.load(target, weights_only=True)
+        model = _gpt()
+        model.load_state_dict(state, strict=True)
+        assert torch.equal(state["lm_head.weight"], _gpt().wte.weight), kind
+
+
+def _tied_seq() -> nn.Sequential:
+    torch.manual_seed(1)
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    seq[2].weight = seq[0].weight
+    return seq
+
+
+@pytest.mark.parametrize("kind", ["pipe", "offload"])
+def test_pipe_and_offload_record_tied_keys(kind: str, tmp_path: Path) -> None:
+    """Tied layers in a one-process Pipe (two partitions) and an OffloadModel (two
+    slices): the manifest names the tie under the plain model's keys."""
+    seq = _tied_seq()
+    if kind == "pipe":
+        model: Any = Pipe(seq, balance=[2, 1], devices=["cpu", "cpu"], chunks=1)
+    else:
+        model = OffloadModel(seq, "cpu", "cpu", num_slices=2)
+    ckpt = save_universal(tmp_path, 1, model)
+    aliases = read_manifest(ckpt).layout["aliases"]
+    assert aliases == {"2.weight": "0.weight"}
+
+
+def test_group_mismatch_refused_before_filling(tmp_path: Path) -> None:
+    """Two saved groups of different lr loaded into one group: refused, and neither
+    the model nor the optimizer was touched (before: both filled, then the error)."""
+    model = _mlp()
+    optimizer = torch.optim.AdamW(_groups(model, LRS))
+    model(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    save_universal(tmp_path, 1, model, optimizer)
+    torch.manual_seed(5)
+    other = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.3)
+    with pytest.raises(CheckpointMismatchError, match=r"param group 0 holds keys of saved"):
+        load_universal(tmp_path, other, other_opt)
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    assert len(other_opt.state) == 0 and other_opt.param_groups[0]["lr"] == 0.3
+
+
+def test_fsdp_disk_tier_refused_by_name(two_ranks: tuple[Path, list[Any]]) -> None:
+    root, out = two_ranks
+    for rank in range(2):
+        assert out[rank]["disk"].startswith(
+            "the universal checkpoint does not save or load FSDP units on the disk tier "
+            "(1 units, e.g. 'flat_param'"
+        )
+    assert not (root / "on_disk" / "latest").exists()
