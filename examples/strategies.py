@@ -69,6 +69,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.checkpoint.universal import LayoutAdapter, ParamEntry, layout_of, register_layout
+from shardkit.distributed import mpu
 from shardkit.distributed.compression import get_compressor, register_ddp_comm_hook
 from shardkit.distributed.hybrid import hybrid_groups
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
@@ -1045,6 +1046,10 @@ def build_strategy(model: GPT, config: StrategyConfig, device: torch.device) -> 
     if config.tp > 1:  # a collective: every rank builds the mesh's groups in order
         mesh = ProcessMesh(ParallelDims(dist.get_world_size(), tp=config.tp))
         tp_group, dp_group = mesh.group("tp"), mesh.group("dp")
+        # the process-wide mesh: the universal checkpoint writes a tensor every
+        # tensor-parallel rank holds whole from tensor-parallel rank 0 only; the job
+        # forgets it at its end (train_gpt.main)
+        mpu.set_mesh(mesh)
         tp.parallelize(model, tp.gpt_plan(), process_group=tp_group)
         layout = _tp_layout(model)
     if config.activation_checkpointing:

@@ -52,6 +52,7 @@ from strategies import (
 from tqdm import tqdm
 
 from shardkit.checkpoint.atomic import atomic_save, atomic_write
+from shardkit.distributed import mpu
 from shardkit.memory import ModelStateBytes
 from shardkit.models import GPT, MODEL_SIZES, gpt_config
 
@@ -440,6 +441,7 @@ def checkpoint_extra(run: Run) -> dict[str, Any]:
         "history": asdict(run.history),
         "world_size": run.env.world_size,
         "strategy_name": run.config.strategy.name,  # --strategy (the layout may add +tp<T>)
+        "tp": run.config.strategy.tp,
     }
 
 
@@ -480,8 +482,10 @@ def restore(run: Run, step: int, saved_world_size: int, mine: Any, first: Any) -
 
 
 def model_flags(config: JobConfig) -> dict[str, Any]:
-    """The flags that fix the model's shapes (kept in each checkpoint)."""
-    return {"model_size": config.model_size, "seq_len": config.seq_len, "tp": config.strategy.tp}
+    """The flags that fix the model's shapes (kept in each checkpoint; a resume with
+    others is refused). ``--tp`` is not one: the universal checkpoint holds the plain
+    GPT's tensors, so a resume may change the tensor-parallel degree."""
+    return {"model_size": config.model_size, "seq_len": config.seq_len}
 
 
 def maybe_resume(run: Run, out_dir: Path) -> None:
@@ -764,6 +768,8 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Callback] = ()) -> i
     except NonFiniteLossError as err:  # every rank stops; rank 0 says it
         return fail(err, env.rank == 0)
     finally:
+        if config.strategy.tp > 1:  # build_strategy set the process-wide mesh
+            mpu.set_mesh(None)
         if env.owns_group:
             dist.destroy_process_group()
     return 0

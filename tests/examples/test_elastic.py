@@ -154,31 +154,32 @@ def _runs(argvs: list[list[str]]) -> list[int]:
     return [train_gpt.main(argv) for argv in argvs]
 
 
-PAIRS = [  # (saved on 2 ranks, resumed on 1 rank)
-    ("fsdp", "oss"),
-    ("sdp", "fsdp"),
-    ("hsdp", "ddp"),
-    ("oss", "sdp"),
-    ("pipe", "fsdp"),  # two stages -> the plain GPT's keys (examples/strategies.GPTKeys)
-    ("ddp", "offload"),
+PAIRS = [  # (saved on 2 ranks, its flags, resumed on 1 rank)
+    ("fsdp", [], "oss"),
+    ("sdp", [], "fsdp"),
+    ("hsdp", ["--shard-size", "2"], "ddp"),
+    ("oss", [], "sdp"),
+    ("pipe", [], "fsdp"),  # two stages -> the plain GPT's keys (examples/strategies.GPTKeys)
+    ("ddp", [], "offload"),
+    ("ddp", ["--tp", "2", "--global-batch", "4"], "ddp"),  # tp 2 x dp 1 (accumulation 2)
 ]
 
 
 def test_resume_other_strategy_and_world_size(rank_pool: Any, tmp_path: Path) -> None:
-    """A checkpoint of each saving strategy on 2 ranks resumes under another strategy on
-    1 rank (this process; gradient accumulation 2 keeps the global batch 4) and ends on
+    """A checkpoint of each saving strategy on 2 ranks (one with ``--tp 2``) resumes
+    under another strategy (without tensor parallelism) on 1 rank (this process; gradient accumulation 2 keeps the global batch 4) and ends on
     the losses of the uninterrupted ddp run on 2 ranks, to float rounding."""
     job = [*TINY, "--batch-size", "2", "--steps", "6", "--eval-every", "3", "--save-every", "3"]
     first = []
-    for saved, _ in PAIRS:
-        argv = [*job, "--strategy", saved, "--stop-after", "3", "--out-dir", str(tmp_path / saved)]
-        first.append(argv + (["--shard-size", "2"] if saved == "hsdp" else []))
+    for i, (saved, flags, _) in enumerate(PAIRS):
+        out = str(tmp_path / f"{i}-{saved}")
+        first.append([*job, "--strategy", saved, *flags, "--stop-after", "3", "--out-dir", out])
     reference = [*job, "--out-dir", str(tmp_path / "reference")]
     codes = rank_pool(2).run(_runs, [*first, reference], timeout_s=300)
     assert codes == [[0] * (len(PAIRS) + 1)] * 2
     r = _metrics(tmp_path / "reference")
-    for saved, resumed in PAIRS:
-        out = tmp_path / saved
+    for i, (saved, _, resumed) in enumerate(PAIRS):
+        out = tmp_path / f"{i}-{saved}"
         assert train_gpt.main([*job, "--strategy", resumed, "--resume", "--out-dir", str(out)]) == 0
         m = _metrics(out)
         assert (m["start_step"], m["world_size"], m["strategy"]) == (3, 1, resumed)
