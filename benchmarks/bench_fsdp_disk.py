@@ -74,7 +74,7 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     options: dict[str, Any] = {"disk_offload": disk, "param_init_fn": _init}
     with enable_wrap(wrapper_cls=FSDP, **options):
         model = FSDP(auto_wrap(gpt, transformer_auto_wrap_policy({Block})), **options)
-    optimizer = disk.optimizer(torch.optim.AdamW, **ADAMW)
+    optimizer = disk.optimizer(torch.optim.AdamW, **{**ADAMW, "lr": cfg["lr"]})
     out: dict[str, Any] = {
         "rank": rank,
         "params": params,
@@ -128,7 +128,7 @@ def report(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
         f"{_mem_total() / GIB:.1f} GiB",
         f"- units: {ranks[0]['units']} per rank; shard per rank {ranks[0]['shard_bytes'] / GIB:.2f}"
         f" GiB; batch {cfg['batch']} x {cfg['seq']} tokens per rank; {cfg['threads']} thread(s)"
-        " per rank",
+        f" per rank; AdamW lr {cfg.get('lr', 3e-4):g}",
         "- build (meta -> generation 0 on disk): "
         + ", ".join(f"rank {r['rank']} {r['build_s']:.0f} s" for r in ranks),
         "",
@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     add("--seq", type=int, default=64, help="tokens per sequence (default 64)")
     add("--batch", type=int, default=1, help="sequences per rank (default 1)")
     add("--steps", type=int, default=3)
+    add("--lr", type=float, default=ADAMW["lr"], help="AdamW learning rate")
     add("--world", type=int, default=2)
     add("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
     add("--dir", default=None, help="parent of the offload directory (default: a temp dir)")
