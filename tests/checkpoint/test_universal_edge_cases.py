@@ -8,6 +8,11 @@
   that loads with ``strict=True`` (before, only the plain and DDP layouts did: an
   FSDP, OSS or ShardedDataParallel checkpoint of a GPT lost ``lm_head.weight``).
 - A param-group mismatch is refused before anything is filled.
+- Optimizer state loads like torch's ``load_state_dict``: new state in the param's
+  dtype (a bf16 checkpoint into an fp32 model: the next step raised a dtype error);
+  existing state of a strided param filled in place (raised "view size is not
+  compatible").
+- A root whose first save never finished: ``FileNotFoundError`` naming it.
 - FSDP on the disk tier is refused by name (before: "piece [0, 106) has 106
   elements, its tensor 0").
 """
@@ -169,3 +174,67 @@ def test_fsdp_disk_tier_refused_by_name(two_ranks: tuple[Path, list[Any]]) -> No
             "(1 units, e.g. 'flat_param'"
         )
     assert not (root / "on_disk" / "latest").exists()
+
+
+class _Strided(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 2).t())
+
+
+def _adam_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    sum(p.square().sum() for p in model.parameters()).backward()  # type: ignore[union-attr]
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_strided_state_of_a_stepped_optimizer(tmp_path: Path) -> None:
+    """Regression: Adam's state of a transposed parameter is strided like it
+    (``zeros_like``); loading into an optimizer that had stepped raised."""
+    model = _Strided()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    _adam_step(model, optimizer)
+    save_universal(tmp_path, 1, model, optimizer)
+    other = _Strided()
+    other_opt = torch.optim.Adam(other.parameters(), lr=0.1)
+    for _ in range(2):
+        _adam_step(other, other_opt)
+    assert not other_opt.state[other.w]["exp_avg"].is_contiguous()
+    load_universal(tmp_path, other, other_opt)
+    for name in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(other_opt.state[other.w][name], optimizer.state[model.w][name]), name
+    assert torch.equal(other.w, model.w)
+
+
+def test_state_takes_the_param_dtype(tmp_path: Path) -> None:
+    """Regression: a bf16 model's AdamW state loaded into an fp32 model stayed bf16 and
+    the next step raised; as torch's ``load_state_dict``, it is cast to the param's
+    dtype, and the step equals the one after ``load_state_dict``."""
+    torch.manual_seed(0)
+    low = nn.Linear(4, 3).to(torch.bfloat16)
+    low_opt = torch.optim.AdamW(low.parameters(), lr=0.1)
+    _adam_step(low, low_opt)
+    save_universal(tmp_path, 1, low, low_opt)
+    ours, ref = nn.Linear(4, 3), nn.Linear(4, 3)
+    ours_opt = torch.optim.AdamW(ours.parameters(), lr=0.5)
+    load_universal(tmp_path, ours, ours_opt)
+    ref.load_state_dict({k: v.float() for k, v in low.state_dict().items()})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.5)
+    ref_opt.load_state_dict(low_opt.state_dict())
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert ours_opt.state[p][name].dtype == torch.float32
+            assert torch.equal(ours_opt.state[p][name], ref_opt.state[q][name])
+    _adam_step(ours, ours_opt)
+    _adam_step(ref, ref_opt)
+    assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), ref.parameters()))
+
+
+def test_root_never_committed(tmp_path: Path) -> None:
+    """A root holding only an unfinished ``ckpt-<step>`` (killed during its first save):
+    ``FileNotFoundError`` (before: ``CheckpointCorruptError`` calling the root a save
+    that did not finish)."""
+    (tmp_path / "ckpt-000001").mkdir()
+    (tmp_path / "ckpt-000001" / "shard-0-of-1.safetensors").write_bytes(b"half")
+    with pytest.raises(FileNotFoundError, match=r"no committed checkpoint .*'ckpt-000001'"):
+        load_universal(tmp_path, _mlp())

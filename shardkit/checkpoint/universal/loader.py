@@ -35,6 +35,7 @@ from shardkit.checkpoint.manifest import (
     CheckpointMismatchError,
     Manifest,
     _rank_world,
+    _step_of,
     find_valid_checkpoint,
     load_tensors_only,
     read_manifest,
@@ -88,7 +89,7 @@ class LoadedCheckpoint:
     step: int
     saved_world_size: int
     saved_strategy: str
-    manifest: Manifest
+    manifest: Manifest = field(repr=False)
     _extras: dict[int, Any] = field(default_factory=dict, repr=False)
 
     def extra(self, rank: int) -> Any | None:
@@ -206,6 +207,12 @@ def _resolve(path: PathLike, group: Any, rank: int, world_size: int) -> Path:
         return found
     if not (p / MANIFEST_NAME).is_file() and not p.is_dir():
         raise FileNotFoundError(f"{p} is not a checkpoint root or directory")
+    unfinished = sorted(c.name for c in p.glob("ckpt-*") if _step_of(c.name) is not None)
+    if not (p / MANIFEST_NAME).is_file() and unfinished:  # a root before its first commit
+        raise FileNotFoundError(
+            f"{p}: no committed checkpoint (no {LATEST_NAME!r} file; {unfinished} never "
+            "finished saving)"
+        )
     error: BaseException | None = None
     try:  # the ranks share the checksum work
         manifest = verify_checkpoint(p, names=[])
@@ -274,7 +281,14 @@ def _cover_check(
         )
 
 
-def _fill_state(filler: Filler, index: SavedIndex, entry: ParamEntry, optimizer: Any) -> None:
+def _fill_state(
+    filler: Filler, index: SavedIndex, entry: ParamEntry, optimizer: Any, group: dict[str, Any]
+) -> None:
+    """Optimizer state of ``entry``'s param from the saved pieces, as torch's
+    ``Optimizer.load_state_dict`` places it: new element-wise state in the param's
+    dtype (a floating param; else the saved dtype) and on its device; an existing
+    state tensor of the param's shape is filled in place (any strides); a 0-dim
+    ``step`` on the param's device when ``group`` is ``capturable`` or ``fused``."""
     param = entry.param
     assert param is not None
     state = optimizer.state[param]
@@ -283,16 +297,28 @@ def _fill_state(filler: Filler, index: SavedIndex, entry: ParamEntry, optimizer:
         pieces = index.pieces[(entry.key, name)]
         current = state.get(name)
         if not isinstance(current, torch.Tensor) or current.shape != param.shape:
-            dtype = dtype_from_name(pieces[0].dtype)
+            saved = dtype_from_name(pieces[0].dtype)
+            dtype = param.dtype if param.is_floating_point() else saved
             current = state[name] = torch.zeros(param.shape, dtype=dtype, device=param.device)
-        if n:
-            dst = current.view(-1)[offset : offset + n]
-            filler.fill(dst, pieces, entry.view, entry.start, entry.stop)
+        if not n:
+            continue
+        if current.is_contiguous():
+            filler.fill(
+                current.view(-1)[offset : offset + n], pieces, entry.view, entry.start, entry.stop
+            )
+        else:  # strided like its param (zeros_like keeps the strides): via a copy
+            flat = current.reshape(-1).clone()
+            filler.fill(flat[offset : offset + n], pieces, entry.view, entry.start, entry.stop)
+            current.copy_(flat.view(current.shape))
+    on_param = bool(group.get("capturable") or group.get("fused"))
     for name, scalar in index.scalars.get(entry.key, {}).items():
         value = scalar.restore()
         old = state.get(name)
-        if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor):
-            value = value.to(old.device)
+        if isinstance(value, torch.Tensor):
+            if isinstance(old, torch.Tensor):
+                value = value.to(old.device)
+            elif on_param:
+                value = value.to(param.device)
         state[name] = value
 
 
@@ -311,7 +337,8 @@ def _fill(
             filler.fill(entry.tensor, pieces, entry.view, entry.start, entry.stop)
             if entry.param is not None and id(entry.param) in in_optimizer:
                 if index.states(entry.key) or entry.key in index.scalars:
-                    _fill_state(filler, index, entry, optimizer)
+                    group = optimizer.param_groups[in_optimizer[id(entry.param)]]
+                    _fill_state(filler, index, entry, optimizer, group)
                     with_state.add(id(entry.param))
                 else:
                     stateless[id(entry.param)] = entry.param
