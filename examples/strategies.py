@@ -558,6 +558,12 @@ class GPTKeys:
             else:
                 yield dataclasses.replace(entry, key=key)
 
+    def aliases(self) -> dict[str, str]:
+        """The plain GPT's tied key (its LM head is the token embedding), recorded in
+        the manifest so that ``python -m shardkit.checkpoint convert`` writes both
+        names and the output loads into ``GPT`` with ``strict=True``."""
+        return {"lm_head.weight": "wte.weight"}
+
     def after_load(self) -> None:
         self.inner.after_load()
 
