@@ -12,6 +12,8 @@
   dtype (a bf16 checkpoint into an fp32 model: the next step raised a dtype error);
   existing state of a strided param filled in place (raised "view size is not
   compatible").
+- A 0-dim parameter's ``step`` is saved as a scalar, not as an element-wise state of
+  one element (it loaded into FSDP's 1-D shard as a ``[1]`` tensor).
 - A root whose first save never finished: ``FileNotFoundError`` naming it.
 - FSDP on the disk tier is refused by name (before: "piece [0, 106) has 106
   elements, its tensor 0").
@@ -30,6 +32,7 @@ from shardkit.checkpoint import CheckpointMismatchError
 from shardkit.checkpoint.cli import main as cli_main
 from shardkit.checkpoint.manifest import read_manifest
 from shardkit.checkpoint.universal import load_universal, save_universal
+from shardkit.checkpoint.universal.shardfile import read_index
 from shardkit.models import GPT, gpt_config
 from shardkit.nn import FSDP, OffloadModel, Pipe, ShardedDataParallel
 from shardkit.nn.data_parallel.fully_sharded.disk_tier import DiskOffload
@@ -53,6 +56,15 @@ def _groups(model: nn.Module, lrs: tuple[float, float]) -> list[dict[str, Any]]:
 def _gpt() -> GPT:
     torch.manual_seed(0)
     return GPT(gpt_config("tiny", vocab_size=32, block_size=8))
+
+
+class _Scalar(nn.Module):
+    """A 0-dim parameter first (rank 0's FSDP shard holds it), then a vector."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Parameter(torch.tensor(2.0))
+        self.w = nn.Parameter(torch.ones(3))
 
 
 def _worker(root: Path) -> dict[str, Any]:
@@ -81,6 +93,15 @@ def _worker(root: Path) -> dict[str, Any]:
                 model = ShardedDataParallel(model, optimizer)
         ckpt = save_universal(root / kind, 1, model, optimizer)
         out[kind] = read_manifest(ckpt).layout["aliases"]
+    # a 0-dim parameter's AdamW state into FSDP (1-D shards)
+    scalar = FSDP(_Scalar())
+    scalar_opt = torch.optim.AdamW(scalar.parameters())
+    load_universal(root / "scalar", scalar, scalar_opt)
+    out["scalar_state"] = [
+        {name: tuple(v.shape) for name, v in scalar_opt.state[p].items()}
+        for p in scalar.parameters()
+        if p.numel()
+    ]
     # FSDP on the disk tier: its shards are empty in memory
     disk = DiskOffload(str(root / "disk"))
     on_disk = FSDP(_mlp(), disk_offload=disk)
@@ -99,6 +120,11 @@ def two_ranks(rank_pool: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple
     model(torch.randn(3, 8)).sum().backward()
     optimizer.step()
     save_universal(root / "plain", 1, model, optimizer)
+    scalar = _Scalar()
+    scalar_opt = torch.optim.AdamW(scalar.parameters())
+    (scalar.t * scalar.w).sum().backward()
+    scalar_opt.step()
+    save_universal(root / "scalar", 1, scalar, scalar_opt)
     return root, rank_pool(2).run(_worker, root, timeout_s=120)
 
 
@@ -238,3 +264,15 @@ def test_root_never_committed(tmp_path: Path) -> None:
     (tmp_path / "ckpt-000001" / "shard-0-of-1.safetensors").write_bytes(b"half")
     with pytest.raises(FileNotFoundError, match=r"no committed checkpoint .*'ckpt-000001'"):
         load_universal(tmp_path, _mlp())
+
+
+def test_step_of_a_0dim_param_is_a_scalar(two_ranks: tuple[Path, list[Any]]) -> None:
+    """Regression: the ``step`` of a 0-dim parameter (shape ``()`` like it) was saved as
+    an element-wise state and came back into FSDP's 1-D shard with shape ``(1,)``."""
+    root, out = two_ranks
+    pieces, scalars = read_index(root / "scalar" / "ckpt-000001" / "shard-0-of-1.safetensors")
+    assert ("t", "step") in {(s.key, s.state) for s in scalars}
+    assert ("t", "step") not in {(p.key, p.state) for p in pieces}
+    assert out[0]["scalar_state"][0] == {"exp_avg": (1,), "exp_avg_sq": (1,), "step": ()}
+    for rank in range(2):
+        assert all(state["step"] == () for state in out[rank]["scalar_state"]), rank

@@ -70,7 +70,8 @@ def state_slices(
     entry: ParamEntry, state: Mapping[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor | SavedScalar]]:
     """``(name, piece of the state tensor)`` for element-wise state, ``(name, scalar)``
-    for scalar state, of ``entry``'s param (``state``: ``optimizer.state[param]``).
+    for scalar state, of ``entry``'s param (``state``: ``optimizer.state[param]``); a
+    one-element ``step`` is always a scalar (also for a 0-dim param).
 
     Raises:
         ValueError: state of another shape (a factored moment), or a non-number.
@@ -79,7 +80,11 @@ def state_slices(
     assert param is not None
     offset, n = entry_offset(entry), entry.stop - entry.start
     for name, value in sorted(state.items()):
-        if isinstance(value, torch.Tensor) and value.shape == param.shape:
+        # "step" is a counter, whatever the param's shape (torch's optimizers name it so;
+        # a 0-dim param's 0-dim step would otherwise look element-wise and load as a
+        # 1-element tensor into a 1-D FSDP shard)
+        counter = name == "step" and isinstance(value, torch.Tensor) and value.numel() == 1
+        if isinstance(value, torch.Tensor) and value.shape == param.shape and not counter:
             yield name, value.detach().reshape(-1)[offset : offset + n]
         elif isinstance(value, torch.Tensor) and value.numel() == 1:
             yield name, SavedScalar(entry.key, name, value.item(), dtype_name(value.dtype))
