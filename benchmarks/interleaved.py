@@ -16,9 +16,12 @@ round to round. Each step's time is the slowest rank's. The ratio of a strategy 
 paired twice: per step index (its step over the first strategy's step of the same
 index and round) and per round (its round median over the first strategy's).
 
-Printed and written to ``benchmarks/results/interleaved-<time>.json``: per strategy the
-median step (ms) and the median over rounds of the round ratio, with the median of the
-per-step ratios and their range. Caveat: the strategies share one process (allocator,
+Printed and written to ``benchmarks/results/interleaved-<time>.json``, for the wall time
+and the CPU time of a step (all threads of a rank's process, gloo's included; the
+slowest rank's): per strategy the median step (ms) and the median over rounds of the
+round ratio, with the median of the per-step ratios and their range. With two ranks
+on two cores the CPU time is what a quiet machine's wall time is made of (gloo's
+threads take their cycles from compute), and other jobs' load moves it far less. Caveat: the strategies share one process (allocator,
 caches), which ``benchmarks.compare`` does not; confirm a final number there.
 """
 
@@ -40,8 +43,10 @@ from benchmarks.profile_step import _step, _strategy
 from shardkit.testing import run_distributed
 
 
-def interleaved_rank(spec: Mapping[str, Any]) -> dict[str, list[list[float]]]:
-    """Body of every rank: ``{strategy: [[s per step] per round]}`` (slowest rank)."""
+def interleaved_rank(spec: Mapping[str, Any]) -> dict[str, dict[str, list[list[float]]]]:
+    """Body of every rank: ``{"wall" | "cpu": {strategy: [[s per step] per round]}}``,
+    the slowest rank's wall time and CPU time (every thread of the process, gloo's
+    included: on a loaded machine it moves much less than the wall time)."""
     config = model_config(spec["size"], spec["seq_len"])
     x, y = _batch(config, spec["batch"])
     names = list(spec["strategies"])
@@ -49,17 +54,22 @@ def interleaved_rank(spec: Mapping[str, Any]) -> dict[str, list[list[float]]]:
     for name in names:
         for _ in range(spec["warmup"]):
             _step(built[name], x, y)
-    times: dict[str, list[list[float]]] = {name: [] for name in names}
+    times: dict[str, dict[str, list[list[float]]]] = {
+        kind: {name: [] for name in names} for kind in ("wall", "cpu")
+    }
     for round_index in range(spec["rounds"]):
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in names:
-            times[name].append([])
+            times["wall"][name].append([])
+            times["cpu"][name].append([])
         for _ in range(spec["steps"]):
             for name in order:
                 dist.barrier()
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 _step(built[name], x, y)
-                times[name][-1].append(slowest(time.perf_counter() - start))
+                cpu = time.process_time() - cpu
+                times["wall"][name][-1].append(slowest(time.perf_counter() - start))
+                times["cpu"][name][-1].append(slowest(cpu))
     return times
 
 
@@ -107,15 +117,15 @@ def main(argv: list[str] | None = None) -> None:
         "warmup": args.warmup,
     }
     times = run_distributed(interleaved_rank, args.world_size, spec, timeout_s=3600)[0]
-    summary = summarize(times)
-    print(
-        f"{'strategy':<16}{'median ms':>11}{'x first (rounds)':>18}{'x first (steps)':>17}  range"
-    )
-    for name, row in summary.items():
-        print(
-            f"{name:<16}{row['median_ms']:11.0f}{row['round_ratio']:18.3f}"
-            f"{row['step_ratio']:17.3f}  [{row['step_ratio_min']:.2f}, {row['step_ratio_max']:.2f}]"
-        )
+    summary = {kind: summarize(per_kind) for kind, per_kind in times.items()}
+    for kind, rows in summary.items():
+        head = f"{kind + ' time':<16}{'median ms':>11}{'x first (rounds)':>18}"
+        print(f"{head}{'x first (steps)':>17}  range")
+        for name, row in rows.items():
+            print(
+                f"{name:<16}{row['median_ms']:11.0f}{row['round_ratio']:18.3f}{row['step_ratio']:17.3f}"
+                f"  [{row['step_ratio_min']:.2f}, {row['step_ratio_max']:.2f}]"
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"interleaved-{timestamp()}.json"
     record = {"args": {**vars(args), "out": str(args.out)}, "times": times, "summary": summary}
