@@ -17,6 +17,7 @@ import json
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,13 +27,14 @@ from torch import nn
 
 from shardkit.checkpoint import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointFallbackWarning,
     CheckpointMismatchError,
     CheckpointUnsafeError,
     save_checkpoint,
 )
 from shardkit.checkpoint.manifest import MANIFEST_NAME
-from shardkit.checkpoint.universal import load_universal, save_universal
+from shardkit.checkpoint.universal import TensorView, load_universal, save_universal
 from shardkit.checkpoint.universal.shardfile import ShardFile, read_index
 from tests.checkpoint.payload import plant_payload
 from tests.checkpoint.test_unsafe_load import assert_refused
@@ -148,3 +150,37 @@ def test_other_optimizer_class_refused(tmp_path: Path) -> None:
     assert not _same(target, model)  # refused before any piece was filled
     load_universal(tmp_path, target)  # the model alone
     assert _same(target, model)
+
+
+@pytest.mark.parametrize(
+    ("lie", "message"),
+    [
+        ({"stop": 8}, r"tensor '\d+' is F32 \[3\], the index says F32 \[8\]"),
+        ({"dtype": "float64"}, r"tensor '\d+' is F32 \[3\], the index says F64 \[3\]"),
+        ({"view": TensorView((8,), 0, 5, 2, 1)}, r"need parts >= 1, stride >= 1 and 0 <= part"),
+        ({"start": 6, "stop": 9}, r"piece \[6, 9\) outside the local tensor of 8 elements"),
+    ],
+)
+def test_index_that_lies_about_its_tensor_refused(
+    tmp_path: Path, lie: dict[str, Any], message: str
+) -> None:
+    """A shard file whose index does not match its tensors (a crafted or buggy file with
+    a matching manifest) is refused as unreadable before any byte is copied: before, a
+    range past the stored tensor failed inside a copy with a shape error (the model
+    half filled), and a part outside its view went to ``as_strided``."""
+    ckpt = save_universal(tmp_path, 1, _model(1))
+    name = "shard-0-of-1.safetensors"
+    pieces, scalars = read_index(ckpt / name)
+    with safe_open(str(ckpt / name), framework="pt") as f:
+        kept = [(p, f.get_tensor(p.name).clone()) for p in pieces if p.key != "1.weight"]
+    (bias,) = [p for p in pieces if p.key == "1.weight"]  # 8 elements
+    kept.append((replace(replace(bias, stop=3), **lie), torch.zeros(3)))  # 3 stored
+    with (ckpt / name).open("wb") as handle:
+        ShardFile(kept, scalars).write_to(handle)
+    _rewrite_manifest(ckpt, name)
+    target = _model(2)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(CheckpointError, match=message) as caught:
+        load_universal(tmp_path, target)
+    assert caught.value.problem == "index"
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())

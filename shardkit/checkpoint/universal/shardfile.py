@@ -22,6 +22,7 @@ from typing import IO, Any
 import torch
 
 from shardkit.checkpoint.universal.layout import TensorView
+from shardkit.checkpoint.universal.views import check_view
 
 __all__ = [
     "INDEX_KEY",
@@ -196,13 +197,39 @@ def read_index(path: str | os.PathLike[str]) -> tuple[list[SavedPiece], list[Sav
 
     with safe_open(str(path), framework="pt") as handle:
         meta = handle.metadata() or {}
-    if INDEX_KEY not in meta:
-        raise ValueError(f"{path} has no {INDEX_KEY!r} in its safetensors metadata")
-    try:
-        index = json.loads(meta[INDEX_KEY])
-        name = Path(path).name
-        pieces = [SavedPiece.from_json(r, name) for r in index["pieces"]]
-        scalars = [SavedScalar.from_json(r) for r in index["scalars"]]
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{path}: malformed piece index: {err}") from err
+        if INDEX_KEY not in meta:
+            raise ValueError(f"{path} has no {INDEX_KEY!r} in its safetensors metadata")
+        try:
+            index = json.loads(meta[INDEX_KEY])
+            name = Path(path).name
+            pieces = [SavedPiece.from_json(r, name) for r in index["pieces"]]
+            scalars = [SavedScalar.from_json(r) for r in index["scalars"]]
+            names: list[str] = handle.keys()  # a safe_open handle is no mapping
+            stored = {n: handle.get_slice(n) for n in names}
+            for piece in pieces:
+                _check_piece(piece, stored)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{path}: malformed piece index: {err}") from err
     return pieces, scalars
+
+
+def _check_piece(piece: SavedPiece, stored: dict[str, Any]) -> None:
+    """Raise ``ValueError`` unless ``piece`` is a valid range of a valid view and its
+    tensor in the file has exactly ``stop - start`` elements of its dtype (an index
+    that says otherwise would read past the tensor or write past the assembled one)."""
+    check_view(piece.view)
+    if not 0 <= piece.start <= piece.stop <= piece.view.local_numel:
+        raise ValueError(
+            f"{piece.key!r}: piece [{piece.start}, {piece.stop}) outside the local tensor of "
+            f"{piece.view.local_numel} elements"
+        )
+    tensor = stored.get(piece.name)
+    if tensor is None:
+        raise ValueError(f"{piece.key!r}: no tensor {piece.name!r} in the file")
+    shape, code = list(tensor.get_shape()), tensor.get_dtype()
+    want = _ST_DTYPES.get(dtype_from_name(piece.dtype))
+    if shape != [piece.stop - piece.start] or code != want:
+        raise ValueError(
+            f"{piece.key!r}: tensor {piece.name!r} is {code} {shape}, the index says "
+            f"{want} [{piece.stop - piece.start}]"
+        )
