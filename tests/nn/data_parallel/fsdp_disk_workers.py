@@ -13,7 +13,11 @@ import torch.distributed as dist
 
 import shardkit.checkpoint.generations as generations
 from shardkit.models import GPT, Block
-from shardkit.nn.data_parallel.fully_sharded import DiskOffload
+from shardkit.nn.data_parallel.fully_sharded import (
+    DiskOffload,
+    load_fsdp_sharded,
+    save_fsdp_sharded,
+)
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.nn.data_parallel.fully_sharded.unit import units_in
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
@@ -244,6 +248,16 @@ def misuse(root: str) -> dict[str, str]:
     out["double_step"] = _raises(optimizer.step)
     out["changed"] = str(any(not torch.equal(before[k], v) for k, v in model.state_dict().items()))
     out["load_state_dict"] = _raises(lambda: model.load_state_dict(before))
+    # entry points that would read or write the placeholder shards (a segfault) or
+    # return empty optimizer state / a zero norm without clipping: refused
+    ckpt = str(Path(root) / "sharded")
+    out["local_state_dict"] = _raises(model.local_state_dict)
+    out["load_local_state_dict"] = _raises(lambda: model.load_local_state_dict({}))
+    out["save_fsdp_sharded"] = _raises(lambda: save_fsdp_sharded(model, ckpt, optimizer))
+    out["load_fsdp_sharded"] = _raises(lambda: load_fsdp_sharded(model, ckpt, optimizer))
+    out["gather_optim"] = _raises(lambda: model.gather_full_optim_state_dict(optimizer))
+    out["shard_optim"] = _raises(lambda: model.get_shard_from_optim_state_dict({}))
+    out["clip"] = _raises(lambda: model.clip_grad_norm_(1.0))
     model(x, y)[1].backward()
     out["second_backward"] = _raises(lambda: model(x, y)[1].backward())
     optimizer.tier.close()
@@ -264,3 +278,31 @@ def misuse(root: str) -> dict[str, str]:
     out["resume_fresh"] = _raises(lambda: DiskOffload(str(Path(root) / "d"), resume=True))
     out["fresh_over_used"] = _raises(lambda: DiskOffload(str(Path(root) / "b")))
     return out
+
+
+def edited_hyperparameters(root: str) -> dict[str, Any]:
+    """SGD on the disk tier built with ``lr`` only; ``momentum`` (not passed) is then set
+    in ``param_groups[0]`` and the lr halved by a scheduler: the units' steps must use
+    both (they used only the hyperparameters passed to ``disk.optimizer``)."""
+    world = dist.get_world_size()
+    ref = tiny_gpt()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    disk = DiskOffload(root)
+    model = wrap_model(tiny_gpt(), "block", disk_offload=disk)
+    optimizer = disk.optimizer(torch.optim.SGD, lr=0.1)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (optimizer, ref_opt)]
+    for o in (optimizer, ref_opt):
+        o.param_groups[0]["momentum"] = 0.9
+    diffs = []
+    for step in range(3):
+        _step(model, optimizer, step)
+        x, y = global_batch(step, world)
+        ref(x, y)[1].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for scheduler in schedulers:
+            scheduler.step()
+        full = model.state_dict()
+        diffs.append(max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()))
+    disk.close()
+    return {"diffs": diffs, "hyper": optimizer.hyperparameters()}

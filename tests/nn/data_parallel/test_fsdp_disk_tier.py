@@ -88,6 +88,19 @@ def test_refusals(rank_pool: Any, tmp_path: Path) -> None:
         assert out["changed"] == "True"
         assert "not written to the disk tier" in out["load_state_dict"]
         assert "a second backward before optimizer.step()" in out["second_backward"]
+        for what in (
+            "local_state_dict",
+            "load_local_state_dict",
+            "save_fsdp_sharded",
+            "load_fsdp_sharded",
+            "gather_optim",
+            "shard_optim",
+            "clip",
+        ):
+            assert out[what].startswith("RuntimeError: ") and (
+                "not available with disk_offload" in out[what]
+            ), (what, out[what])
+        assert "no global gradient norm" in out["clip"]
         assert "ValueError" in out["hybrid"] and "HYBRID_SHARD" in out["hybrid"]
         assert (
             "does not match the disk_offload directory: stored numels"
@@ -95,3 +108,13 @@ def test_refusals(rank_pool: Any, tmp_path: Path) -> None:
         )
         assert "has no manifest.json" in out["resume_fresh"]
         assert "already holds a model; pass resume=True" in out["fresh_over_used"]
+
+
+def test_hyperparameters_edited_after_building_reach_the_steps(
+    rank_pool: Any, tmp_path: Path
+) -> None:
+    """Regression: a hyperparameter not passed to disk.optimizer() (momentum) set in
+    param_groups[0], and a scheduler's lr, were silently ignored by the units' steps."""
+    for out in rank_pool(2).run(w.edited_hyperparameters, str(tmp_path)):
+        assert max(out["diffs"]) < 1e-5, out["diffs"]
+        assert out["hyper"]["momentum"] == 0.9 and out["hyper"]["lr"] == 0.1 * 0.5**3

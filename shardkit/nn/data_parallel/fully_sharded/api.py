@@ -39,7 +39,11 @@ from shardkit.nn.data_parallel.fully_sharded.consolidate import (
     consolidate_shard_weights,
     local_metadata,
 )
-from shardkit.nn.data_parallel.fully_sharded.disk_tier import DiskOffload, check_one_tier
+from shardkit.nn.data_parallel.fully_sharded.disk_tier import (
+    DiskOffload,
+    check_one_tier,
+    refuse_on_disk,
+)
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle, ParamInfo
 from shardkit.nn.data_parallel.fully_sharded.materialize import (
     ParamInitFn,
@@ -485,7 +489,11 @@ class FullyShardedDataParallel(nn.Module):
 
         Returns:
             The total norm before clipping (a scalar tensor, equal on every rank).
+
+        Raises:
+            RuntimeError: the model is on a disk tier (its units step inside backward).
         """
+        refuse_on_disk(units_in(self), "clip_grad_norm_")
         params = list(self.parameters())  # disjoint pieces: every element owned once
         return clip_grad_norm_sharded(params, max_norm, norm_type, self._process_group)
 
@@ -508,11 +516,21 @@ class FullyShardedDataParallel(nn.Module):
             return super().load_state_dict(state_dict, strict=strict)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's shards: ``"<unit>flat_param"`` per unit, and the buffers."""
+        """This rank's shards: ``"<unit>flat_param"`` per unit, and the buffers.
+
+        Raises:
+            RuntimeError: the model is on a disk tier (the shards are in its files).
+        """
+        refuse_on_disk(units_in(self), "local_state_dict")
         return sd.local_state_dict(self)
 
     def load_local_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Load what :meth:`local_state_dict` returned (same world size and wrapping)."""
+        """Load what :meth:`local_state_dict` returned (same world size and wrapping).
+
+        Raises:
+            RuntimeError: the model is on a disk tier (the shards are in its files).
+        """
+        refuse_on_disk(units_in(self), "load_local_state_dict")
         sd.load_local_state_dict(self, state)
 
     def local_metadata_dict(self) -> dict[str, Any]:
@@ -543,7 +561,11 @@ class FullyShardedDataParallel(nn.Module):
         """The optimizer state of the unwrapped model, on group rank ``recipient_rank``.
 
         A collective (every rank calls it); other ranks get None.
+
+        Raises:
+            RuntimeError: the model is on a disk tier (the state is in its files).
         """
+        refuse_on_disk(units_in(self), "gather_full_optim_state_dict")
         return gather_full(self, optim, recipient_rank)
 
     def get_shard_from_optim_state_dict(
@@ -553,7 +575,11 @@ class FullyShardedDataParallel(nn.Module):
 
         Pass ``optim`` (or build it from ``named_parameters()``) when its parameter order
         differs from ``parameters()`` (e.g. groups chosen by name).
+
+        Raises:
+            RuntimeError: the model is on a disk tier (the state is in its files).
         """
+        refuse_on_disk(units_in(self), "get_shard_from_optim_state_dict")
         return shard_full(self, full, optim)
 
 

@@ -41,6 +41,7 @@ so the page cache, not the process, holds file pages.
 
 from __future__ import annotations
 
+import inspect
 import re
 import time
 from collections.abc import Sequence
@@ -58,7 +59,14 @@ from shardkit.checkpoint.generations import GenerationStore, packed_offsets, rea
 from shardkit.distributed.optim_guard import exempt_optimizer
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
 
-__all__ = ["DiskOffload", "DiskOptimizer", "DiskStats", "DiskUnit", "check_one_tier"]
+__all__ = [
+    "DiskOffload",
+    "DiskOptimizer",
+    "DiskStats",
+    "DiskUnit",
+    "check_one_tier",
+    "refuse_on_disk",
+]
 
 FORMAT = "shardkit.fsdp.disk/1"
 _OWNED = re.compile(r"^unit\d+\.(params|optim)\.g\d+$")
@@ -317,10 +325,16 @@ class DiskOptimizer(torch.optim.Optimizer):
             )
         tier.optimizer_class = name
         params = [p for u in tier.units for p in u.handle.sharded_params]
-        super().__init__(params, dict(defaults))
+        # every hyperparameter of the class, not only those passed: an edit of
+        # param_groups[0] (a scheduler, a momentum warm-up) must reach the units' steps
+        # (the class's defaults that its constructor takes: AdamW's hold a fixed
+        # ``decoupled_weight_decay`` too)
+        full = optimizer_class([nn.Parameter(torch.zeros(1))], **defaults).defaults
+        accepted = inspect.signature(optimizer_class.__init__).parameters
+        super().__init__(params, {k: v for k, v in full.items() if k in accepted})
         self.tier = tier
         self.optimizer_class = optimizer_class
-        self._hyper_keys = set(defaults)
+        self._hyper_keys = {k for k in full if k in accepted}
         exempt_optimizer(self)  # its parameters are placeholders between units' steps
 
     def hyperparameters(self) -> dict[str, Any]:
@@ -570,6 +584,43 @@ def check_one_tier(units: Sequence[TieredUnit]) -> None:
         f"{'in memory' if other.disk is None else 'on another one'}: pass the same "
         "disk_offload=DiskOffload(...) to every FSDP unit of the model, the root included "
         "(with auto_wrap: to enable_wrap and to the outer FSDP)"
+    )
+
+
+_NOT_ON_DISK = {
+    "clip_grad_norm_": "the units step inside backward, each as soon as its gradient is "
+    "reduced, so no global gradient norm exists to clip by",
+    "local_state_dict": "the shards live in the tier's files",
+    "load_local_state_dict": "the shards live in the tier's files",
+    "save_fsdp_sharded": "the shards and optimizer state live in the tier's files",
+    "load_fsdp_sharded": "the shards and optimizer state live in the tier's files",
+    "gather_full_optim_state_dict": "the optimizer state lives in the tier's files",
+    "get_shard_from_optim_state_dict": "the optimizer state lives in the tier's files",
+}
+
+
+def refuse_on_disk(units: Sequence[TieredUnit], what: str) -> None:
+    """Refuse an entry point that reads or writes shards, gradients or optimizer state in
+    memory when the model is on a disk tier (between units' steps the shards are empty
+    placeholders: a copy would read freed memory, a load would write into it, and the
+    optimizer's ``state`` is empty).
+
+    Args:
+        units: the model's units.
+        what: the entry point's name (a key of the reasons above).
+
+    Raises:
+        RuntimeError: a unit is on a disk tier; names the entry point, the reason, the
+            directory and what to use instead.
+    """
+    on_disk = next((u for u in units if u.disk is not None), None)
+    if on_disk is None or on_disk.disk is None:
+        return
+    raise RuntimeError(
+        f"{what}() is not available with disk_offload: {_NOT_ON_DISK[what]} "
+        f"({str(on_disk.disk.tier.store.directory.parent)!r}). The directory is the "
+        "checkpoint (DiskOffload(directory, resume=True) continues from it, optimizer "
+        "state included); model.state_dict() gives the full weights"
     )
 
 

@@ -41,6 +41,7 @@ from torch import nn
 from shardkit.checkpoint.flat import read_flat_range
 from shardkit.checkpoint.manifest import load_tensors_only, save_checkpoint
 from shardkit.checkpoint.sharded_optim import resolve_shard_directory
+from shardkit.nn.data_parallel.fully_sharded.disk_tier import refuse_on_disk
 from shardkit.nn.data_parallel.fully_sharded.optim_state import (
     flat_optim_state,
     load_flat_optim_state,
@@ -132,8 +133,10 @@ def save_fsdp_sharded(
 
     Raises:
         CheckpointError: on every rank, if a rank could not write its file.
+        RuntimeError: the model is on a disk tier (its directory is the checkpoint).
     """
     runtimes = named_units(model)
+    refuse_on_disk(list(runtimes.values()), "save_fsdp_sharded")
     root = _root(runtimes)
     param_keys, buffer_keys = _state_dict_keys(model)
     units = {key: _unit_record(unit, param_keys) for key, unit in runtimes.items()}
@@ -230,8 +233,10 @@ def load_fsdp_sharded(
         FileNotFoundError: shard files missing, or nothing committed.
         ValueError: the units or their parameters differ from the saved ones, or
             ``optim`` is given and the checkpoint has no optimizer state.
+        RuntimeError: the model is on a disk tier (resume its directory instead).
     """
     units = named_units(model)
+    refuse_on_disk(list(units.values()), "load_fsdp_sharded")
     group = _root(units).process_group
     found = resolve_shard_directory(directory, collective=True, group=group)
     records = _open_all(found)
