@@ -104,28 +104,43 @@ def disable_checkpointing() -> Iterator[None]:
         _state.checkpointing_disabled = previous
 
 
-@contextlib.contextmanager
-def recomputing(module: nn.Module) -> Iterator[None]:
-    """The context of a recompute pass over ``module``: side effects undone on exit.
+class _Recomputing:
+    """The reusable context manager :func:`recomputing` returns (torch enters the one
+    ``context_fn`` gave once per recompute, so a ``retain_graph`` backward enters it
+    again: a generator-based one would fail the second time)."""
 
-    Snapshots the buffers of every training-mode BatchNorm in ``module`` (running mean
-    and variance, ``num_batches_tracked``, any extra buffers of a subclass) and restores
-    them when the block exits; :func:`is_recomputing` is True inside (this thread).
-    """
-    saved = [
-        (buf, buf.detach().clone())
-        for sub in module.modules()
-        if isinstance(sub, _NORM_TYPES) and sub.training
-        for buf in sub.buffers(recurse=False)
-    ]
-    previous, _state.recomputing = is_recomputing(), True
-    try:
-        yield
-    finally:
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._entries: list[tuple[bool, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+
+    def __enter__(self) -> None:
+        saved = [
+            (buf, buf.detach().clone())
+            for sub in self.module.modules()
+            if isinstance(sub, _NORM_TYPES) and sub.training
+            for buf in sub.buffers(recurse=False)
+        ]
+        self._entries.append((is_recomputing(), saved))
+        _state.recomputing = True
+
+    def __exit__(self, *exc: object) -> None:
+        previous, saved = self._entries.pop()
         _state.recomputing = previous
         with torch.no_grad():
             for buf, value in saved:
                 buf.copy_(value)
+
+
+def recomputing(module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """The context of a recompute pass over ``module``: side effects undone on exit.
+
+    Snapshots the buffers of every training-mode BatchNorm in ``module`` (running mean
+    and variance, ``num_batches_tracked``, any extra buffers of a subclass) when entered
+    and restores them when the block exits; :func:`is_recomputing` is True inside (this
+    thread). The returned object can be entered again (each backward of a
+    ``retain_graph=True`` graph recomputes once).
+    """
+    return _Recomputing(module)
 
 
 def run_checkpointed(

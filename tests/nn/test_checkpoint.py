@@ -95,3 +95,23 @@ def test_nested_in_sequential_saves_activations() -> None:
 def test_bad_input() -> None:
     with pytest.raises(TypeError, match="expects an nn.Module, got function"):
         checkpoint_wrapper(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_retain_graph_backward_twice_recomputes_twice() -> None:
+    """Regression: the recompute context was a one-shot generator, so the second
+    backward of a ``retain_graph=True`` graph raised AttributeError (torch enters the
+    context ``context_fn`` returned once per recompute)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3))
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(5, 4)
+    losses = [m(x).square().sum() for m in (plain, wrapped)]
+    for loss in losses:
+        loss.backward(retain_graph=True)
+        loss.backward()
+    for (name, p), q in zip(plain.named_parameters(), wrapped.parameters()):
+        assert q.grad is not None and p.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
+    # two recomputes, BatchNorm statistics counted once (the forward's update only)
+    assert int(wrapped.module[1].num_batches_tracked) == 1
+    assert_state_dicts_close(wrapped.module.state_dict(), plain.state_dict())
