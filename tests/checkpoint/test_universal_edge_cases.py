@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardkit.checkpoint import CheckpointMismatchError
+from shardkit.checkpoint import CheckpointCorruptError, CheckpointMismatchError
 from shardkit.checkpoint.cli import main as cli_main
 from shardkit.checkpoint.manifest import read_manifest
 from shardkit.checkpoint.universal import load_universal, save_universal
@@ -264,6 +264,12 @@ def test_root_never_committed(tmp_path: Path) -> None:
     (tmp_path / "ckpt-000001" / "shard-0-of-1.safetensors").write_bytes(b"half")
     with pytest.raises(FileNotFoundError, match=r"no committed checkpoint .*'ckpt-000001'"):
         load_universal(tmp_path, _mlp())
+    # the unfinished directory itself: damaged; a directory that is neither: not found
+    with pytest.raises(CheckpointCorruptError, match="the save of ckpt-000001 did not finish"):
+        load_universal(tmp_path / "ckpt-000001", _mlp())
+    (tmp_path / "other").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"other is not a checkpoint root \(no 'latest'"):
+        load_universal(tmp_path / "other", _mlp())
 
 
 def test_step_of_a_0dim_param_is_a_scalar(two_ranks: tuple[Path, list[Any]]) -> None:

@@ -205,14 +205,20 @@ def _resolve(path: PathLike, group: Any, rank: int, world_size: int) -> Path:
         if found is None:
             raise FileNotFoundError(f"{p}: no committed checkpoint")
         return found
-    if not (p / MANIFEST_NAME).is_file() and not p.is_dir():
-        raise FileNotFoundError(f"{p} is not a checkpoint root or directory")
-    unfinished = sorted(c.name for c in p.glob("ckpt-*") if _step_of(c.name) is not None)
-    if not (p / MANIFEST_NAME).is_file() and unfinished:  # a root before its first commit
-        raise FileNotFoundError(
-            f"{p}: no committed checkpoint (no {LATEST_NAME!r} file; {unfinished} never "
-            "finished saving)"
-        )
+    if not (p / MANIFEST_NAME).is_file():
+        if not p.is_dir():
+            raise FileNotFoundError(f"{p} is not a checkpoint root or directory")
+        unfinished = sorted(c.name for c in p.glob("ckpt-*") if _step_of(c.name) is not None)
+        if unfinished:  # a root before its first commit
+            raise FileNotFoundError(
+                f"{p}: no committed checkpoint (no {LATEST_NAME!r} file; {unfinished} "
+                "never finished saving)"
+            )
+        if _step_of(p.name) is None:  # not ckpt-<step> (that one: its save did not finish)
+            raise FileNotFoundError(
+                f"{p} is not a checkpoint root (no {LATEST_NAME!r} file) or checkpoint "
+                f"directory (no {MANIFEST_NAME!r})"
+            )
     error: BaseException | None = None
     try:  # the ranks share the checksum work
         manifest = verify_checkpoint(p, names=[])
