@@ -15,6 +15,8 @@
 - A 0-dim parameter's ``step`` is saved as a scalar, not as an element-wise state of
   one element (it loaded into FSDP's 1-D shard as a ``[1]`` tensor).
 - A root whose first save never finished: ``FileNotFoundError`` naming it.
+- A plain module whose copies differ between ranks is refused at save (each rank
+  writes 1/N of every tensor: the checkpoint silently mixed the ranks' values).
 - FSDP on the disk tier is refused by name (before: "piece [0, 106) has 106
   elements, its tensor 0").
 """
@@ -26,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardkit.checkpoint import CheckpointCorruptError, CheckpointMismatchError
@@ -102,6 +105,12 @@ def _worker(root: Path) -> dict[str, Any]:
         for p in scalar.parameters()
         if p.numel()
     ]
+    # a plain module the ranks hold differently (no wrapper keeps the copies equal)
+    torch.manual_seed(dist.get_rank())
+    try:
+        save_universal(root / "chimera", 1, nn.Linear(4, 4))
+    except ValueError as err:
+        out["chimera"] = str(err)
     # FSDP on the disk tier: its shards are empty in memory
     disk = DiskOffload(str(root / "disk"))
     on_disk = FSDP(_mlp(), disk_offload=disk)
@@ -282,3 +291,18 @@ def test_step_of_a_0dim_param_is_a_scalar(two_ranks: tuple[Path, list[Any]]) -> 
     assert out[0]["scalar_state"][0] == {"exp_avg": (1,), "exp_avg_sq": (1,), "step": ()}
     for rank in range(2):
         assert all(state["step"] == () for state in out[rank]["scalar_state"]), rank
+
+
+def test_plain_module_held_differently_refused(two_ranks: tuple[Path, list[Any]]) -> None:
+    """Regression: two ranks holding differently initialised plain Linear layers saved
+    a checkpoint made of rank 0's first half and rank 1's second half of each tensor,
+    silently."""
+    root, out = two_ranks
+    for rank in range(2):
+        message = out[rank]["chimera"]
+        assert message.startswith(
+            "the ranks hold different values of 2 tensors that the 'plain' layout saves as "
+            "identical replicas (each rank writes 1/2 of every tensor"
+        ), message
+        assert "'weight': rank 0 sum " in message and "'bias': rank 0 sum " in message
+    assert not (root / "chimera" / "latest").exists()

@@ -66,6 +66,8 @@ class PlainLayout:
 
     strategy = "plain"
     buffers_from_rank0 = False
+    # nothing keeps a plain module's copies equal: the save compares them (DDP does)
+    assumes_replicas = True
 
     def __init__(self, model: nn.Module, group: Any = None) -> None:
         self.model = model
@@ -124,6 +126,7 @@ class DDPLayout(PlainLayout):
 
     strategy = "ddp"
     buffers_from_rank0 = True
+    assumes_replicas = False
 
     def __init__(self, model: DistributedDataParallel, group: Any = None) -> None:
         super().__init__(model.module, group if group is not None else model.process_group)

@@ -198,6 +198,8 @@ def save_universal(
         extra_data = _extra_bytes(extra, rank)
         summary = _local_summary(entries, optimizer, written)
         summary["aliases"] = aliases_of(adapter)
+        if getattr(adapter, "assumes_replicas", False) and world_size > 1:
+            summary["fingerprints"] = {_piece_id(e): _fingerprint(e.tensor) for e in entries}
     except (ValueError, TypeError) as err:
         summary = err
     summaries = _all_gather(summary, group, world_size)
@@ -207,12 +209,74 @@ def save_universal(
             raise summary
         first_rank, first = failed[0]
         raise type(first)(f"rank {first_rank}: {first}")
+    problems = _replica_problems(summaries)
+    if problems:
+        raise ValueError(
+            f"the ranks hold different values of {len(problems)} tensors that the "
+            f"{adapter.strategy!r} layout saves as identical replicas (each rank writes 1/"
+            f"{world_size} of every tensor, so the checkpoint would mix them): "
+            + "; ".join(problems[:5])
+            + ". Save a model the ranks hold differently through its wrapper (DDP, FSDP, "
+            "...), mark tensor-parallel parts (tensor_views.set_view), or save each "
+            "rank's model with a process group of its own (group=)"
+        )
     hyper = group_records(optimizer, {}) if optimizer is not None else None
     layout = build_layout(
         summaries, adapter.strategy, world_size, hyper, optimizer_class(optimizer)
     )
     files = {file: shard, extra_file_name(rank): extra_data}
     return save_checkpoint(root, step, files, layout=layout, keep=keep, group=group, save=_write)
+
+
+def _piece_id(entry: ParamEntry) -> tuple[Any, ...]:
+    v = entry.view
+    return (
+        entry.key,
+        v.global_shape,
+        v.split_dim,
+        v.part,
+        v.parts,
+        v.stride,
+        entry.start,
+        entry.stop,
+    )
+
+
+def _fingerprint(tensor: torch.Tensor, chunk: int = 1 << 22) -> tuple[float, float]:
+    """(sum, sum of absolute values) of ``tensor``'s elements in float64, read in chunks
+    (no copy of the tensor)."""
+    flat = tensor.detach().reshape(-1)
+    total = absolute = 0.0
+    for i in range(0, flat.numel(), chunk):
+        part = flat[i : i + chunk]
+        if part.dtype == torch.bool:
+            part = part.to(torch.uint8)
+        total += float(part.sum(dtype=torch.float64))
+        absolute += float(part.abs().sum(dtype=torch.float64))
+    return total, absolute
+
+
+def _replica_problems(summaries: list[dict[str, Any]], rtol: float = 1e-6) -> list[str]:
+    """The pieces that ranks assumed to be replicas hold with different values
+    (fingerprints differing by more than ``rtol`` of the sum of absolute values)."""
+    first: dict[tuple[Any, ...], tuple[int, tuple[float, float]]] = {}
+    problems: dict[str, str] = {}
+    for rank, summary in enumerate(summaries):
+        for piece, (total, absolute) in summary.get("fingerprints", {}).items():
+            if piece not in first:
+                first[piece] = (rank, (total, absolute))
+                continue
+            other, (total0, absolute0) = first[piece]
+            scale = rtol * max(absolute, absolute0)
+            same = all(
+                (a != a and b != b) or abs(a - b) <= scale  # NaN == NaN here
+                for a, b in ((total, total0), (absolute, absolute0))
+            )
+            if not same and piece[0] not in problems:
+                problems[piece[0]] = (
+                    f"{piece[0]!r}: rank {other} sum {total0:.6g}, rank {rank} sum {total:.6g}"
+                )
+    return list(problems.values())
 
 
 def _all_gather(obj: Any, group: dist.ProcessGroup | None, world_size: int) -> list[Any]:
