@@ -61,6 +61,7 @@ from shardkit.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,
+    _step_of,
     list_checkpoints,
     load_tensors_only,
     read_manifest,
@@ -164,8 +165,9 @@ def find_checkpoint_dir(path: PathLike) -> Path:
     directory of shard files.
 
     Raises:
-        FileNotFoundError: ``path`` is not a directory, or a root where nothing was
-            committed.
+        FileNotFoundError: ``path`` is not a directory, a root where nothing was
+            committed, or a ``ckpt-<step>`` directory whose save did not finish (no
+            ``manifest.json``).
     """
     p = Path(path)
     if not p.is_dir():
@@ -175,6 +177,13 @@ def find_checkpoint_dir(path: PathLike) -> Path:
         if not committed:
             raise FileNotFoundError(f"{p}: no committed checkpoint")
         return committed[0]
+    names = [e.name for e in p.iterdir()]
+    shard_files = any(_FSDP_FILE.fullmatch(n) or _OSS_FILE.fullmatch(n) for n in names)
+    if _step_of(p.name) is not None and MANIFEST_NAME not in names and not shard_files:
+        raise FileNotFoundError(
+            f"{p}: this save did not finish (no {MANIFEST_NAME!r}; files: "
+            f"{sorted(names)}); use the root's newest committed one"
+        )
     return p
 
 

@@ -275,3 +275,16 @@ def test_module_entry_point(saved: tuple[Path, Any]) -> None:
         timeout=120,
     )
     assert bad.returncode == 2 and "the following arguments are required: out" in bad.stderr
+
+
+def test_inspect_unfinished_save_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: a ``ckpt-<step>`` directory whose save never wrote its manifest was
+    inspected as 'format unknown, files 0' with exit status 0."""
+    unfinished = tmp_path / "ckpt-000006"
+    unfinished.mkdir()
+    (unfinished / "shard-0-of-2.safetensors").write_bytes(b"partial")
+    assert main(["inspect", str(unfinished)]) == 1
+    err = capsys.readouterr().err
+    assert "did not finish" in err and "shard-0-of-2.safetensors" in err
