@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardkit.memory import ModelStateBytes, model_state_bytes, zero_memory_estimate
+from shardkit import memory
+from shardkit.memory import (
+    ModelStateBytes,
+    heap_trim_point,
+    heap_trims,
+    model_state_bytes,
+    set_heap_trim,
+    trim_heap,
+    zero_memory_estimate,
+)
 
 
 class Tied(torch.nn.Module):
@@ -114,3 +123,51 @@ def test_buffer_account_counts_now_and_peak() -> None:
     account.remove(100)
     account.remove(50)
     assert buffer_pools()["test_memory pool"].buffers == 0
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.skipif(not heap_trims().available, reason="glibc's malloc_trim only")
+def test_trim_heap_gives_free_heap_pages_back() -> None:
+    # 64 KiB blocks stay in the heap (below glibc's mmap threshold); a small block kept
+    # after each pins the heap's top, so free() alone returns nothing to the system
+    blocks, pins = [], []
+    for _ in range(1600):  # 100 MiB
+        blocks.append(torch.ones(16 * 1024))
+        pins.append(torch.ones(16))
+    before = heap_trims()
+    del blocks
+    freed = _rss_mib()
+    assert trim_heap() is True
+    trimmed = _rss_mib()
+    assert freed - trimmed > 60, (freed, trimmed)  # the free pages left the resident set
+    after = heap_trims()
+    assert (after.points, after.trimmed) == (before.points, before.trimmed + 1)
+    assert after.seconds > before.seconds
+    assert all(torch.equal(p, torch.ones(16)) for p in pins)  # live blocks untouched
+
+
+def test_trim_points_follow_the_switch_and_are_no_ops_off_glibc(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = heap_trims()
+    assert not before.enabled  # off by default
+    assert heap_trim_point() is False
+    previous = set_heap_trim(True)
+    try:
+        assert previous is False and heap_trims().enabled
+        assert heap_trim_point() is before.available
+        monkeypatch.setattr(memory, "_MALLOC_TRIM", None)  # as on macOS, Windows or musl
+        assert heap_trim_point() is False and trim_heap() is False
+    finally:
+        set_heap_trim(previous)
+    after = heap_trims()
+    assert not after.available and not after.enabled
+    assert after.points == before.points + 3
+    assert after.trimmed == before.trimmed + int(before.available)
+    monkeypatch.setattr(memory.sys, "platform", "darwin")
+    assert memory._find_malloc_trim() is None

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.memory import buffer_pools, reset_buffer_peaks
+from shardkit.memory import buffer_pools, heap_trims, reset_buffer_peaks, set_heap_trim
 from shardkit.models import GPT, GPTConfig
 from shardkit.nn.data_parallel.fully_sharded.unit import runtime_of
 from shardkit.nn.data_parallel.fully_sharded.unit_buffers import GRADIENTS, PARAMETERS
@@ -101,3 +101,32 @@ def saved_views_parity(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def saved_views_grid(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [saved_views_parity(cfg) for cfg in cfgs]
+
+
+def trim_points() -> dict[str, Any]:
+    """The 6-block GPT: one backward with heap trimming off, one with it on (same
+    weights and batch): trim points reached and ``malloc_trim`` calls per step, and
+    whether the gradients are the same."""
+    torch.manual_seed(0)
+    model = wrap_model(GPT(SIX), "block")
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randint(0, SIX.vocab_size, (2, SIX.block_size), generator=g)
+    model(x, targets=x)[1].backward()  # lazy init reshards once more
+    model.zero_grad()
+    counts, grads = [], []
+    for enabled in (False, True):
+        previous = set_heap_trim(enabled)
+        before = heap_trims()
+        try:
+            model(x, targets=x)[1].backward()
+        finally:
+            set_heap_trim(previous)
+        after = heap_trims()
+        counts.append((after.points - before.points, after.trimmed - before.trimmed))
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    return {
+        "counts": counts,
+        "available": heap_trims().available,
+        "same_grads": all(torch.equal(a, b) for a, b in zip(*grads)),
+    }

@@ -7,7 +7,8 @@
   reduction in flight, 3 gradient buffers (root + in flight + filling);
 - a regression test for the trap of reusing buffers: autograd saves views of the full
   parameters (``weight.t()``), so gradients must match the plain model over several
-  steps with a forward without backward and two live graphs in between.
+  steps with a forward without backward and two live graphs in between;
+- the heap trim points: one per unit reshard on CPU, trimming only when switched on.
 """
 
 from __future__ import annotations
@@ -84,6 +85,15 @@ def test_pool_bound_on_six_block_gpt(rank_pool: Any) -> None:
         assert 2 <= grads.peak_resident <= 3  # root + one in flight + one filling
         assert grads.peak_resident_bytes <= root + 2 * blocks[-1]
         assert params.resident == 0 and grads.resident == 0  # all given back after a step
+
+
+def test_heap_trim_points_after_every_reshard(rank_pool: Any) -> None:
+    for r in rank_pool(2).run(w.trim_points):
+        (off_points, off_trimmed), (on_points, on_trimmed) = r["counts"]
+        # a point per reshard: each of the 6 blocks after its forward and its backward
+        assert off_points == on_points == 12 and off_trimmed == 0
+        assert on_trimmed == (12 if r["available"] else 0)
+        assert r["same_grads"]  # trimming gives back free pages only
 
 
 @pytest.mark.parametrize("world", [1, 2])

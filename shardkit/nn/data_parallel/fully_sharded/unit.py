@@ -82,6 +82,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit.distributed.optim_guard import add_step_check
+from shardkit.memory import heap_trim_point
 from shardkit.nn.data_parallel.fully_sharded.collectives import (
     Pending,
     all_gather_flat,
@@ -319,6 +320,8 @@ class UnitRuntime:
         self.handle.use_sharded()
         self.handle.free_full()
         self.sharded_state = ShardedState.SHARDED
+        if self.handle.placement.compute_device.type == "cpu":
+            heap_trim_point()  # off unless set_heap_trim(True): [Note: trimming the heap]
 
     def become_root(self, units: list[UnitRuntime], broadcast_buffers: bool) -> None:
         """Make this unit the root of ``units`` (itself first), sharing one RootState."""
