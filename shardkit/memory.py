@@ -341,7 +341,7 @@ def set_heap_trim(enabled: bool) -> bool:
 
     On: FSDP on CPU returns the heap's free pages after every unit's reshard, forward and
     backward; measured on the benchmark GPT (2 ranks): peak resident set per rank -14%
-    to -17%, CPU time per step +24% (``docs/fsdp.md``, "Peak RSS on CPU: the allocator").
+    to -17%, CPU time per step +8% to +24% (``docs/fsdp.md``, "Peak RSS on CPU: the allocator").
     """
     previous = bool(_TRIM["enabled"])
     _TRIM["enabled"] = int(enabled)
