@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ SIX = GPTConfig(vocab_size=32, block_size=8, n_layer=6, n_head=2, n_embd=16)
 def pool_bound() -> dict[str, Any]:
     """A 6-block GPT, one unit per block + the root, default options (prefetch on):
     the pools' peaks over 3 AdamW steps, and the sizes of the units' buffers."""
+    gc.collect()  # units of earlier tests in this (shared) rank process go away
+    before = buffer_pools()
     torch.manual_seed(0)
     model = wrap_model(GPT(SIX), "block", bucket_cap_mb=1e-6)  # one reduction in flight
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -36,6 +39,7 @@ def pool_bound() -> dict[str, Any]:
     return {
         "params": pools[PARAMETERS],
         "grads": pools[GRADIENTS],
+        "before": {k: before[k] for k in (PARAMETERS, GRADIENTS) if k in before},
         "unit_bytes": [4 * u.handle.layout.padded for u in units if u is not None],
     }
 
@@ -52,6 +56,12 @@ class _SavesTranspose(nn.Module):
         return torch.tanh(torch.addmm(self.bias, x, self.weight.t()))
 
 
+def _resident() -> int:
+    """Resident FSDP unit buffers on this rank (parameters and gradients)."""
+    pools = buffer_pools()
+    return sum(pools[k].resident for k in (PARAMETERS, GRADIENTS) if k in pools)
+
+
 def _chain(width: int, depth: int) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*(_SavesTranspose(width) for _ in range(depth)))
@@ -66,6 +76,9 @@ def saved_views_parity(cfg: dict[str, Any]) -> dict[str, Any]:
     from shardkit.nn import FullyShardedDataParallel as FSDP
 
     width, depth, world, rank = 24, 4, dist.get_world_size(), dist.get_rank()
+    gc.collect()
+    # earlier tests' models may live on in this (shared) rank process, a few resident
+    resident_before = _resident()
     plain = _chain(width, depth)
     layers = [FSDP(copy.deepcopy(m), **cfg) for m in plain[:-1]]
     model = FSDP(nn.Sequential(*layers, copy.deepcopy(plain[-1])), **cfg)  # root: the last
@@ -94,8 +107,7 @@ def saved_views_parity(cfg: dict[str, Any]) -> dict[str, Any]:
                 for name, value in plain.state_dict().items()
             )
         )
-    pools = buffer_pools()  # one rank: the full parameters are the shards, no buffers
-    resident = sum(pools[k].resident for k in (PARAMETERS, GRADIENTS) if k in pools)
+    resident = _resident() - resident_before  # one rank: the shards are full, no buffers
     return {"diffs": diffs, "resident": resident}
 
 
