@@ -279,7 +279,10 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
 
 
 _MALLOC_TRIM = _find_malloc_trim()
-_TRIM: dict[str, int] = {"enabled": 0, "points": 0, "trimmed": 0, "ns": 0}
+#: When shardkit's own trim points trim (see :func:`set_heap_trim`).
+HEAP_TRIM_MODES = ("off", "step", "unit")
+_TRIM: dict[str, int] = {"points": 0, "trimmed": 0, "ns": 0}
+_TRIM_MODE = {"mode": "step"}
 
 
 @dataclass(frozen=True)
@@ -288,18 +291,25 @@ class HeapTrimStats:
 
     Attributes:
         available: glibc's ``malloc_trim`` was found (else every trim is a no-op).
-        enabled: shardkit's own trim points trim (:func:`set_heap_trim`; default False).
+        mode: where shardkit's own trim points trim (:func:`set_heap_trim`; default
+            ``"step"``).
         points: trim points reached (:func:`heap_trim_point` calls: FSDP on CPU, once
-            per unit reshard), whether they trimmed or not.
+            per step at the root's forward and once per unit reshard), whether they
+            trimmed or not.
         trimmed: ``malloc_trim`` calls run (at trim points and by :func:`trim_heap`).
         seconds: wall time spent in ``malloc_trim`` (s).
     """
 
     available: bool
-    enabled: bool
+    mode: str
     points: int
     trimmed: int
     seconds: float
+
+    @property
+    def enabled(self) -> bool:
+        """Some trim points trim (``mode != "off"``)."""
+        return self.mode != "off"
 
 
 def trim_heap() -> bool:
@@ -323,28 +333,43 @@ def trim_heap() -> bool:
     return True
 
 
-def heap_trim_point() -> bool:
-    """A point where shardkit's own code may trim (FSDP on CPU calls it after each unit
-    reshards): :func:`trim_heap` if :func:`set_heap_trim` turned trimming on, else
+def heap_trim_point(kind: str = "unit") -> bool:
+    """A point where shardkit's own code may trim: ``kind`` ``"step"`` (FSDP on CPU: the
+    root, once per step before its forward) or ``"unit"`` (after each unit's reshard).
+    :func:`trim_heap` if the mode set by :func:`set_heap_trim` is ``kind``, else
     nothing. Counted in :func:`heap_trims` either way.
 
     Returns:
         True if ``malloc_trim`` ran.
     """
     _TRIM["points"] += 1
-    return bool(_TRIM["enabled"]) and trim_heap()
+    return _TRIM_MODE["mode"] == kind and trim_heap()
 
 
-def set_heap_trim(enabled: bool) -> bool:
-    """Turn trimming at shardkit's trim points (:func:`heap_trim_point`) on or off for
-    this process; default off. Returns the previous setting.
+def set_heap_trim(mode: bool | str) -> str:
+    """Where shardkit's trim points return the C heap's free pages, for this process.
 
-    On: FSDP on CPU returns the heap's free pages after every unit's reshard, forward and
-    backward; measured on the benchmark GPT (2 ranks): peak resident set per rank -14%
-    to -17%, CPU time per step +8% to +24% (``docs/fsdp.md``, "Peak RSS on CPU: the allocator").
+    Args:
+        mode: ``"step"`` (the default): once per step, before the FSDP root's forward,
+            the pages freed by the previous step (gradients, optimizer temporaries,
+            activations) go back; ``"unit"`` (or True): after every unit's reshard in
+            forward and backward, the lowest peak and the most CPU time; ``"off"`` (or
+            False): never. Measured on the benchmark GPT in ``docs/fsdp.md``, "Peak RSS
+            on CPU: the allocator".
+
+    Returns:
+        The previous mode.
+
+    Raises:
+        ValueError: another ``mode``.
     """
-    previous = bool(_TRIM["enabled"])
-    _TRIM["enabled"] = int(enabled)
+    if isinstance(mode, bool):
+        mode = "unit" if mode else "off"
+    if mode not in HEAP_TRIM_MODES:
+        raise ValueError(
+            f"set_heap_trim: mode must be one of {HEAP_TRIM_MODES} or a bool; got {mode!r}"
+        )
+    previous, _TRIM_MODE["mode"] = _TRIM_MODE["mode"], mode
     return previous
 
 
@@ -353,7 +378,7 @@ def heap_trims() -> HeapTrimStats:
     it started."""
     return HeapTrimStats(
         _MALLOC_TRIM is not None,
-        bool(_TRIM["enabled"]),
+        _TRIM_MODE["mode"],
         _TRIM["points"],
         _TRIM["trimmed"],
         _TRIM["ns"] / 1e9,

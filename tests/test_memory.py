@@ -155,19 +155,22 @@ def test_trim_points_follow_the_switch_and_are_no_ops_off_glibc(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     before = heap_trims()
-    assert not before.enabled  # off by default
-    assert heap_trim_point() is False
+    assert before.mode == "step" and before.enabled  # the default: once per step
+    assert heap_trim_point() is False  # a unit's point does not trim in "step" mode
+    assert heap_trim_point("step") is before.available
+    with pytest.raises(ValueError, match="mode must be one of"):
+        set_heap_trim("always")
     previous = set_heap_trim(True)
     try:
-        assert previous is False and heap_trims().enabled
+        assert previous == "step" and heap_trims().mode == "unit"
         assert heap_trim_point() is before.available
         monkeypatch.setattr(memory, "_MALLOC_TRIM", None)  # as on macOS, Windows or musl
         assert heap_trim_point() is False and trim_heap() is False
     finally:
         set_heap_trim(previous)
     after = heap_trims()
-    assert not after.available and not after.enabled
-    assert after.points == before.points + 3
-    assert after.trimmed == before.trimmed + int(before.available)
+    assert not after.available and after.mode == "step"
+    assert after.points == before.points + 4
+    assert after.trimmed == before.trimmed + 2 * int(before.available)  # step, unit
     monkeypatch.setattr(memory.sys, "platform", "darwin")
     assert memory._find_malloc_trim() is None

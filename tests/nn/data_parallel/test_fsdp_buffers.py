@@ -95,12 +95,13 @@ def test_pool_bound_on_six_block_gpt(rank_pool: Any) -> None:
         assert params.resident == p0["resident"] and grads.resident == g0["resident"]
 
 
-def test_heap_trim_points_after_every_reshard(rank_pool: Any) -> None:
+def test_heap_trim_points_per_step_and_after_every_reshard(rank_pool: Any) -> None:
     for r in rank_pool(2).run(w.trim_points):
-        (off_points, off_trimmed), (on_points, on_trimmed) = r["counts"]
-        # a point per reshard: each of the 6 blocks after its forward and its backward
-        assert off_points == on_points == 12 and off_trimmed == 0
-        assert on_trimmed == (12 if r["available"] else 0)
+        (off, off_trimmed), (unit, unit_trimmed), (step, step_trimmed) = r["counts"]
+        # a point per step (the root's forward) + per reshard: 6 blocks, forward and backward
+        assert off == unit == step == 13 and off_trimmed == 0
+        assert unit_trimmed == (12 if r["available"] else 0)
+        assert step_trimmed == (1 if r["available"] else 0)  # the default mode
         assert r["same_grads"]  # trimming gives back free pages only
 
 

@@ -37,6 +37,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.profiler import record_function
 
+from shardkit.memory import heap_trim_point
 from shardkit.nn.data_parallel.fully_sharded.collectives import (
     Pending,
     all_reduce_max,
@@ -114,6 +115,12 @@ class RootState:
     finalize_queued: bool = False
     sync_buffers: bool = True
 
+    @property
+    def on_cpu(self) -> bool:
+        """The root's parameters (its shards) live in CPU memory: the C heap matters."""
+        first = next(self.module.parameters(), None)
+        return first is not None and first.device.type == "cpu"
+
     def neighbour(self, unit: PhaseUnit, step: int) -> PhaseUnit | None:
         """The unit ``step`` places after ``unit`` in forward order, or None."""
         if not self.order_frozen or unit not in self.forward_order:
@@ -131,6 +138,8 @@ class RootState:
         """Before the root's forward: trainable set agreed, stale leftovers away (see
         [Note: one forward, one current copy]), buffers synced."""
         with record_function("FSDP::root_pre_forward"):
+            if self.on_cpu:
+                heap_trim_point("step")  # the default: [Note: trimming the heap] in memory
             stale = True  # without the agreement round (no grad), put leftovers away
             if torch.is_grad_enabled():
                 stale = self._agree(any(u.has_stale_full for u in self.units))

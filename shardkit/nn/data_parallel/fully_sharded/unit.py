@@ -321,7 +321,7 @@ class UnitRuntime:
         self.handle.free_full()
         self.sharded_state = ShardedState.SHARDED
         if self.handle.placement.compute_device.type == "cpu":
-            heap_trim_point()  # off unless set_heap_trim(True): [Note: trimming the heap]
+            heap_trim_point("unit")  # only in set_heap_trim("unit"): [Note: trimming the heap]
 
     def become_root(self, units: list[UnitRuntime], broadcast_buffers: bool) -> None:
         """Make this unit the root of ``units`` (itself first), sharing one RootState."""
