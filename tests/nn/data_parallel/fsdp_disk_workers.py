@@ -306,3 +306,31 @@ def edited_hyperparameters(root: str) -> dict[str, Any]:
         diffs.append(max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()))
     disk.close()
     return {"diffs": diffs, "hyper": optimizer.hyperparameters()}
+
+
+def recover_after_second_backward(root: str) -> dict[str, Any]:
+    """Step 0; step 1's backward; a refused second backward; ``optimizer.step()``; step
+    2: the parameters must be the plain model's after 3 SGD steps (the refused backward
+    left units mid-backward, so step 2's backward stepped nothing)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = tiny_gpt()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    disk = DiskOffload(root)
+    model = wrap_model(tiny_gpt(), "block", disk_offload=disk)
+    optimizer = disk.optimizer(torch.optim.SGD, lr=0.1)
+    _step(model, optimizer, 0)
+    x, y = global_batch(1, world)
+    model(local_part(x, rank), local_part(y, rank))[1].backward()
+    refused = _raises(lambda: model(local_part(x, rank), local_part(y, rank))[1].backward())
+    optimizer.step()
+    optimizer.zero_grad()
+    _step(model, optimizer, 2)
+    for step in range(3):
+        x, y = global_batch(step, world)
+        ref(x, y)[1].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = model.state_dict()
+    diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    disk.close()
+    return {"refused": refused, "diff": diff}

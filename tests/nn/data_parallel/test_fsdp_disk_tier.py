@@ -118,3 +118,12 @@ def test_hyperparameters_edited_after_building_reach_the_steps(
     for out in rank_pool(2).run(w.edited_hyperparameters, str(tmp_path)):
         assert max(out["diffs"]) < 1e-5, out["diffs"]
         assert out["hyper"]["momentum"] == 0.9 and out["hyper"]["lr"] == 0.1 * 0.5**3
+
+
+def test_training_goes_on_after_a_refused_second_backward(rank_pool: Any, tmp_path: Path) -> None:
+    """Regression: the refusal fired inside the first unit's gradient reduction, leaving
+    units mid-backward, so the next (legal) backward stepped nothing and the following
+    optimizer.step() raised 'without a backward'."""
+    for out in rank_pool(2).run(w.recover_after_second_backward, str(tmp_path)):
+        assert "a second backward before optimizer.step()" in out["refused"]
+        assert out["diff"] < 1e-5, out["diff"]

@@ -229,12 +229,7 @@ class DiskOffload:
                 "was built: call disk.optimizer(torch.optim.AdamW, lr=...) before the "
                 "first backward"
             )
-        if self.unacknowledged:
-            raise RuntimeError(
-                f"{unit.label}: a second backward before optimizer.step(): with "
-                "disk_offload every backward is an optimizer step. Call optimizer.step() "
-                "after each backward; accumulate micro-batches inside model.no_sync()"
-            )
+        self.check_backward_allowed(unit.label)
         if unit in self.stepped:
             raise RuntimeError(
                 f"{unit.label}: its gradient was reduced twice in one backward; the disk "
@@ -242,6 +237,23 @@ class DiskOffload:
             )
         self.stepped.append(unit)
         return self._optimizer
+
+    def check_backward_allowed(self, label: str) -> None:
+        """Refuse a backward while the previous one's step is not acknowledged.
+
+        Called when a unit's backward starts, before the unit changes state, so the
+        refused backward leaves every unit as its forward left it: ``optimizer.step()``
+        and a new forward and backward then train on.
+
+        Raises:
+            RuntimeError: a second backward before ``optimizer.step()``.
+        """
+        if self.unacknowledged:
+            raise RuntimeError(
+                f"{label}: a second backward before optimizer.step(): with "
+                "disk_offload every backward is an optimizer step. Call optimizer.step() "
+                "after each backward; accumulate micro-batches inside model.no_sync()"
+            )
 
     def end_backward(self) -> None:
         """The root's backward is over: if units stepped, commit their generation once

@@ -393,6 +393,7 @@ class UnitRuntime:
         Raises:
             ParametersChangedError: the local shard was written (a load, an optimizer
                 step) since the forward whose backward this is.
+            RuntimeError: on a disk tier, a second backward before ``optimizer.step()``.
         """
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
@@ -403,6 +404,8 @@ class UnitRuntime:
                 "neither set of weights. Run backward before loading or stepping, or run the "
                 "forward again after the change"
             )
+        if self.disk is not None:  # before any state changes: the refusal leaves none
+            self.disk.tier.check_backward_allowed(self.label)
         with record_function("FSDP::pre_backward"):
             root = self._root()
             root.queue_finalize()
