@@ -75,14 +75,16 @@ def add_gpt_args(
     add("--rounds", type=int, default=rounds, help=f"interleaved rounds (default {rounds})")
 
 
-def add_run_args(parser: argparse.ArgumentParser, *, batch: int, seq_len: int = 128) -> None:
+def add_run_args(
+    parser: argparse.ArgumentParser, *, batch: int, seq_len: int = 128, timeout_s: float = 900.0
+) -> None:
     """Add ``--batch`` (sequences per rank), ``--seq-len`` (tokens), ``--timeout``
-    (seconds per run, default 900) and ``--out`` (results folder, default
+    (seconds per run, default ``timeout_s``: 900) and ``--out`` (results folder, default
     ``benchmarks/results``)."""
     add = parser.add_argument
     add("--batch", type=int, default=batch, help=f"sequences per rank (default {batch})")
     add("--seq-len", type=int, default=seq_len, help=f"tokens per sequence (default {seq_len})")
-    add("--timeout", type=float, default=900.0, help="seconds per run (default 900)")
+    add("--timeout", type=float, default=timeout_s, help=f"seconds per run (default {timeout_s:g})")
     add("--out", type=Path, default=RESULTS, help="results folder (default benchmarks/results)")
 
 

@@ -32,12 +32,11 @@ import json
 import statistics
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from benchmarks.common import slowest, timestamp
+from benchmarks.common import add_run_args, slowest, timestamp
 from benchmarks.compare import _batch, model_config
 from benchmarks.profile_step import _step, _strategy
 from shardkit.testing import run_distributed
@@ -99,13 +98,11 @@ def main(argv: list[str] | None = None) -> None:
         "--strategies", nargs="+", default=["torch DDP", "shardkit sdp", "shardkit fsdp"]
     )
     parser.add_argument("--size", default="anchor", help="model size (default anchor)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank (default 8)")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens (default 128)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     parser.add_argument("--steps", type=int, default=3, help="steps per round (default 3)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    add_run_args(parser, batch=8, timeout_s=3600)
     args = parser.parse_args(argv)
     spec = {
         "strategies": args.strategies,
@@ -116,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         "steps": args.steps,
         "warmup": args.warmup,
     }
-    times = run_distributed(interleaved_rank, args.world_size, spec, timeout_s=3600)[0]
+    times = run_distributed(interleaved_rank, args.world_size, spec, timeout_s=args.timeout)[0]
     summary = {kind: summarize(per_kind) for kind, per_kind in times.items()}
     for kind, rows in summary.items():
         head = f"{kind + ' time':<16}{'median ms':>11}{'x first (rounds)':>18}"

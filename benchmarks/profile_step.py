@@ -27,14 +27,13 @@ import argparse
 import json
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.common import slowest, timestamp
+from benchmarks.common import add_run_args, slowest, timestamp
 from benchmarks.compare import _batch, model_config
 from benchmarks.runners import _registry_config
 from examples.strategies import STRATEGIES as MAIN_JOB
@@ -124,13 +123,11 @@ def main(argv: list[str] | None = None) -> None:
         "--strategies", nargs="+", default=["torch DDP", "shardkit sdp", "shardkit fsdp"]
     )
     parser.add_argument("--size", default="anchor", help="model size (default anchor)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank (default 8)")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens (default 128)")
     parser.add_argument("--steps", type=int, default=5, help="timed and profiled steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
     parser.add_argument("--top", type=int, default=20, help="rows of the self-time table")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    add_run_args(parser, batch=8, timeout_s=900)
     args = parser.parse_args(argv)
     results: dict[str, Any] = {}
     for name in args.strategies:
@@ -143,7 +140,9 @@ def main(argv: list[str] | None = None) -> None:
             "warmup": args.warmup,
             "top": args.top,
         }
-        results[name] = run_distributed(profile_rank, args.world_size, spec, timeout_s=900)[0]
+        results[name] = run_distributed(
+            profile_rank, args.world_size, spec, timeout_s=args.timeout
+        )[0]
         _print(name, results[name])
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"profile-{timestamp()}.json"
