@@ -155,7 +155,7 @@ class Run:
             return model, adamw(model.parameters())
         if kind == "ddp":
             return DistributedDataParallel(base, process_group=g), adamw(base.parameters())
-        if kind == "oss":
+        if kind in ("oss", "sdp"):
             oss = OSS(
                 base.parameters(),
                 torch.optim.AdamW,
@@ -164,16 +164,8 @@ class Run:
                 weight_decay=0.01,
                 process_group=g,
             )
-            return DistributedDataParallel(base, process_group=g), oss
-        if kind == "sdp":
-            oss = OSS(
-                base.parameters(),
-                torch.optim.AdamW,
-                lr=1e-2,
-                eps=1e-4,
-                weight_decay=0.01,
-                process_group=g,
-            )
+            if kind == "oss":
+                return DistributedDataParallel(base, process_group=g), oss
             return ShardedDataParallel(base, oss, process_group=g), oss
         if kind == "fsdp_nested":  # one unit per GPT block inside the root unit
             model = wrap_model(base, "block", process_group=g)
