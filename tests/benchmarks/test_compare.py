@@ -143,9 +143,11 @@ def test_zero3_state_within_padding_of_the_formula(
         # exp_avg, exp_avg_sq) + one 4-byte 'step' per optimizer tensor (<= 64 tensors)
         assert formula.total - 1 <= model <= formula.total + UNITS * 16 * (WORLD - 1) + 4 * 64
         # every gradient reduce-scattered once (on gloo: one all-to-all + a local sum,
-        # see fully_sharded/collectives.py); parameters gathered at most twice
+        # see fully_sharded/collectives.py); parameters gathered at most twice (on gloo:
+        # one broadcast per rank of its slice, the same payload)
         assert _per_step(r, "reduce_scatter") + _per_step(r, "all_to_all") >= 4 * PSI
-        assert 4 * PSI <= _per_step(r, "all_gather") <= 8 * PSI + 64 * UNITS
+        gathered = _per_step(r, "all_gather") + _per_step(r, "broadcast")
+        assert 4 * PSI <= gathered <= 8 * PSI + 64 * UNITS
         ratio = r["comm"]["total_volume_bytes"] / STEPS / theory_volume_bytes(PSI, WORLD, 3)
         assert 2 / 3 < ratio <= 1.01
 
