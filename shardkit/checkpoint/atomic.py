@@ -17,12 +17,14 @@ from typing import IO, Any
 
 import torch
 
-__all__ = ["atomic_save", "atomic_write", "atomic_write_bytes"]
+__all__ = ["atomic_save", "atomic_write", "atomic_write_bytes", "fsync_dir"]
 
 PathLike = str | os.PathLike[str]
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: PathLike) -> None:
+    """``fsync`` the directory ``directory`` (POSIX; a no-op elsewhere), so that a
+    rename inside it survives a power loss."""
     if os.name != "posix":
         return
     fd = os.open(directory, os.O_RDONLY)
@@ -54,7 +56,7 @@ def atomic_write(path: PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)

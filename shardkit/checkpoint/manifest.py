@@ -9,14 +9,26 @@ Layout under a root directory::
     latest                      the name of the newest committed checkpoint
 
 [Note: commit order]
-:func:`save_checkpoint` is a collective. Every rank writes its own files atomically
+:func:`save_checkpoint` is a collective. Rank 0 prepares a staging directory
+``ckpt-<step>.new`` beside the checkpoints (first finishing a swap that a crash
+interrupted, and deleting staging directories that a crash left) and tells every rank
+it is ready (a broadcast). Every rank writes its own files into it atomically
 (:func:`shardkit.checkpoint.atomic.atomic_save`: temporary file, fsync, rename) and
 hashes them; the records are all-gathered (this is the barrier); rank 0 writes
-``manifest.json``, then ``latest``, atomically, and prunes old checkpoints; rank 0's
-outcome is broadcast, so a failure on any rank raises on every rank instead of
-leaving the others waiting. A crash at any point leaves ``latest`` naming the previous
-complete checkpoint: a directory newer than ``latest`` was never committed and is
-ignored by :func:`find_valid_checkpoint`.
+``manifest.json`` into the staging directory, then swaps it in:
+
+1. ``latest`` := ``ckpt-<step>.new`` (atomic): the commit point;
+2. the previous ``ckpt-<step>``, if any (a re-save at a step already saved), is deleted;
+3. ``ckpt-<step>.new`` is renamed to ``ckpt-<step>`` (atomic);
+4. ``latest`` := ``ckpt-<step>``; older checkpoints beyond ``keep`` are pruned.
+
+Rank 0's outcome is broadcast, so a failure on any rank raises on every rank instead
+of leaving the others waiting. A committed checkpoint's files are never rewritten in
+place, so a crash at any point leaves ``latest`` naming a complete checkpoint: the
+previous one before step 1, the new one from step 1 on (:func:`list_checkpoints`
+reads a ``latest`` naming ``ckpt-<step>.new`` as that directory while it exists, else
+as ``ckpt-<step>``, where step 3 put it). A directory newer than ``latest`` was never
+committed and is ignored by :func:`find_valid_checkpoint`.
 
 [Note: what loading checks]
 :func:`verify_checkpoint` reads the manifest and checks every file's size and sha256
@@ -60,7 +72,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardkit.checkpoint.atomic import atomic_save, atomic_write
+from shardkit.checkpoint.atomic import atomic_save, atomic_write, fsync_dir
 from shardkit.distributed.collectives import global_rank
 
 __all__ = [
@@ -89,6 +101,8 @@ MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 PathLike = str | os.PathLike[str]
 _DIR = re.compile(r"ckpt-(\d+)")
+_STAGING_SUFFIX = ".new"
+_POINTER = re.compile(r"ckpt-(\d+)(\.new)?")  # what ``latest`` may name
 _CHUNK_BYTES = 1 << 20
 
 
@@ -174,6 +188,33 @@ def checkpoint_name(step: int) -> str:
 def _step_of(name: str) -> int | None:
     match = _DIR.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def _staging(root: Path, step: int) -> Path:
+    """Where a save of ``step`` writes before it is swapped in: ``ckpt-<step>.new``."""
+    return root / (checkpoint_name(step) + _STAGING_SUFFIX)
+
+
+def _pointed(root: Path) -> tuple[int, Path] | None:
+    """The step and directory ``latest`` names, or None (no ``latest``, or not a
+    checkpoint name). A staging name (see [Note: commit order]) is read as the staging
+    directory while it exists, else as ``ckpt-<step>``."""
+    match = _pointer(root)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    staged = _staging(root, step)
+    if match.group(2) and staged.is_dir():
+        return step, staged
+    return step, root / checkpoint_name(step)
+
+
+def _pointer(root: Path) -> re.Match[str] | None:
+    """``latest``'s content matched against ``ckpt-<step>`` or ``ckpt-<step>.new``."""
+    pointer = root / LATEST_NAME
+    if not pointer.is_file():
+        return None
+    return _POINTER.fullmatch(pointer.read_text().strip())
 
 
 def _hash_file(path: Path) -> str:
@@ -379,33 +420,78 @@ def _write_files(
     return records
 
 
+def _point_latest(root: Path, name: str) -> None:
+    with atomic_write(root / LATEST_NAME, "w") as handle:
+        handle.write(name + "\n")
+
+
+def _swap_in(root: Path, step: int) -> None:
+    """Steps 2-4 of [Note: commit order]: ``ckpt-<step>.new``, committed (``latest``
+    names it), replaces ``ckpt-<step>``; ``latest`` then names ``ckpt-<step>``.
+    Also finishes a swap that a crash interrupted (the staging directory gone: step 3
+    was done)."""
+    staged, ckpt = _staging(root, step), root / checkpoint_name(step)
+    if staged.is_dir():
+        if ckpt.exists():
+            shutil.rmtree(ckpt)
+        os.rename(staged, ckpt)
+        fsync_dir(root)
+    _point_latest(root, ckpt.name)
+
+
+def _prepare(root: Path, step: int) -> str:
+    """Rank 0, before any rank writes: finish an interrupted swap, delete what crashed
+    saves left (uncommitted staging directories), create an empty staging directory
+    for ``step``. The reason if that failed, else ''."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        pointer = _pointer(root)
+        if pointer is not None and pointer.group(2):  # a swap a crash interrupted
+            _swap_in(root, int(pointer.group(1)))
+        for stale in root.glob("ckpt-*" + _STAGING_SUFFIX):
+            shutil.rmtree(stale)
+        _staging(root, step).mkdir()
+    except Exception as err:  # broadcast to every rank by the caller
+        return f"rank 0: preparing {_staging(root, step).name}: {type(err).__name__}: {err}"
+    return ""
+
+
 def _commit(
-    root: Path, ckpt: Path, step: int, per_rank: list[Any], layout: Mapping[str, Any], keep: int
+    root: Path, step: int, per_rank: list[Any], layout: Mapping[str, Any], keep: int
 ) -> str:
-    """Write the manifest and ``latest`` (rank 0); the reason if not committed, else ''."""
+    """Write the manifest and swap the checkpoint in (rank 0); the reason if that
+    failed, else ''. Past the commit point the reason says it was committed."""
     failed = [f"rank {r}: {out}" for r, out in enumerate(per_rank) if isinstance(out, str)]
     if failed:
-        return "; ".join(failed)
+        return "not committed: " + "; ".join(failed)
+    staged = _staging(root, step)
     try:
-        _write_manifest(root, ckpt, step, per_rank, layout, keep)
-    except Exception as err:  # broadcast to every rank by the caller
-        return f"rank 0: {type(err).__name__}: {err}"
+        _write_manifest(staged, step, per_rank, layout)
+        _point_latest(root, staged.name)  # the commit point
+    except Exception as err:
+        return f"not committed: rank 0: {type(err).__name__}: {err}"
+    try:
+        _swap_in(root, step)
+        _prune(root, step, keep)
+    except Exception as err:
+        return (
+            f"committed as {staged.name} (latest names it), but moving it to "
+            f"{checkpoint_name(step)} failed: {type(err).__name__}: {err}; loading "
+            "finds it, the next save finishes the move"
+        )
     return ""
 
 
 def _write_manifest(
-    root: Path, ckpt: Path, step: int, per_rank: list[Any], layout: Mapping[str, Any], keep: int
+    staged: Path, step: int, per_rank: list[Any], layout: Mapping[str, Any]
 ) -> None:
     records = tuple(rec for recs in per_rank for rec in recs)
     names = [rec.name for rec in records]
     if len(set(names)) != len(names):
         raise ValueError(f"two ranks wrote the same file name: {sorted(names)}")
     manifest = Manifest(step, len(per_rank), records, dict(layout), time.time())
-    with atomic_write(ckpt / MANIFEST_NAME, "w") as handle:
+    with atomic_write(staged / MANIFEST_NAME, "w") as handle:
         handle.write(manifest.to_json())
-    with atomic_write(root / LATEST_NAME, "w") as handle:
-        handle.write(ckpt.name + "\n")
-    _prune(root, step, keep)
 
 
 def save_checkpoint(
@@ -421,7 +507,11 @@ def save_checkpoint(
     """Write this rank's ``files`` into ``root/ckpt-<step>`` and commit the checkpoint.
 
     A collective over ``group`` (every rank calls it; without a process group it
-    works as a 1-rank job). See [Note: commit order] in the module docstring.
+    works as a 1-rank job). The files go to ``ckpt-<step>.new`` first, which then
+    replaces ``ckpt-<step>``: saving again at a step already saved (a resumed run)
+    never rewrites the committed checkpoint in place, so a crash at any point leaves
+    a complete checkpoint, the old or the new, named by ``latest``. See [Note: commit
+    order] in the module docstring.
 
     Args:
         root: the checkpoint root directory (created if missing); shared by all ranks.
@@ -439,31 +529,41 @@ def save_checkpoint(
         The checkpoint directory.
 
     Raises:
-        CheckpointError (problem ``save``), on every rank: a rank could not write its
-            files, two ranks used one name, or rank 0 could not write the manifest.
+        CheckpointError (problem ``save``), on every rank: rank 0 could not prepare the
+            staging directory, a rank could not write its files, two ranks used one
+            name, or rank 0 could not write the manifest (the message says "not
+            committed"); or the checkpoint was committed but rank 0 could not move it
+            from ``ckpt-<step>.new`` to ``ckpt-<step>`` (the message says so; loading
+            finds it there, the next save finishes the move).
     """
     root = Path(root)
     rank, world_size = _rank_world(group)
     json.dumps(layout or {})  # TypeError now, on every rank, if not serializable
     ckpt = root / checkpoint_name(step)
+    status = [_prepare(root, step) if rank == 0 else ""]
+    _broadcast(status, group, world_size)
+    if status[0]:
+        raise CheckpointError(ckpt, "save", f"saving {ckpt} failed, not committed: {status[0]}")
     outcome: Any
     try:
-        ckpt.mkdir(parents=True, exist_ok=True)
-        outcome = _write_files(ckpt, files, rank, save)
+        outcome = _write_files(_staging(root, step), files, rank, save)
     except Exception as err:  # reported on every rank below, never left to hang them
         outcome = f"{type(err).__name__}: {err}"
     per_rank: list[Any] = [outcome]
-    status = [""]
     if world_size > 1:
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, outcome, group=group)
     if rank == 0:
-        status[0] = _commit(root, ckpt, step, per_rank, layout or {}, keep)
+        status[0] = _commit(root, step, per_rank, layout or {}, keep)
+    _broadcast(status, group, world_size)
+    if status[0]:
+        raise CheckpointError(ckpt, "save", f"saving {ckpt} failed, {status[0]}")
+    return ckpt
+
+
+def _broadcast(status: list[str], group: dist.ProcessGroup | None, world_size: int) -> None:
     if world_size > 1:
         dist.broadcast_object_list(status, src=global_rank(group, 0), group=group)
-    if status[0]:
-        raise CheckpointError(ckpt, "save", f"saving {ckpt} failed, not committed: {status[0]}")
-    return ckpt
 
 
 def _prune(root: Path, step: int, keep: int) -> None:
@@ -480,17 +580,21 @@ def list_checkpoints(root: PathLike) -> list[Path]:
 
     Nothing if ``latest`` does not exist (no save ever committed). Directories newer
     than the one ``latest`` names were never committed and are left out; the one it
-    names is listed even if it has disappeared (verifying it then says so).
+    names is listed even if it has disappeared (verifying it then says so). While a
+    save swaps a re-saved step in, ``latest`` may name ``ckpt-<step>.new``: that
+    directory is listed while it exists, else ``ckpt-<step>`` (see [Note: commit
+    order]).
     """
     root = Path(root)
-    pointer = root / LATEST_NAME
-    if not pointer.is_file():
+    if not (root / LATEST_NAME).is_file():
         return []
-    newest = _step_of(pointer.read_text().strip())
+    pointed = _pointed(root)
     steps = {s for p in root.iterdir() if p.is_dir() and (s := _step_of(p.name)) is not None}
-    if newest is not None:
-        steps = {s for s in steps if s <= newest} | {newest}
-    return [root / checkpoint_name(s) for s in sorted(steps, reverse=True)]
+    if pointed is None:
+        return [root / checkpoint_name(s) for s in sorted(steps, reverse=True)]
+    newest, named = pointed
+    older = sorted((s for s in steps if s < newest), reverse=True)
+    return [named] + [root / checkpoint_name(s) for s in older]
 
 
 def _check_share(
