@@ -11,10 +11,11 @@ Pipe, OffloadModel) register an adapter that lists this rank's pieces; the forma
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -25,6 +26,7 @@ __all__ = [
     "aliases_of",
     "layout_of",
     "register_layout",
+    "session_of",
 ]
 
 
@@ -110,6 +112,10 @@ class LayoutAdapter(Protocol):
     read from and written to ``optimizer.state[entry.param]`` and the hyperparameters
     to ``optimizer.param_groups`` of the optimizer given to the save / load (OSS: its
     full-view ``param_groups`` and its local ``state``).
+
+    Optional methods: ``aliases()`` (see :func:`aliases_of`) and ``session(purpose)``
+    (see :func:`session_of`), a context manager around the whole save or load, for a
+    wrapper whose tensors are not in memory between uses (OffloadModel's disk tier).
     """
 
     strategy: str  # "plain", "ddp", "oss", "sdp", "fsdp", "hsdp", "pipe", "offload", (+ "tp<T>")
@@ -133,6 +139,25 @@ def aliases_of(adapter: Any) -> dict[str, str]:
     """
     method = getattr(adapter, "aliases", None)
     return dict(method()) if callable(method) else {}
+
+
+Purpose = Literal["save", "load"]
+
+
+def session_of(adapter: Any, purpose: Purpose) -> contextlib.AbstractContextManager[Any]:
+    """The adapter's optional ``session(purpose)`` context manager, else a null context.
+
+    ``save_universal`` enters it with ``"save"`` before ``entries()`` and leaves it after
+    the checkpoint is committed; ``load_universal`` with ``"load"`` before ``entries()``
+    and leaves it after ``after_load()``. It is left on failure too (then
+    ``after_load`` was not called): the place to put the model back as it was between
+    uses (e.g. release file mappings the pieces pointed at).
+    """
+    method = getattr(adapter, "session", None)
+    if not callable(method):
+        return contextlib.nullcontext()
+    session: contextlib.AbstractContextManager[Any] = method(purpose)
+    return session
 
 
 LayoutFactory = Callable[[Any, Any], LayoutAdapter]  # (model, optimizer or None) -> adapter

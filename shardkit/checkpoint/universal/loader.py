@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -41,7 +42,7 @@ from shardkit.checkpoint.manifest import (
     read_manifest,
     verify_checkpoint,
 )
-from shardkit.checkpoint.universal.layout import ParamEntry, layout_of
+from shardkit.checkpoint.universal.layout import ParamEntry, layout_of, session_of
 from shardkit.checkpoint.universal.meta import FORMAT, extra_file_name
 from shardkit.checkpoint.universal.optim_state import (
     entry_offset,
@@ -394,38 +395,40 @@ def load_universal(
     """
     rank, world_size = _rank_world(group)
     ckpt = _resolve(path, group, rank, world_size)
-    error: BaseException | None = None
-    loaded: LoadedCheckpoint | None = None
-    adapter: Any = None
-    # every rank's keys, and the keys of each param group (a rank may hold no piece of
-    # a group's parameters, yet sets its hyperparameters)
-    held: list[Any] = [(set(), {})]
-    try:
-        manifest = read_manifest(ckpt)
-        _check_format(ckpt, manifest)
-        adapter = layout_of(model, optimizer, group=group)
-        entries = list(adapter.entries())
-        groups = group_keys(entries, optimizer) if optimizer is not None else {}
-        held = [({e.key for e in entries}, groups)]
-    except BaseException as err:  # every rank must reach the gather below
-        error = err
-    if world_size > 1:
-        mine = held[0]
-        held = [None] * world_size
-        dist.all_gather_object(held, mine, group=group)
-    if error is None:
+    with contextlib.ExitStack() as session:  # the adapter's session(), left at the end
+        error: BaseException | None = None
+        loaded: LoadedCheckpoint | None = None
+        adapter: Any = None
+        # every rank's keys, and the keys of each param group (a rank may hold no piece of
+        # a group's parameters, yet sets its hyperparameters)
+        held: list[Any] = [(set(), {})]
         try:
-            all_keys: set[str] = set().union(*(keys for keys, _ in held))
-            all_groups = merge_group_keys(g for _, g in held)
-            loaded = _load_local(
-                ckpt, manifest, entries, all_keys, all_groups, optimizer, rank, strict
-            )
-        except BaseException as err:
+            manifest = read_manifest(ckpt)
+            _check_format(ckpt, manifest)
+            adapter = layout_of(model, optimizer, group=group)
+            session.enter_context(session_of(adapter, "load"))
+            entries = list(adapter.entries())
+            groups = group_keys(entries, optimizer) if optimizer is not None else {}
+            held = [({e.key for e in entries}, groups)]
+        except BaseException as err:  # every rank must reach the gather below
             error = err
-    _agree(error, group, world_size)
-    assert loaded is not None and adapter is not None
-    adapter.after_load()
-    return loaded
+        if world_size > 1:
+            mine = held[0]
+            held = [None] * world_size
+            dist.all_gather_object(held, mine, group=group)
+        if error is None:
+            try:
+                all_keys: set[str] = set().union(*(keys for keys, _ in held))
+                all_groups = merge_group_keys(g for _, g in held)
+                loaded = _load_local(
+                    ckpt, manifest, entries, all_keys, all_groups, optimizer, rank, strict
+                )
+            except BaseException as err:
+                error = err
+        _agree(error, group, world_size)
+        assert loaded is not None and adapter is not None
+        adapter.after_load()
+        return loaded
 
 
 def _load_local(

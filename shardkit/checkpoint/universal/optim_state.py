@@ -101,9 +101,16 @@ def state_slices(
 
 def optimizer_class(optimizer: Any) -> str:
     """The name of the class whose state the optimizer holds: a wrapper's inner
-    optimizer (``OSS.optim``: ``"AdamW"``), else the optimizer's own class."""
+    optimizer (``OSS.optim``: ``"AdamW"``), or the class an optimizer steps with
+    instances of and names in its ``optimizer_class`` attribute (OffloadModel's
+    ``SlicedOptimizer``: ``"AdamW"``), else the optimizer's own class."""
     inner = getattr(optimizer, "optim", None)
-    return type(inner if isinstance(inner, torch.optim.Optimizer) else optimizer).__name__
+    if isinstance(inner, torch.optim.Optimizer):
+        return type(inner).__name__
+    stepped = getattr(optimizer, "optimizer_class", None)
+    if isinstance(stepped, type) and issubclass(stepped, torch.optim.Optimizer):
+        return stepped.__name__
+    return type(optimizer).__name__
 
 
 def optimizer_params(optimizer: Any) -> dict[int, int]:

@@ -18,6 +18,7 @@ leaving a checkpoint that cannot load.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from collections.abc import Mapping
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.checkpoint.manifest import _rank_world, load_tensors_only, save_checkpoint
-from shardkit.checkpoint.universal.layout import ParamEntry, aliases_of, layout_of
+from shardkit.checkpoint.universal.layout import ParamEntry, aliases_of, layout_of, session_of
 from shardkit.checkpoint.universal.meta import KeyMeta, build_layout, extra_file_name
 from shardkit.checkpoint.universal.optim_state import (
     group_keys,
@@ -189,43 +190,47 @@ def save_universal(
         CheckpointError: writing or committing failed (see ``save_checkpoint``).
     """
     rank, world_size = _rank_world(group)
-    summary: Any
-    try:
-        adapter = layout_of(model, optimizer, group=group)
-        entries = list(adapter.entries())
-        file = shard_file_name(rank, world_size)
-        shard, written = _shard_file(entries, optimizer, file)
-        extra_data = _extra_bytes(extra, rank)
-        summary = _local_summary(entries, optimizer, written)
-        summary["aliases"] = aliases_of(adapter)
-        if getattr(adapter, "assumes_replicas", False) and world_size > 1:
-            summary["fingerprints"] = {_piece_id(e): _fingerprint(e.tensor) for e in entries}
-    except (ValueError, TypeError) as err:
-        summary = err
-    summaries = _all_gather(summary, group, world_size)
-    failed = [(r, s) for r, s in enumerate(summaries) if isinstance(s, BaseException)]
-    if failed:
-        if isinstance(summary, BaseException):
-            raise summary
-        first_rank, first = failed[0]
-        raise type(first)(f"rank {first_rank}: {first}")
-    problems = _replica_problems(summaries)
-    if problems:
-        raise ValueError(
-            f"the ranks hold different values of {len(problems)} tensors that the "
-            f"{adapter.strategy!r} layout saves as identical replicas (each rank writes 1/"
-            f"{world_size} of every tensor, so the checkpoint would mix them): "
-            + "; ".join(problems[:5])
-            + ". Save a model the ranks hold differently through its wrapper (DDP, FSDP, "
-            "...), mark tensor-parallel parts (tensor_views.set_view), or save each "
-            "rank's model with a process group of its own (group=)"
+    with contextlib.ExitStack() as session:  # the adapter's session(), left at the end
+        summary: Any
+        try:
+            adapter = layout_of(model, optimizer, group=group)
+            session.enter_context(session_of(adapter, "save"))
+            entries = list(adapter.entries())
+            file = shard_file_name(rank, world_size)
+            shard, written = _shard_file(entries, optimizer, file)
+            extra_data = _extra_bytes(extra, rank)
+            summary = _local_summary(entries, optimizer, written)
+            summary["aliases"] = aliases_of(adapter)
+            if getattr(adapter, "assumes_replicas", False) and world_size > 1:
+                summary["fingerprints"] = {_piece_id(e): _fingerprint(e.tensor) for e in entries}
+        except (ValueError, TypeError) as err:
+            summary = err
+        summaries = _all_gather(summary, group, world_size)
+        failed = [(r, s) for r, s in enumerate(summaries) if isinstance(s, BaseException)]
+        if failed:
+            if isinstance(summary, BaseException):
+                raise summary
+            first_rank, first = failed[0]
+            raise type(first)(f"rank {first_rank}: {first}")
+        problems = _replica_problems(summaries)
+        if problems:
+            raise ValueError(
+                f"the ranks hold different values of {len(problems)} tensors that the "
+                f"{adapter.strategy!r} layout saves as identical replicas (each rank writes 1/"
+                f"{world_size} of every tensor, so the checkpoint would mix them): "
+                + "; ".join(problems[:5])
+                + ". Save a model the ranks hold differently through its wrapper (DDP, FSDP, "
+                "...), mark tensor-parallel parts (tensor_views.set_view), or save each "
+                "rank's model with a process group of its own (group=)"
+            )
+        hyper = group_records(optimizer, {}) if optimizer is not None else None
+        layout = build_layout(
+            summaries, adapter.strategy, world_size, hyper, optimizer_class(optimizer)
         )
-    hyper = group_records(optimizer, {}) if optimizer is not None else None
-    layout = build_layout(
-        summaries, adapter.strategy, world_size, hyper, optimizer_class(optimizer)
-    )
-    files = {file: shard, extra_file_name(rank): extra_data}
-    return save_checkpoint(root, step, files, layout=layout, keep=keep, group=group, save=_write)
+        files = {file: shard, extra_file_name(rank): extra_data}
+        return save_checkpoint(
+            root, step, files, layout=layout, keep=keep, group=group, save=_write
+        )
 
 
 def _piece_id(entry: ParamEntry) -> tuple[Any, ...]:

@@ -5,7 +5,8 @@ parameters in one freeable byte buffer), ``slices`` (a slice and its residency s
 ``device`` (the CUDA-specific bits), ``tiers`` (resident / CPU-memory tiers), ``disk``
 (the file tier, crash-safe generations), ``function`` (the autograd node that loads a
 slice for forward and backward), ``optim`` (slice-by-slice stepping), ``api``
-(``OffloadModel``). A GPT as a sequence of stages: ``shardkit.models.gpt_stages``.
+(``OffloadModel``), ``universal_layout`` and ``disk_universal`` (the universal
+checkpoint's adapter; the disk tier's files mapped for a save or load). A GPT as a sequence of stages: ``shardkit.models.gpt_stages``.
 """
 
 import shardkit.nn.offload.universal_layout  # noqa: F401 (registers the universal-checkpoint adapter)

@@ -305,8 +305,10 @@ class OffloadModel(nn.Module):
     # -- state -------------------------------------------------------------------------
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        """The model's state dict; the disk tier loads one slice at a time and copies it out."""
-        if not isinstance(self.tier, DiskTier):
+        """The model's state dict; the disk tier loads one slice at a time and copies it
+        out (with ``keep_vars=True``: the parameters themselves, empty placeholders
+        between uses on the disk tier)."""
+        if not isinstance(self.tier, DiskTier) or kwargs.get("keep_vars"):
             return super().state_dict(*args, **kwargs)
         out: dict[str, torch.Tensor] = dict(self.tier.buffers)
         for s in self.slices:

@@ -108,7 +108,7 @@ class DiskTier(Tier):
         else:
             for s in slices:
                 if s.pinned:
-                    self._write_params(s, 0)
+                    self.write_params(s, 0)
             self.commit(0)
 
     def _attach(self, s: Slice) -> None:
@@ -126,8 +126,8 @@ class DiskTier(Tier):
         if on_meta:
             assert self._init_fn is not None  # OffloadModel checks it
             self._init_fn(s.module)
-        self._write_params(s, 0)
-        self._release(s)
+        self.write_params(s, 0)
+        self.release(s)
 
     def _open_existing(self) -> None:
         manifest = self.store.open()
@@ -164,9 +164,10 @@ class DiskTier(Tier):
 
     def _offload(self, s: Slice) -> None:
         self.flush_grads(s)
-        self._release(s)
+        self.release(s)
 
-    def _release(self, s: Slice) -> None:
+    def release(self, s: Slice) -> None:
+        """Point the parameters of offloaded ``s`` at empty placeholders, free its buffer."""
         assert s.compute is not None
         s.point_at([_placeholder(v) for v in s.compute_views])
         s.compute.free()
@@ -220,7 +221,17 @@ class DiskTier(Tier):
 
     def step_slice(self, s: Slice, generation: int, optim_state: dict[str, Any]) -> None:
         """Write generation ``generation`` of resident ``s``: parameters and optimizer state."""
-        self._write_params(s, generation)
+        self.write_params(s, generation)
+        self.write_optim_state(s, generation, optim_state)
+
+    def write_optim_state(
+        self, s: Slice, generation: int, optim_state: dict[str, Any] | None
+    ) -> None:
+        """Write generation ``generation`` of ``s``'s optimizer state (an
+        ``optimizer.state_dict()``; None: no state, as before step 1); not committed."""
+        if optim_state is None:
+            self.store.files.setdefault(s.name, {})["optim"] = None
+            return
         name = self.store.name(s.name, "optim", generation, ".pt")
         atomic_save(optim_state, self.directory / name)
 
@@ -247,7 +258,8 @@ class DiskTier(Tier):
             buffers=f"buffers.g{generation}.pt",
         )
 
-    def _write_params(self, s: Slice, generation: int) -> None:
+    def write_params(self, s: Slice, generation: int) -> None:
+        """Write generation ``generation`` of ``s``'s parameter file (not committed)."""
         self.store.write(s.name, "params", generation, _flat_bytes(s))
 
     def _read_pinned(self, s: Slice) -> None:

@@ -12,6 +12,7 @@ that couple parameters (LBFGS, a global gradient norm) are not supported.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +31,8 @@ class SlicedOptimizer(torch.optim.Optimizer):
 
     A ``torch.optim.Optimizer`` with one parameter group (all parameters) holding the
     hyperparameters, so LR schedulers work; its ``state`` stays empty: the optimizer
-    state lives in the slices' files.
+    state lives in the slices' files (during a universal checkpoint's save or load it
+    holds memory maps of them, see :mod:`~shardkit.nn.offload.disk_universal`).
 
     Made by :meth:`OffloadModel.sliced_optimizer`. Used like a torch optimizer::
 
@@ -64,16 +66,28 @@ class SlicedOptimizer(torch.optim.Optimizer):
                 "resume with the same optimizer class"
             )
         params = [p for s in tier.slices for p in s.parameters]
-        super().__init__(params, dict(defaults))
+        # every hyperparameter of the class, not only those passed: one restored from a
+        # universal checkpoint (say eps) must reach the slices' steps
+        super().__init__(params, {**_class_defaults(optimizer_class, defaults), **defaults})
         self.tier = tier
         self.optimizer_class = optimizer_class
         self.class_name = name
-        self._hyper_keys = set(defaults)
+        self._hyper_keys = set(defaults) | set(_class_defaults(optimizer_class, defaults))
         exempt_optimizer(self)  # it steps the disk tier's placeholders by design
 
-    def _hyperparameters(self) -> dict[str, Any]:
+    def hyperparameters(self) -> dict[str, Any]:
+        """The keyword arguments each slice's ``optimizer_class`` instance gets:
+        ``param_groups[0]``'s entries that the class's constructor takes."""
         group = self.param_groups[0]
         return {k: group[k] for k in self._hyper_keys}
+
+    def slice_optimizer(self, s: Slice) -> torch.optim.Optimizer:
+        """A fresh ``optimizer_class`` instance over the parameters of resident ``s``
+        (no state), with :meth:`hyperparameters`; its ``state_dict()`` is the format of
+        the slice's optimizer-state file."""
+        optimizer = self.optimizer_class(s.parameters, **self.hyperparameters())
+        exempt_optimizer(optimizer)
+        return optimizer
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         """Forget all gradients (deletes the gradient files).
@@ -107,9 +121,8 @@ class SlicedOptimizer(torch.optim.Optimizer):
             self.tier.load(s)
         try:
             self.tier.open_grads(s)
-            hyper = self._hyperparameters()
-            optimizer = self.optimizer_class(s.parameters, **hyper)
-            exempt_optimizer(optimizer)
+            hyper = self.hyperparameters()
+            optimizer = self.slice_optimizer(s)
             state = self.tier.load_optim_state(s)
             if state is not None:
                 optimizer.load_state_dict(state)
@@ -121,3 +134,13 @@ class SlicedOptimizer(torch.optim.Optimizer):
                 for p in s.parameters:
                     p.grad = None  # views of the gradient file: not flushed back
                 self.tier.offload(s)
+
+
+def _class_defaults(
+    optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any]
+) -> dict[str, Any]:
+    """The hyperparameters of ``optimizer_class(params, **defaults)`` that its
+    constructor takes (AdamW's ``defaults`` hold ``decoupled_weight_decay`` too)."""
+    full = optimizer_class([torch.nn.Parameter(torch.zeros(1))], **defaults).defaults
+    accepted = inspect.signature(optimizer_class.__init__).parameters
+    return {k: v for k, v in full.items() if k in accepted}

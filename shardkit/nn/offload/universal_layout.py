@@ -12,13 +12,17 @@ copy (``param.data`` on the offload device), which the optimizer steps: each ten
 one whole entry with the parameter as the optimizer's key. Every rank of a
 data-parallel ``OffloadModel`` holds everything; rank 0 writes.
 
-The disk tier (parameters and optimizer state in files, empty placeholders in
-memory) is refused with ``ValueError``: save its ``state_dict()`` instead.
+On the disk tier (parameters and optimizer state in files, empty placeholders in
+memory) the entries are the same, with the :class:`~.optim.SlicedOptimizer` as the
+optimizer: the adapter's ``session`` maps the tier's files under the parameters and
+the optimizer state for the save or load (:mod:`.disk_universal`), and a load
+commits a new generation of the directory in ``after_load``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from itertools import accumulate
 from typing import Any
 
@@ -31,6 +35,8 @@ from shardkit.checkpoint.universal.tensor_views import strategy_name, view_of
 from shardkit.checkpoint.universal.whole import whole_entries
 from shardkit.nn.offload.api import OffloadModel
 from shardkit.nn.offload.disk import DiskTier
+from shardkit.nn.offload.disk_universal import DiskSession, Purpose, disk_session
+from shardkit.nn.offload.optim import SlicedOptimizer
 
 __all__ = ["OffloadLayout", "original_key"]
 
@@ -55,29 +61,62 @@ def original_key(key: str, balance: list[int]) -> str:
 
 
 class OffloadLayout:
-    """The adapter of an :class:`OffloadModel` on a memory tier (see the module).
+    """The adapter of an :class:`OffloadModel` (see the module).
+
+    Args:
+        model: the OffloadModel.
+        optimizer: the optimizer stepping it, or None; on the disk tier its
+            :meth:`~OffloadModel.sliced_optimizer`.
 
     Raises:
-        ValueError: the model is on the disk tier.
+        ValueError: on the disk tier, ``optimizer`` is not the model's sliced optimizer.
     """
 
     def __init__(self, model: OffloadModel, optimizer: Any = None) -> None:
-        if isinstance(model.tier, DiskTier):
+        self.disk = model.tier if isinstance(model.tier, DiskTier) else None
+        sliced = isinstance(optimizer, SlicedOptimizer) and optimizer.tier is self.disk
+        if self.disk is not None and optimizer is not None and not sliced:
             raise ValueError(
-                "the universal checkpoint does not read an OffloadModel on the disk tier "
-                "(its parameters and optimizer state are files in offload_dir): save "
-                "model.state_dict() instead, or use a memory tier"
+                f"an OffloadModel on the disk tier keeps its optimizer state in "
+                f"{str(self.disk.directory)!r}: pass its model.sliced_optimizer(...), "
+                f"not a {type(optimizer).__name__}"
             )
         self.model = model
+        self.optimizer = optimizer
         self.held = optimizer_params(optimizer) if optimizer is not None else {}
         self.writer = not dist.is_initialized() or dist.get_rank() == 0
         self.strategy = strategy_name("offload", (view_of(p) for p in model.parameters()))
+        self._session: DiskSession | None = None
+
+    @contextlib.contextmanager
+    def session(self, purpose: Purpose) -> Iterator[None]:
+        """On the disk tier, the tier's files under the parameters and optimizer state
+        for one save or load (:class:`~.disk_universal.DiskSession`); else nothing."""
+        if self.disk is None:
+            yield
+            return
+        with disk_session(self.disk, self.optimizer, purpose) as opened:
+            self._session = opened
+            try:
+                yield
+            finally:
+                self._session = None
 
     def _rename(self, key: str) -> str:
         return original_key(key, self.model.balance)
 
     def entries(self) -> Iterable[ParamEntry]:
-        """Every tensor whole, under the plain model's key."""
+        """Every tensor whole, under the plain model's key.
+
+        Raises:
+            RuntimeError: on the disk tier, outside :meth:`session` (the parameters are
+                empty placeholders there).
+        """
+        if self.disk is not None and self._session is None:
+            raise RuntimeError(
+                "the entries of a disk-tier OffloadModel exist inside its session() "
+                "only (save_universal / load_universal enter it)"
+            )
         writer = self.writer
         return whole_entries(self.model, self.held, lambda t, p: writer, self._rename)
 
@@ -86,7 +125,10 @@ class OffloadLayout:
         return {self._rename(k): self._rename(v) for k, v in tied_aliases(self.model).items()}
 
     def after_load(self) -> None:
-        """Nothing: the master copies were filled in place (no slice is resident)."""
+        """Memory tiers: nothing (the master copies were filled in place). Disk tier:
+        commit the loaded tensors as the directory's next generation."""
+        if self._session is not None:
+            self._session.commit()
 
 
 register_layout(OffloadModel, OffloadLayout)
