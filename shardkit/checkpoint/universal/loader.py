@@ -9,11 +9,20 @@
    missing or unexpected keys, or another global shape, raise
    :class:`CheckpointMismatchError` naming them), and every needed key's saved
    pieces must cover it (:func:`~.plan.cover_problem`).
-4. The pieces: :class:`~.plan.Filler` (range intersection, or assemble one global
+4. The plan, checked before anything is written (:func:`_plan_local`): the entries,
+   the optimizer class, the param groups' hyperparameters, the index against the
+   keys, every optimizer state's offset and scalar, this rank's ``extra`` file (read
+   now: an unsafe one refuses the load); every shard file holding a needed piece is
+   opened (memory-mapped: a file deleted from then on still reads).
+5. The ranks agree: a failure on any rank raises on every rank before any rank
+   writes a tensor, so a refused load leaves every model and optimizer unchanged.
+6. The pieces: :class:`~.plan.Filler` (range intersection, or assemble one global
    tensor and cut). Optimizer state of each piece's ``param``, then the param
-   groups' hyperparameters.
-5. The ranks agree: a failure on any rank raises on every rank (before
-   ``after_load``, whose collectives would otherwise wait for the failed rank).
+   groups' hyperparameters. What can still fail here, after writes, is reading the
+   bytes (an I/O error, a file truncated after the checks, memory): that error
+   (problem ``partial``) says the model and optimizer are partly loaded.
+7. The ranks agree again (before ``after_load``, whose collectives would otherwise
+   wait for the failed rank).
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from shardkit.checkpoint.universal.meta import FORMAT, extra_file_name
 from shardkit.checkpoint.universal.optim_state import (
     entry_offset,
     group_keys,
+    hyperparameter_problems,
     merge_group_keys,
     optimizer_class,
     optimizer_params,
@@ -155,14 +165,18 @@ class _FileSource:
         self._open: dict[str, Any] = {}
         self.read_elements = 0
 
-    def read(self, piece: SavedPiece, lo: int, hi: int) -> torch.Tensor:
+    def open(self, file: str) -> Any:
+        """The safetensors handle of ``file`` (memory-mapped), opened once."""
         from safetensors import safe_open
 
-        handle = self._open.get(piece.file)
+        handle = self._open.get(file)
         if handle is None:
-            handle = self._open[piece.file] = safe_open(str(self.ckpt / piece.file), framework="pt")
+            handle = self._open[file] = safe_open(str(self.ckpt / file), framework="pt")
+        return handle
+
+    def read(self, piece: SavedPiece, lo: int, hi: int) -> torch.Tensor:
         self.read_elements += hi - lo
-        return handle.get_slice(piece.name)[lo:hi]
+        return self.open(piece.file).get_slice(piece.name)[lo:hi]
 
 
 def read_tensor(
@@ -421,7 +435,16 @@ def load_universal(
                 all_keys: set[str] = set().union(*(keys for keys, _ in held))
                 all_groups = merge_group_keys(g for _, g in held)
                 loaded = _load_local(
-                    ckpt, manifest, entries, all_keys, all_groups, optimizer, rank, strict
+                    ckpt,
+                    manifest,
+                    entries,
+                    all_keys,
+                    all_groups,
+                    optimizer,
+                    rank,
+                    strict,
+                    group,
+                    world_size,
                 )
             except BaseException as err:
                 error = err
@@ -440,7 +463,61 @@ def _load_local(
     optimizer: Any,
     rank: int,
     strict: bool,
+    group: Any,
+    world_size: int,
 ) -> LoadedCheckpoint:
+    """Check everything this rank's load needs; once every rank's checks passed, fill
+    (steps 4-6 of [Note: the steps of a load])."""
+    plan: _Plan | None = None
+    error: BaseException | None = None
+    try:
+        plan = _plan_local(ckpt, manifest, entries, all_keys, all_groups, optimizer, rank, strict)
+    except BaseException as err:  # every rank must reach the agreement below
+        error = err
+    _agree(error, group, world_size)  # a failure raises on every rank: nothing written
+    assert plan is not None
+    try:
+        _fill(entries, plan.index, optimizer, plan.source)
+        restore_hyperparameters(optimizer, plan.hyper)
+    except Exception as err:
+        raise _partly_loaded(ckpt, err) from err
+    return plan.loaded
+
+
+def _partly_loaded(ckpt: Path, err: Exception) -> CheckpointError:
+    return CheckpointError(
+        getattr(err, "path", ckpt),
+        "partial",
+        f"loading {ckpt} failed while copying the tensors, after every check had "
+        f"passed: {type(err).__name__}: {err}. The model and optimizer are partly "
+        "loaded (some tensors hold the checkpoint's values, the others their previous "
+        "ones): load again, or start from a fresh model",
+    )
+
+
+@dataclass
+class _Plan:
+    """What :func:`_plan_local` checked: the index, the hyperparameters per param
+    group, the opened shard files, and what ``load_universal`` returns."""
+
+    index: SavedIndex
+    hyper: dict[int, dict[str, Any]]
+    source: _FileSource
+    loaded: LoadedCheckpoint
+
+
+def _plan_local(
+    ckpt: Path,
+    manifest: Manifest,
+    entries: list[ParamEntry],
+    all_keys: set[str],
+    all_groups: dict[int, list[str]],
+    optimizer: Any,
+    rank: int,
+    strict: bool,
+) -> _Plan:
+    """Check everything this rank's load needs, writing nothing (step 4 of [Note: the
+    steps of a load]); raises what ``load_universal`` documents."""
     layout = manifest.layout
     for entry in entries:
         check_entry(entry)
@@ -456,14 +533,40 @@ def _load_local(
     hyper: dict[int, dict[str, Any]] = {}
     if optimizer is not None and layout.get("optimizer"):
         hyper, problems = plan_hyperparameters(all_groups, layout["optimizer"]["param_groups"])
+        problems += hyperparameter_problems(optimizer, hyper)
         if problems:  # before anything is filled
             raise CheckpointMismatchError(ckpt, "param groups", f"{ckpt}: " + "; ".join(problems))
     index = read_saved_index(ckpt, manifest)
     _cover_check(ckpt, index, layout, {e.key for e in entries if e.key in layout["keys"]})
-    _fill(entries, index, optimizer, _FileSource(ckpt))
-    restore_hyperparameters(optimizer, hyper)
+    source = _FileSource(ckpt)
+    _check_pieces(ckpt, entries, index, optimizer, source)
     loaded = LoadedCheckpoint(
         ckpt, manifest.step, manifest.world_size, str(layout.get("strategy")), manifest
     )
-    loaded.extra(rank)  # read now: an unsafe file fails the load on every rank
-    return loaded
+    loaded.extra(rank)  # read now: an unsafe file refuses the load on every rank
+    return _Plan(index, hyper, source, loaded)
+
+
+def _check_pieces(
+    ckpt: Path, entries: list[ParamEntry], index: SavedIndex, optimizer: Any, source: _FileSource
+) -> None:
+    """What :func:`_fill` needs and would otherwise find wrong only after writing: the
+    offset of each piece's optimizer state in its param, every scalar state's value;
+    and every shard file it reads, opened now."""
+    in_optimizer = optimizer_params(optimizer) if optimizer is not None else {}
+    for entry in entries:
+        if (entry.key, "") not in index.pieces:  # not strict, key not saved
+            continue
+        needed = [(entry.key, "")]
+        if entry.param is not None and id(entry.param) in in_optimizer:
+            needed += [(entry.key, state) for state in index.states(entry.key)]
+            try:
+                if len(needed) > 1 or entry.key in index.scalars:
+                    entry_offset(entry)
+                for scalar in index.scalars.get(entry.key, {}).values():
+                    scalar.restore()
+            except ValueError as err:
+                raise CheckpointMismatchError(ckpt, "optimizer", f"{ckpt}: {err}") from err
+        for tag in needed:
+            for piece in index.pieces[tag]:
+                source.open(piece.file)

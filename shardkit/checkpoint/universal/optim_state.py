@@ -23,6 +23,7 @@ __all__ = [
     "entry_offset",
     "group_keys",
     "group_records",
+    "hyperparameter_problems",
     "hyperparameters",
     "merge_group_keys",
     "optimizer_class",
@@ -194,6 +195,23 @@ def plan_hyperparameters(
         elif hypers:
             plan[g] = hypers[0]
     return plan, problems
+
+
+def hyperparameter_problems(optimizer: Any, plan: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    """What :func:`restore_hyperparameters` could not set, checked before a load writes
+    anything: a saved value other than a number for a hyperparameter this optimizer
+    holds as a tensor (filled in place, e.g. a tensor ``lr``)."""
+    problems = []
+    for g, hyper in sorted(plan.items()):
+        group = optimizer.param_groups[g]
+        for k, v in sorted(hyper.items()):
+            current = group.get(k)
+            number = isinstance(v, (bool, int, float))
+            if isinstance(current, torch.Tensor) and v is not None and not number:
+                problems.append(
+                    f"param group {g}: {k!r} is a tensor here, the checkpoint holds {v!r}"
+                )
+    return problems
 
 
 def restore_hyperparameters(optimizer: Any, plan: Mapping[int, Mapping[str, Any]]) -> None:
