@@ -405,7 +405,11 @@ def load_universal(
             mix saved groups of different hyperparameters.
         CheckpointUnsafeError: this rank's extra file holds something other than
             tensors and plain containers.
-        CheckpointError: (problem ``load``) another rank failed.
+        CheckpointError: (problem ``load``) another rank failed; (problem
+            ``partial``) reading the tensors failed after every check had passed (an
+            I/O error): the model and optimizer are then partly loaded, the message
+            says so. Every error above is raised before any tensor is written: the
+            model and optimizer are unchanged (see [Note: the steps of a load]).
     """
     rank, world_size = _rank_world(group)
     ckpt = _resolve(path, group, rank, world_size)
