@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from shardkit.checkpoint.atomic import atomic_save, atomic_write_bytes
 from shardkit.checkpoint.manifest import CheckpointError
@@ -101,12 +102,24 @@ def _format_info(info: CheckpointInfo) -> list[str]:
         if opt.get("scalar_keys"):
             lines.append(f"  scalar state {', '.join(opt['scalar_keys'])}")
         for i, group in enumerate(opt["param_groups"]):
-            lines.append(f"  group {i}: {json.dumps(group, sort_keys=True)}")
+            lines.append(f"  group {i}: {_group_line(group)}")
         if "owned_by_rank" in opt:
             for rank, owned in opt["owned_by_rank"].items():
                 lines.append(f"  rank {rank}: state of parameters {owned}")
     lines.extend(f"note        {note}" for note in info.notes)
     return lines
+
+
+def _group_line(group: dict[str, Any]) -> str:
+    """A param group as ``2 parameters, hyperparameters {...}``: the reader's
+    ``num_params`` is the group's parameter count (its parameter tensors; a universal
+    checkpoint's: its keys), bookkeeping, not a hyperparameter."""
+    hyper = {k: v for k, v in group.items() if k != "num_params"}
+    shown = f"hyperparameters {json.dumps(hyper, sort_keys=True)}"
+    count = group.get("num_params")
+    if count is None:
+        return shown
+    return f"{count} parameter{'' if count == 1 else 's'}, {shown}"
 
 
 def _numel(shape: Sequence[int]) -> int:
