@@ -190,6 +190,13 @@ def _step_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _saved_step(name: str) -> int | None:
+    """The step of a checkpoint directory's name, committed or not: ``ckpt-<step>`` or
+    its staging directory ``ckpt-<step>.new`` (see [Note: commit order])."""
+    match = _POINTER.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
 def _staging(root: Path, step: int) -> Path:
     """Where a save of ``step`` writes before it is swapped in: ``ckpt-<step>.new``."""
     return root / (checkpoint_name(step) + _STAGING_SUFFIX)

@@ -213,3 +213,21 @@ def test_resave_on_two_ranks(rank_pool: Any, tmp_path: Path) -> None:
         assert got["after rename failure is new"], got
         assert got["completed resave is newer"], got
         assert got["listing"] == ["ckpt-000005", LATEST_NAME], got
+
+
+def test_crashed_first_save_is_named_unfinished(tmp_path: Path) -> None:
+    """A root whose first save crashed holds ``ckpt-<step>.new`` only: the load says
+    it never finished saving; the next save deletes it."""
+    model, optimizer = _trained(1)
+    crashed: list[str] = []
+    with _crash_at(1, crashed), suppress(_Crash):  # after the shard file
+        save_universal(tmp_path, STEP, model, optimizer)
+    assert crashed == ["atomic_save"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000005.new"]
+    with pytest.raises(FileNotFoundError, match=r"\['ckpt-000005.new'\] never finished saving"):
+        load_universal(tmp_path, *_trained(2))
+    with pytest.raises(CheckpointError, match="manifest.json is missing: the save of ckpt-000005"):
+        load_universal(tmp_path / "ckpt-000005.new", *_trained(2))
+    save_universal(tmp_path, 6, model, optimizer)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000006", LATEST_NAME]
+    assert _same(_load(tmp_path), _snapshot(model, optimizer))

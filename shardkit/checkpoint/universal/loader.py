@@ -45,7 +45,7 @@ from shardkit.checkpoint.manifest import (
     CheckpointMismatchError,
     Manifest,
     _rank_world,
-    _step_of,
+    _saved_step,
     find_valid_checkpoint,
     load_tensors_only,
     read_manifest,
@@ -223,13 +223,13 @@ def _resolve(path: PathLike, group: Any, rank: int, world_size: int) -> Path:
     if not (p / MANIFEST_NAME).is_file():
         if not p.is_dir():
             raise FileNotFoundError(f"{p} is not a checkpoint root or directory")
-        unfinished = sorted(c.name for c in p.glob("ckpt-*") if _step_of(c.name) is not None)
+        unfinished = sorted(c.name for c in p.glob("ckpt-*") if _saved_step(c.name) is not None)
         if unfinished:  # a root before its first commit
             raise FileNotFoundError(
                 f"{p}: no committed checkpoint (no {LATEST_NAME!r} file; {unfinished} "
                 "never finished saving)"
             )
-        if _step_of(p.name) is None:  # not ckpt-<step> (that one: its save did not finish)
+        if _saved_step(p.name) is None:  # not ckpt-<step>[.new]: those, a save not finished
             raise FileNotFoundError(
                 f"{p} is not a checkpoint root (no {LATEST_NAME!r} file) or checkpoint "
                 f"directory (no {MANIFEST_NAME!r})"
