@@ -415,7 +415,7 @@ def load_universal(
     ckpt = _resolve(path, group, rank, world_size)
     with contextlib.ExitStack() as session:  # the adapter's session(), left at the end
         error: BaseException | None = None
-        loaded: LoadedCheckpoint | None = None
+        plan: _Plan | None = None
         adapter: Any = None
         # every rank's keys, and the keys of each param group (a rank may hold no piece of
         # a group's parameters, yet sets its hyperparameters)
@@ -438,58 +438,29 @@ def load_universal(
             try:
                 all_keys: set[str] = set().union(*(keys for keys, _ in held))
                 all_groups = merge_group_keys(g for _, g in held)
-                loaded = _load_local(
-                    ckpt,
-                    manifest,
-                    entries,
-                    all_keys,
-                    all_groups,
-                    optimizer,
-                    rank,
-                    strict,
-                    group,
-                    world_size,
+                plan = _plan_local(
+                    ckpt, manifest, entries, all_keys, all_groups, optimizer, rank, strict
                 )
             except BaseException as err:
                 error = err
+        _agree(error, group, world_size)  # a failure raises on every rank: nothing written
+        assert plan is not None and adapter is not None
+        try:
+            _fill(entries, plan.index, optimizer, plan.source)
+            restore_hyperparameters(optimizer, plan.hyper)
+        except Exception as err:
+            error = _partly_loaded(ckpt, err)
+        except BaseException as err:
+            error = err
         _agree(error, group, world_size)
-        assert loaded is not None and adapter is not None
         adapter.after_load()
-        return loaded
-
-
-def _load_local(
-    ckpt: Path,
-    manifest: Manifest,
-    entries: list[ParamEntry],
-    all_keys: set[str],
-    all_groups: dict[int, list[str]],
-    optimizer: Any,
-    rank: int,
-    strict: bool,
-    group: Any,
-    world_size: int,
-) -> LoadedCheckpoint:
-    """Check everything this rank's load needs; once every rank's checks passed, fill
-    (steps 4-6 of [Note: the steps of a load])."""
-    plan: _Plan | None = None
-    error: BaseException | None = None
-    try:
-        plan = _plan_local(ckpt, manifest, entries, all_keys, all_groups, optimizer, rank, strict)
-    except BaseException as err:  # every rank must reach the agreement below
-        error = err
-    _agree(error, group, world_size)  # a failure raises on every rank: nothing written
-    assert plan is not None
-    try:
-        _fill(entries, plan.index, optimizer, plan.source)
-        restore_hyperparameters(optimizer, plan.hyper)
-    except Exception as err:
-        raise _partly_loaded(ckpt, err) from err
-    return plan.loaded
+        return plan.loaded
 
 
 def _partly_loaded(ckpt: Path, err: Exception) -> CheckpointError:
-    return CheckpointError(
+    """The error of a fill that failed after the checks (step 6 of [Note: the steps of
+    a load]), chained to ``err``."""
+    error = CheckpointError(
         getattr(err, "path", ckpt),
         "partial",
         f"loading {ckpt} failed while copying the tensors, after every check had "
@@ -497,6 +468,8 @@ def _partly_loaded(ckpt: Path, err: Exception) -> CheckpointError:
         "loaded (some tensors hold the checkpoint's values, the others their previous "
         "ones): load again, or start from a fresh model",
     )
+    error.__cause__ = err
+    return error
 
 
 @dataclass
