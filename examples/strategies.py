@@ -69,6 +69,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.checkpoint.universal import LayoutAdapter, ParamEntry, layout_of, register_layout
+from shardkit.checkpoint.universal.layout import Purpose, session_of
 from shardkit.distributed import mpu
 from shardkit.distributed.compression import get_compressor, register_ddp_comm_hook
 from shardkit.distributed.hybrid import hybrid_groups
@@ -79,7 +80,7 @@ from shardkit.nn import tensor_parallel as tp
 from shardkit.nn.checkpoint import CheckpointWrapper, checkpoint_wrapper
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel, MixedPrecision
-from shardkit.nn.offload import DiskTier, OffloadModel
+from shardkit.nn.offload import DiskTier, OffloadModel, remove_offloaded
 from shardkit.nn.pipe import (
     PipelineStage,
     Schedule1F1B,
@@ -129,8 +130,9 @@ class StrategyConfig:
         schedule: pipe: ``gpipe`` or ``1f1b``. Default ``1f1b``.
         offload_dir: offload: the disk tier's directory (``rank<r>/`` per rank); None:
             CPU memory. Default None.
-        resume: the job resumes from a checkpoint (offload's disk tier then reopens
-            its directory instead of starting a fresh one). Default False.
+        resume: the job resumes from a checkpoint (offload's disk tier then starts
+            its directory afresh: the checkpoint, or the step-0 model when there is
+            none, is what it continues from). Default False.
         shard_size: hsdp: ranks per shard group (one node's); None: torchrun's
             ``LOCAL_WORLD_SIZE``. Default None.
         grad_compression: ddp, oss, sdp, fsdp, hsdp: a gradient compressor's name
@@ -477,8 +479,10 @@ class OffloadGPT(nn.Module):
 
 class _OffloadStrategy(Strategy):
     """Offload: checkpoints and ``model.pt`` hold plain GPT keys. On the disk tier the
-    optimizer state lives in ``--offload-dir/rank<r>``: a checkpoint records the
-    directory's generation, and resuming reopens the directory at that generation."""
+    model state lives in ``--offload-dir/rank<r>`` (stepped by ``sliced_optimizer``);
+    the universal checkpoint reads it from there and a resume writes it back
+    (:class:`GPTKeys` over OffloadModel's layout). The per-rank ``state_dict`` records
+    the directory's generation: loading it needs the directory at that generation."""
 
     module: OffloadGPT
 
@@ -521,7 +525,7 @@ class _OffloadStrategy(Strategy):
 
     def checkpoint_module(self) -> Any:
         """The :class:`OffloadGPT`: its slices under the plain GPT's keys
-        (:class:`GPTKeys`; the universal checkpoint refuses the disk tier)."""
+        (:class:`GPTKeys`), on the CPU tier or the disk tier."""
         return self.module
 
 
@@ -567,6 +571,10 @@ class GPTKeys:
     def after_load(self) -> None:
         self.inner.after_load()
 
+    def session(self, purpose: Purpose) -> contextlib.AbstractContextManager[Any]:
+        """The inner adapter's session (the offload disk tier maps its files in it)."""
+        return session_of(self.inner, purpose)
+
 
 register_layout(PipelineGPT, lambda model, optimizer: GPTKeys(layout_of(model.stage, optimizer)))
 register_layout(OffloadGPT, lambda model, optimizer: GPTKeys(layout_of(model.offload, optimizer)))
@@ -576,12 +584,14 @@ def _offload(model: GPT, config: StrategyConfig, device: torch.device) -> Strate
     """OffloadModel over the GPT's stages (embedding, blocks, head; the tied embedding /
     LM head weight stays resident), 4 slices, activation checkpointing, gradients
     averaged across ranks. CPU memory by default; ``--offload-dir`` for the disk tier
-    (one sub-directory per rank, stepped by ``sliced_optimizer``)."""
+    (one sub-directory per rank, stepped by ``sliced_optimizer``; ``--resume`` deletes
+    the offloaded model a sub-directory holds and loads the checkpoint into a new one)."""
     offload_dir = config.offload_dir
     kwargs: dict[str, Any] = {"num_slices": min(4, len(model.blocks) + 2)}
     if offload_dir is not None:
         kwargs["offload_dir"] = f"{offload_dir}/rank{dist.get_rank()}"
-        kwargs["resume"] = config.resume
+        if config.resume:  # the checkpoint is the state: the directory starts afresh
+            remove_offloaded(kwargs["offload_dir"])
     offload = OffloadModel(
         gpt_stages(model),
         device,
@@ -806,7 +816,7 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             "`OffloadModel`: 4 slices on CPU memory or disk, gradients averaged",
             zero_stage=0,
             activation_checkpointing="built-in",
-            checkpoint_layout="rank 0: every tensor with its AdamW state (not the disk tier)",
+            checkpoint_layout="rank 0: every tensor with its AdamW state (disk tier: read from its files)",
             options=("offload_dir",),
         ),
     ]

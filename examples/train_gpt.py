@@ -183,7 +183,12 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--schedule", default=opt.schedule, choices=["gpipe", "1f1b"], help="pipe")
     add("--precision", default=opt.precision, choices=list(PRECISIONS), help="ddp/oss/sdp/fsdp")
     add("--activation-checkpointing", action="store_true", help="recompute each Block")
-    add("--offload-dir", default=None, help="offload: disk-tier directory (default: CPU memory)")
+    add(
+        "--offload-dir",
+        default=None,
+        help="offload: disk-tier directory, rank<r>/ per rank (default: CPU memory); "
+        "--resume starts it afresh from the checkpoint",
+    )
     add("--shard-size", type=_positive, default=None, help="hsdp: ranks per shard group")
     add("--tp", type=_positive, default=opt.tp, help="ddp/oss/sdp/fsdp: tensor-parallel degree")
     add(
@@ -220,13 +225,16 @@ class BatchPlan:
 
     ``global_batch = micro_batch x accumulation x dp_size`` (sequences). The global
     batch stays fixed for a whole run, resumes at another world size included; the
-    accumulation is what changes (:func:`batch_plan`).
+    accumulation is what changes (:func:`batch_plan`). With ``pipeline`` (``--strategy
+    pipe``) the ``dp_size`` ranks only sample the rows: they are all-gathered and the
+    whole global batch runs through the ranks' pipeline stages (data-parallel size 1).
     """
 
     global_batch: int
     micro_batch: int
     accumulation: int
     dp_size: int
+    pipeline: bool = False
 
     @property
     def rows(self) -> int:
@@ -234,10 +242,13 @@ class BatchPlan:
         return self.micro_batch * self.accumulation
 
     def describe(self) -> str:
-        return (
-            f"global batch {self.global_batch} = {self.micro_batch} x {self.accumulation} "
-            f"micro-batch(es) x {self.dp_size} data-parallel rank(s)"
-        )
+        split = f"global batch {self.global_batch} = {self.micro_batch} x {self.accumulation} "
+        if self.pipeline:
+            return (
+                f"{split}micro-batch(es) x {self.dp_size} rank(s) sampling rows, all of them "
+                f"through {self.dp_size} pipeline stage(s) (data-parallel size 1)"
+            )
+        return f"{split}micro-batch(es) x {self.dp_size} data-parallel rank(s)"
 
 
 def _split_fix(target: int, micro: int, dp_size: int) -> str:
@@ -267,10 +278,10 @@ def batch_plan(config: JobConfig, dp_size: int, saved: int | None = None) -> Bat
             (the message gives the arithmetic and the fix), ``--global-batch`` differs
             from the checkpoint's, or ``--grad-accum`` contradicts ``--global-batch``.
     """
-    micro = config.batch_size
+    micro, pipeline = config.batch_size, config.strategy.name == "pipe"
     if saved is None and config.global_batch is None:
         accumulation = config.grad_accum or 1
-        return BatchPlan(micro * accumulation * dp_size, micro, accumulation, dp_size)
+        return BatchPlan(micro * accumulation * dp_size, micro, accumulation, dp_size, pipeline)
     if saved is not None and config.global_batch not in (None, saved):
         raise InputError(
             f"--resume: the checkpoint was trained at global batch {saved}, this run asks "
@@ -293,7 +304,7 @@ def batch_plan(config: JobConfig, dp_size: int, saved: int | None = None) -> Bat
             f"{dp_size} data-parallel rank(s), not --grad-accum {config.grad_accum}; "
             "give one of the two"
         )
-    return BatchPlan(target, micro, accumulation, dp_size)
+    return BatchPlan(target, micro, accumulation, dp_size, pipeline)
 
 
 @dataclass
@@ -360,13 +371,6 @@ def launch_error(config: JobConfig, env: Env) -> str | None:
     problem = tp_error(config, env.world_size)
     if problem is not None:
         return problem
-    saves = config.save_every > 0 or config.stop_after is not None or config.resume
-    if config.strategy.offload_dir is not None and saves:
-        return (
-            "--offload-dir: checkpoints (--save-every, --stop-after, --resume) cannot hold "
-            "offload's disk tier yet; use --save-every 0 without --stop-after and --resume, "
-            "or drop --offload-dir (CPU memory)"
-        )
     try:
         plan = batch_plan(config, data_parallel(config, env)[1])
     except InputError as err:

@@ -22,6 +22,7 @@ import torch
 __all__ = [
     "LayoutAdapter",
     "ParamEntry",
+    "Purpose",
     "TensorView",
     "aliases_of",
     "layout_of",

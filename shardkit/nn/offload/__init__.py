@@ -11,7 +11,7 @@ checkpoint's adapter; the disk tier's files mapped for a save or load). A GPT as
 
 import shardkit.nn.offload.universal_layout  # noqa: F401 (registers the universal-checkpoint adapter)
 from shardkit.nn.offload.api import OffloadModel
-from shardkit.nn.offload.disk import DiskTier
+from shardkit.nn.offload.disk import DiskTier, remove_offloaded
 from shardkit.nn.offload.optim import SlicedOptimizer
 from shardkit.nn.offload.partition import balance_by_size
 from shardkit.nn.offload.slices import SliceState
@@ -26,4 +26,5 @@ __all__ = [
     "SlicedOptimizer",
     "Tier",
     "balance_by_size",
+    "remove_offloaded",
 ]

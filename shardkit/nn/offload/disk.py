@@ -26,6 +26,7 @@ optimizer state at a time, plus the pinned ``shared`` group.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 from collections.abc import Callable
@@ -41,7 +42,7 @@ from shardkit.nn.offload.flat import LayoutEntry, SliceLayout
 from shardkit.nn.offload.slices import Slice
 from shardkit.nn.offload.tiers import Tier
 
-__all__ = ["MANIFEST", "DiskTier", "check_writable"]
+__all__ = ["MANIFEST", "DiskTier", "check_writable", "remove_offloaded"]
 
 FORMAT = "shardkit.offload/1"
 _OWNED = re.compile(r"^(\.?(slice\d+|shared|buffers)\..*|\.manifest\.json\..*\.tmp)$")
@@ -291,6 +292,36 @@ class DiskTier(Tier):
     def stored_layout(self, name: str) -> SliceLayout:
         """The layout of slice ``name`` (for tools reading the directory)."""
         return next(s.layout for s in self.slices if s.name == name)
+
+
+def remove_offloaded(directory: str | os.PathLike[str]) -> bool:
+    """Delete the offloaded model that ``directory`` holds: its manifest first (so an
+    interrupted removal leaves no model), then every file the disk tier owns; other
+    files stay. Returns whether there was one.
+
+    For a job whose state lives elsewhere (a universal checkpoint) and that starts the
+    disk tier afresh there (``resume=False`` refuses a directory holding a model).
+
+    Raises:
+        ValueError: ``directory``'s manifest is not the disk tier's (say FSDP's disk
+            tier): nothing is deleted.
+    """
+    directory = Path(directory)
+    manifest = directory / MANIFEST
+    if not manifest.is_file():
+        return False
+    fmt = json.loads(manifest.read_text()).get("format")
+    if fmt != FORMAT:
+        raise ValueError(
+            f"{str(directory)!r} holds {MANIFEST} of format {fmt!r}, not an offloaded "
+            f"model ({FORMAT!r}); not deleting it"
+        )
+    manifest.unlink()
+    for name in os.listdir(directory):
+        if _OWNED.match(name) or (name.endswith(".tmp") and _OWNED.match(name[1:])):
+            with contextlib.suppress(FileNotFoundError):
+                (directory / name).unlink()
+    return True
 
 
 def _entries(s: Slice) -> list[tuple[torch.Tensor, LayoutEntry]]:

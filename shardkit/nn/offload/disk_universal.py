@@ -34,18 +34,17 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from shardkit.checkpoint.universal.layout import Purpose
 from shardkit.nn.offload.disk import DiskTier
 from shardkit.nn.offload.flat import SliceLayout
 from shardkit.nn.offload.optim import SlicedOptimizer
 from shardkit.nn.offload.slices import Slice, SliceState
 
 __all__ = ["DiskSession", "disk_session"]
-
-Purpose = Literal["save", "load"]
 
 
 def _map(path: Path, nbytes: int, *, writable: bool) -> torch.Tensor:

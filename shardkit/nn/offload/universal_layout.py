@@ -29,13 +29,13 @@ from typing import Any
 import torch.distributed as dist
 
 from shardkit.checkpoint.universal.adapters import tied_aliases
-from shardkit.checkpoint.universal.layout import ParamEntry, register_layout
+from shardkit.checkpoint.universal.layout import ParamEntry, Purpose, register_layout
 from shardkit.checkpoint.universal.optim_state import optimizer_params
 from shardkit.checkpoint.universal.tensor_views import strategy_name, view_of
 from shardkit.checkpoint.universal.whole import whole_entries
 from shardkit.nn.offload.api import OffloadModel
 from shardkit.nn.offload.disk import DiskTier
-from shardkit.nn.offload.disk_universal import DiskSession, Purpose, disk_session
+from shardkit.nn.offload.disk_universal import DiskSession, disk_session
 from shardkit.nn.offload.optim import SlicedOptimizer
 
 __all__ = ["OffloadLayout", "original_key"]

@@ -28,6 +28,7 @@ from shardkit.checkpoint.universal import load_universal, save_universal
 from shardkit.checkpoint.universal.adapters import tied_aliases
 from shardkit.models import GPT, gpt_stages
 from shardkit.nn import OffloadModel
+from shardkit.nn.offload import remove_offloaded
 from shardkit.nn.offload.universal_layout import original_key
 from tests.checkpoint.universal_workers import TINY, batch, make_model, reference
 from tests.nn.offload.disk_universal_workers import HYPER, checkpoint_tensors, disk_and_fsdp
@@ -225,3 +226,20 @@ def test_disk_tier_crosses_fsdp_and_oss_on_two_ranks(rank_pool: Any, tmp_path: P
                         got[name]["params"][key], value, **TOL, msg=f"{label} {name} {key}"
                     )
             assert got["saved"]["scalars"] == got["want"]["scalars"], label
+
+
+def test_remove_offloaded_deletes_the_tier_files_only(tmp_path: Path) -> None:
+    om, sliced = _disk(_seq(0), tmp_path / "offload")
+    _step("seq", om, sliced, 0)
+    (tmp_path / "offload" / "notes.txt").write_text("mine")
+    del om, sliced
+    assert remove_offloaded(tmp_path / "offload") is True
+    assert _listing(tmp_path / "offload") == ["notes.txt"]
+    assert remove_offloaded(tmp_path / "offload") is False  # nothing left to remove
+    _disk(_seq(0), tmp_path / "offload")  # a new model starts there (no resume=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "manifest.json").write_text('{"format": "shardkit.fsdp.disk/1"}')
+    with pytest.raises(ValueError, match="not an offloaded model"):
+        remove_offloaded(other)
+    assert _listing(other) == ["manifest.json"]
