@@ -7,6 +7,8 @@ Layout under a root directory::
     ckpt-000100/manifest.json   format, step, world size, creation time, the caller's
                                 layout metadata, and per file: rank, bytes, sha256
     latest                      the name of the newest committed checkpoint
+    ckpt-000100.new/            where a save writes before it is swapped in (see
+                                [Note: commit order]); left only by a crash
 
 [Note: commit order]
 :func:`save_checkpoint` is a collective. Rank 0 prepares a staging directory
