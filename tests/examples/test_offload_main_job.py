@@ -3,8 +3,6 @@ the universal format, and the banner of ``--strategy pipe``."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import shutil
 from pathlib import Path
@@ -12,23 +10,14 @@ from typing import Any
 
 import train_gpt
 
+from tests.examples.test_train_gpt_outputs import _run_main  # (exit code, stdout) per run
+
 TINY = ["--model-size", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1"]
 JOB = [*TINY, "--steps", "4", "--eval-every", "0", "--save-every", "2"]
 
 
 def _metrics(out_dir: Path) -> dict[str, Any]:
     return json.loads((out_dir / "metrics.json").read_text())
-
-
-def _run_main(argvs: list[list[str]]) -> list[tuple[int, str]]:
-    """On each pool rank: each command line's exit code and what it printed."""
-    out = []
-    for argv in argvs:
-        buffer = io.StringIO()
-        with contextlib.redirect_stdout(buffer):
-            code = train_gpt.main(argv)
-        out.append((code, buffer.getvalue()))
-    return out
 
 
 def _generation(directory: Path) -> int:
