@@ -9,14 +9,17 @@
 checkpoint directory (``ckpt-<step>/`` with ``manifest.json``), or a plain directory
 of shard files. ``inspect`` prints the step, format, world size, every file with its
 size, sha256 and whether it matches the manifest, the parameters (name, shape,
-dtype; bytes for a universal checkpoint) and the optimizer state. ``convert`` writes
+dtype; bytes for a universal checkpoint) and the optimizer state; ``--json`` prints
+the same as one object (:class:`~shardkit.checkpoint.reader.CheckpointInfo`; a param
+group: ``{"num_params": 2, "hyperparameters": {...}}``). ``convert`` writes
 the consolidated plain ``state_dict`` of a universal or FSDP sharded checkpoint
 (``torch.save`` format, or safetensors by the file's suffix), for inference or
 another library. Both run in one process, without
 ranks (see :mod:`shardkit.checkpoint.reader`).
 
-Exit status: 0; 1 when the checkpoint is damaged, unsafe or holds nothing to convert
-(one line on stderr, naming the file and why); 2 for bad usage.
+Exit status: 0; 1 when the checkpoint is damaged, unsafe, not finished saving (a
+``ckpt-<step>`` or ``ckpt-<step>.new`` a crash left) or holds nothing to convert (one
+line on stderr, naming the file and why); 2 for bad usage.
 """
 
 from __future__ import annotations
@@ -111,12 +114,11 @@ def _format_info(info: CheckpointInfo) -> list[str]:
 
 
 def _group_line(group: dict[str, Any]) -> str:
-    """A param group as ``2 parameters, hyperparameters {...}``: the reader's
-    ``num_params`` is the group's parameter count (its parameter tensors; a universal
-    checkpoint's: its keys), bookkeeping, not a hyperparameter."""
-    hyper = {k: v for k, v in group.items() if k != "num_params"}
-    shown = f"hyperparameters {json.dumps(hyper, sort_keys=True)}"
-    count = group.get("num_params")
+    """A param group of the reader (``{"num_params", "hyperparameters"}``) as ``2
+    parameters, hyperparameters {...}``; without the count (None: FSDP's format does
+    not record it) the hyperparameters only."""
+    shown = f"hyperparameters {json.dumps(group['hyperparameters'], sort_keys=True)}"
+    count = group["num_params"]
     if count is None:
         return shown
     return f"{count} parameter{'' if count == 1 else 's'}, {shown}"

@@ -61,6 +61,8 @@ from shardkit.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,
+    _pointed,
+    _saved_step,
     _step_of,
     list_checkpoints,
     load_tensors_only,
@@ -134,8 +136,10 @@ class CheckpointInfo:
         files: every file, with its checksum status.
         params: the parameters (and buffers) a consolidated state dict holds, in order;
             empty when the checkpoint holds none (OSS) or cannot be read.
-        optimizer: a summary of the optimizer state, if any: hyperparameters of each
-            param group, the state keys, the parameters with state.
+        optimizer: a summary of the optimizer state, if any: ``param_groups``, per
+            group ``{"num_params": its parameter count (None for FSDP: the format
+            does not record it), "hyperparameters": {...}}``; the state keys; the
+            parameters with state.
         units: FSDP: per unit key, ``{"total", "shard_numel", "padding"}``.
         notes: what a reader should know (names the format does not record, etc.).
     """
@@ -164,10 +168,17 @@ def find_checkpoint_dir(path: PathLike) -> Path:
     (named by ``latest``), a checkpoint directory (``manifest.json``), or a plain
     directory of shard files.
 
+    A save's staging directory ``ckpt-<step>.new`` (see [Note: commit order] in
+    :mod:`shardkit.checkpoint.manifest`) is read only while the root's ``latest``
+    names it (committed, a crash before the rename); otherwise its save did not
+    finish, even with a manifest (a crash before the commit point).
+
     Raises:
         FileNotFoundError: ``path`` is not a directory, a root where nothing was
-            committed, or a ``ckpt-<step>`` directory whose save did not finish (no
-            ``manifest.json``).
+            committed, a ``ckpt-<step>`` or ``ckpt-<step>.new`` directory whose save
+            did not finish (no ``manifest.json``; a ``ckpt-<step>`` holding shard
+            files is a plain directory of them), or a ``ckpt-<step>.new`` that
+            ``latest`` does not name.
     """
     p = Path(path)
     if not p.is_dir():
@@ -178,11 +189,20 @@ def find_checkpoint_dir(path: PathLike) -> Path:
             raise FileNotFoundError(f"{p}: no committed checkpoint")
         return committed[0]
     names = [e.name for e in p.iterdir()]
+    step = _saved_step(p.name)
+    staging = step is not None and _step_of(p.name) is None  # ckpt-<step>.new
     shard_files = any(_FSDP_FILE.fullmatch(n) or _OSS_FILE.fullmatch(n) for n in names)
-    if _step_of(p.name) is not None and MANIFEST_NAME not in names and not shard_files:
+    if step is not None and MANIFEST_NAME not in names and (staging or not shard_files):
         raise FileNotFoundError(
             f"{p}: this save did not finish (no {MANIFEST_NAME!r}; files: "
             f"{sorted(names)}); use the root's newest committed one"
+        )
+    if staging and _pointed(p.parent) != (step, p):
+        latest = p.parent / LATEST_NAME
+        named = repr(latest.read_text().strip()) if latest.is_file() else "nothing (no file)"
+        raise FileNotFoundError(
+            f"{p}: this save did not finish (it was never committed: {latest} names "
+            f"{named}); use the root's newest committed one"
         )
     return p
 
@@ -330,17 +350,27 @@ def _optim_summary_fsdp(record: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _plain_group(group: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in group.items():
-        if k == "params":
-            out["num_params"] = len(v)
-        elif isinstance(v, tuple):
-            out[k] = list(v)
-        elif v is None or isinstance(v, (bool, int, float, str)):
-            out[k] = v
-        else:
-            out[k] = repr(v)
-    return out
+    """A torch param group (``params``: parameter indices; FSDP's format drops them)
+    as :func:`_group_summary` reports it."""
+    hyper = {k: v for k, v in group.items() if k != "params"}
+    return _group_summary(len(group["params"]) if "params" in group else None, hyper)
+
+
+def _group_summary(num_params: int | None, hyper: dict[str, Any]) -> dict[str, Any]:
+    """One param group of :attr:`CheckpointInfo.optimizer`: ``{"num_params": its
+    parameter count (None where the format does not record it), "hyperparameters":
+    {name: value}}``, values made JSON-serializable by :func:`_plain`."""
+    return {"num_params": num_params, "hyperparameters": {k: _plain(v) for k, v in hyper.items()}}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON can hold it: a tuple or list as a list of plain values, None,
+    a bool, number or string as is, anything else as its ``repr``."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
 
 
 def _optim_summary_oss(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -438,7 +468,7 @@ def _inspect_universal(info: CheckpointInfo, ckpt: Path, manifest: Manifest) -> 
         info.optimizer = {
             "class": optim["class"],
             "param_groups": [
-                {**group["hyper"], "num_params": len(group["keys"])}
+                _group_summary(len(group["keys"]), group["hyper"])
                 for group in optim["param_groups"]
             ],
             "state_keys": sorted({s for _, s in index.pieces if s}),

@@ -130,7 +130,8 @@ def test_inspect_fsdp(saved: tuple[Path, Any], capsys: pytest.CaptureFixture[str
     opt = info["optimizer"]
     assert opt["state_keys"] == ["exp_avg", "exp_avg_sq"]
     assert opt["scalar_keys"] == ["step"]
-    assert [g["lr"] for g in opt["param_groups"]] == [0.01]
+    assert [g["hyperparameters"]["lr"] for g in opt["param_groups"]] == [0.01]
+    assert [g["num_params"] for g in opt["param_groups"]] == [None]  # not in the format
     # the text form: the same values, one line each
     code, text, _ = _run(capsys, "inspect", str(root / "gpt"))
     assert code == 0
