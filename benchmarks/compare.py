@@ -68,6 +68,7 @@ from benchmarks.common import (
 )
 from benchmarks.report import render_markdown, summarize, write_plots
 from benchmarks.runners import BY_NAME, STRATEGIES, Runner, available
+from shardkit.memory import HEAP_TRIM_MODES, set_heap_trim
 from shardkit.models import MODEL_SIZES, GPTConfig
 from shardkit.testing import RankError, RankTimeoutError, run_distributed
 
@@ -134,7 +135,9 @@ def run_config(spec: Mapping[str, Any]) -> dict[str, Any]:
         spec: ``strategy`` (a name in :data:`benchmarks.runners.BY_NAME`), ``model``
             (:class:`GPTConfig` fields), ``batch`` (sequences per rank), ``steps``
             (timed), ``warmup`` (untimed, >= 1: the first measures the state), optional
-            ``memory_limit_bytes`` (RSS watchdog), ``chunks``, ``offload_dir``.
+            ``memory_limit_bytes`` (RSS watchdog), ``chunks``, ``offload_dir``,
+            ``heap_trim`` (a :func:`shardkit.memory.set_heap_trim` mode; None: the
+            library's default).
 
     Returns:
         ``times`` (s per timed step, slowest rank), ``losses`` (this rank's loss of
@@ -145,6 +148,8 @@ def run_config(spec: Mapping[str, Any]) -> dict[str, Any]:
         ``rss_steps_kind``: "per step", or "running" where the peak cannot be reset).
     """
     rss_start = peak_rss_bytes()
+    if spec.get("heap_trim") is not None:
+        set_heap_trim(spec["heap_trim"])
     if spec.get("memory_limit_bytes"):
         start_rss_watchdog(int(spec["memory_limit_bytes"]))
     counter = comm.install()
@@ -266,6 +271,7 @@ def run_grid(
                         "steps": args.steps,
                         "warmup": args.warmup,
                         "chunks": args.chunks,
+                        "heap_trim": args.heap_trim,
                     }
                     record = run_once(spec, world_size, args.timeout)
                     record.update(
@@ -309,6 +315,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     add("--warmup", type=int, default=1, help="untimed steps per run, >= 1 (default 1)")
     add("--chunks", type=int, default=4, help="pipe: micro-batches per step (default 4)")
+    add(
+        "--heap-trim",
+        default=None,
+        choices=HEAP_TRIM_MODES,
+        help="shardkit.memory.set_heap_trim mode in every rank (default: the library's)",
+    )
     args = p.parse_args(argv)
     if args.warmup < 1:
         p.error(f"--warmup must be >= 1 (the first step measures the state); got {args.warmup}")

@@ -155,22 +155,30 @@ def test_trim_points_follow_the_switch_and_are_no_ops_off_glibc(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     before = heap_trims()
-    assert before.mode == "step" and before.enabled  # the default: once per step
+    assert before.mode == "step" and before.enabled  # the default: one step in 8
+    assert before.every == memory.STEP_TRIM_EVERY == 8
+    set_heap_trim("step")  # restarts the count: the 8th step point trims
     assert heap_trim_point() is False  # a unit's point does not trim in "step" mode
-    assert heap_trim_point("step") is before.available
+    trimmed = [heap_trim_point("step") for _ in range(17)]
+    assert [i + 1 for i, t in enumerate(trimmed) if t] == ([8, 16] if before.available else [])
     with pytest.raises(ValueError, match="mode must be one of"):
         set_heap_trim("always")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="every must be an int >= 1"):
+            set_heap_trim("step", every=bad)  # type: ignore[arg-type]
     previous = set_heap_trim(True)
     try:
-        assert previous == "step" and heap_trims().mode == "unit"
+        assert previous == "step" and heap_trims().mode == "unit" and heap_trims().every == 1
         assert heap_trim_point() is before.available
+        set_heap_trim("step", every=1)
+        assert heap_trims().every == 1 and heap_trim_point("step") is before.available
         monkeypatch.setattr(memory, "_MALLOC_TRIM", None)  # as on macOS, Windows or musl
-        assert heap_trim_point() is False and trim_heap() is False
+        assert heap_trim_point("step") is False and trim_heap() is False
     finally:
         set_heap_trim(previous)
     after = heap_trims()
-    assert not after.available and after.mode == "step"
-    assert after.points == before.points + 4
-    assert after.trimmed == before.trimmed + 2 * int(before.available)  # step, unit
+    assert not after.available and after.mode == "step" and after.every == 8
+    assert after.points == before.points + 21
+    assert after.trimmed == before.trimmed + 4 * int(before.available)  # 8, 16, unit, step
     monkeypatch.setattr(memory.sys, "platform", "darwin")
     assert memory._find_malloc_trim() is None

@@ -101,7 +101,7 @@ def test_heap_trim_points_per_step_and_after_every_reshard(rank_pool: Any) -> No
         # a point per step (the root's forward) + per reshard: 6 blocks, forward and backward
         assert off == unit == step == 13 and off_trimmed == 0
         assert unit_trimmed == (12 if r["available"] else 0)
-        assert step_trimmed == (1 if r["available"] else 0)  # the default mode
+        assert step_trimmed == (1 if r["available"] else 0)  # the default mode, every=1
         assert r["same_grads"]  # trimming gives back free pages only
 
 

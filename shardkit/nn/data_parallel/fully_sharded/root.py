@@ -138,8 +138,6 @@ class RootState:
         """Before the root's forward: trainable set agreed, stale leftovers away (see
         [Note: one forward, one current copy]), buffers synced."""
         with record_function("FSDP::root_pre_forward"):
-            if self.on_cpu:
-                heap_trim_point("step")  # the default: [Note: trimming the heap] in memory
             stale = True  # without the agreement round (no grad), put leftovers away
             if torch.is_grad_enabled():
                 stale = self._agree(any(u.has_stale_full for u in self.units))
@@ -160,6 +158,8 @@ class RootState:
         for unit in self.units:
             if unit.is_prefetching or not backward_expected:
                 unit.reshard()  # an unused prefetch, or inference: nothing to keep
+        if self.on_cpu:  # the default: [Note: trimming the heap] in shardkit.memory
+            heap_trim_point("step")
 
     def _agree(self, stale: bool) -> bool:
         """Adopt ``requires_grad`` changes made since the last forward (every unit) and,
