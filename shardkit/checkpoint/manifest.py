@@ -95,6 +95,7 @@ __all__ = [
     "load_tensors_only",
     "read_manifest",
     "save_checkpoint",
+    "uncommitted_staging",
     "verify_checkpoint",
 ]
 
@@ -216,6 +217,30 @@ def _pointed(root: Path) -> tuple[int, Path] | None:
     if match.group(2) and staged.is_dir():
         return step, staged
     return step, root / checkpoint_name(step)
+
+
+def uncommitted_staging(path: PathLike) -> str | None:
+    """Why ``path`` must not be read, if it is a save's staging directory
+    ``ckpt-<step>.new`` that the root's ``latest`` does not name (a crash before the
+    commit point, or a staging directory a newer save left behind: see [Note: commit
+    order]); None for any other path, and for a staging directory ``latest`` names (a
+    crash after the commit point, before the rename: it is the checkpoint).
+
+    Returns:
+        The sentence to raise with (names ``path`` and what ``latest`` names), or None.
+    """
+    p = Path(path)
+    step = _saved_step(p.name)
+    if step is None or _step_of(p.name) is not None:  # not ckpt-<step>.new
+        return None
+    if _pointed(p.parent) == (step, p):
+        return None
+    latest = p.parent / LATEST_NAME
+    named = repr(latest.read_text().strip()) if latest.is_file() else "nothing (no file)"
+    return (
+        f"{p}: this save did not finish (it was never committed: {latest} names "
+        f"{named}); use the root's newest committed one"
+    )
 
 
 def _pointer(root: Path) -> re.Match[str] | None:

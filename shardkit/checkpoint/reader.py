@@ -61,12 +61,12 @@ from shardkit.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,
-    _pointed,
     _saved_step,
     _step_of,
     list_checkpoints,
     load_tensors_only,
     read_manifest,
+    uncommitted_staging,
     verify_checkpoint,
 )
 from shardkit.checkpoint.universal.loader import read_saved_index, read_tensor
@@ -197,13 +197,9 @@ def find_checkpoint_dir(path: PathLike) -> Path:
             f"{p}: this save did not finish (no {MANIFEST_NAME!r}; files: "
             f"{sorted(names)}); use the root's newest committed one"
         )
-    if staging and _pointed(p.parent) != (step, p):
-        latest = p.parent / LATEST_NAME
-        named = repr(latest.read_text().strip()) if latest.is_file() else "nothing (no file)"
-        raise FileNotFoundError(
-            f"{p}: this save did not finish (it was never committed: {latest} names "
-            f"{named}); use the root's newest committed one"
-        )
+    uncommitted = uncommitted_staging(p)
+    if uncommitted is not None:
+        raise FileNotFoundError(uncommitted)
     return p
 
 

@@ -1,4 +1,5 @@
-"""``inspect`` / ``convert`` of the ``ckpt-<step>.new`` directory a crashed re-save left.
+"""``inspect`` / ``convert`` / ``load_universal`` of the ``ckpt-<step>.new`` directory a
+crashed re-save left.
 
 Regression: such a directory passed directly was inspected as "format unknown", exit
 status 0 (without a manifest), or as an intact checkpoint (with a manifest, a crash
@@ -15,10 +16,11 @@ from contextlib import suppress
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardkit.checkpoint.cli import PROG, main
 from shardkit.checkpoint.manifest import LATEST_NAME
-from shardkit.checkpoint.universal import save_universal
+from shardkit.checkpoint.universal import load_universal, save_universal
 from tests.checkpoint.test_resave_same_step import STEP, _Crash, _crash_at, _trained
 
 OLD, NEW = "ckpt-000005", "ckpt-000005.new"
@@ -99,3 +101,35 @@ def test_leftover_committed_is_read(tmp_path: Path, capsys: pytest.CaptureFixtur
         info = json.loads(text)
         assert (code, err, info["directory"], info["step"]) == (0, "", str(new), STEP)
         assert [f["status"] for f in info["files"]] == ["ok", "ok"]
+
+
+def test_load_universal_refuses_an_uncommitted_leftover_and_reads_a_committed_one(
+    tmp_path: Path,
+) -> None:
+    """Regression: ``load_universal`` given the ``.new`` directory of a re-save crashed at
+    the commit point loaded it (a save never committed, which the CLI refuses); it now
+    raises the CLI's sentence and leaves the model as it was. The root loads the old
+    save; a ``.new`` that ``latest`` names (a crash after the commit) loads as the new."""
+    assert _crashed_resave(tmp_path, 3) == ["atomic_write"]  # latest still names the old
+    old_model, _ = _trained(1)
+    new_model, _ = _trained(2)
+    model, optimizer = _trained(7)
+    before = [t.clone() for t in model.state_dict().values()]
+    new = tmp_path / NEW
+    why = (
+        f"{new}: this save did not finish (it was never committed: "
+        f"{tmp_path / LATEST_NAME} names '{OLD}'); use the root's newest committed one"
+    )
+    with pytest.raises(FileNotFoundError) as err:
+        load_universal(new, model, optimizer)
+    assert str(err.value) == why
+    assert all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
+    assert load_universal(tmp_path, model, optimizer).step == STEP
+    for got, want in zip(model.state_dict().values(), old_model.state_dict().values()):
+        assert torch.equal(got, want)
+
+    committed = tmp_path / "after"
+    assert _crashed_resave(committed, 4) == ["rmtree"]  # latest := ckpt-000005.new
+    assert load_universal(committed / NEW, model, optimizer).step == STEP
+    for got, want in zip(model.state_dict().values(), new_model.state_dict().values()):
+        assert torch.equal(got, want)

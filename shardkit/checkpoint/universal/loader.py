@@ -49,6 +49,7 @@ from shardkit.checkpoint.manifest import (
     find_valid_checkpoint,
     load_tensors_only,
     read_manifest,
+    uncommitted_staging,
     verify_checkpoint,
 )
 from shardkit.checkpoint.universal.layout import ParamEntry, layout_of, session_of
@@ -234,6 +235,9 @@ def _resolve(path: PathLike, group: Any, rank: int, world_size: int) -> Path:
                 f"{p} is not a checkpoint root (no {LATEST_NAME!r} file) or checkpoint "
                 f"directory (no {MANIFEST_NAME!r})"
             )
+    uncommitted = uncommitted_staging(p)
+    if uncommitted is not None:  # a complete-looking save that was never committed
+        raise FileNotFoundError(uncommitted)
     error: BaseException | None = None
     try:  # the ranks share the checksum work
         manifest = verify_checkpoint(p, names=[])
