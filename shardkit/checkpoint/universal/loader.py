@@ -235,9 +235,8 @@ def _resolve(path: PathLike, group: Any, rank: int, world_size: int) -> Path:
                 f"{p} is not a checkpoint root (no {LATEST_NAME!r} file) or checkpoint "
                 f"directory (no {MANIFEST_NAME!r})"
             )
-    uncommitted = uncommitted_staging(p)
-    if uncommitted is not None:  # a complete-looking save that was never committed
-        raise FileNotFoundError(uncommitted)
+    elif (uncommitted := uncommitted_staging(p)) is not None:
+        raise FileNotFoundError(uncommitted)  # complete-looking, never committed
     error: BaseException | None = None
     try:  # the ranks share the checksum work
         manifest = verify_checkpoint(p, names=[])
