@@ -178,12 +178,15 @@ def _errors() -> dict[str, str]:
         ),
         "unknown": lambda: FSDP(torch.nn.Linear(2, 2), sharding_strategy="half_shard"),
         "reshard-3": lambda: FSDP(torch.nn.Linear(2, 2), reshard_after_forward=3),
+        "reshard-0": lambda: FSDP(torch.nn.Linear(2, 2), reshard_after_forward=0),
+        # a float was truncated to an int (1: keep the full parameters), silently
+        "reshard-float": lambda: FSDP(torch.nn.Linear(2, 2), reshard_after_forward=1.5),  # type: ignore[arg-type]
     }.items():
         try:
             make()
             out[key] = "no error"
-        except ValueError as err:
-            out[key] = str(err)
+        except (ValueError, TypeError) as err:
+            out[key] = f"{type(err).__name__}: {err}"
     return out
 
 
@@ -280,4 +283,11 @@ def test_errors_name_the_fix(results: list[Any]) -> None:
     assert "needs a (shard group, replica group) pair" in errors["one-group-with-hybrid"]
     assert "unknown sharding_strategy 'half_shard'" in errors["unknown"]
     assert "reshard_after_forward=3 must divide the group's 4 ranks" in errors["reshard-3"]
+    assert errors["reshard-0"].startswith(
+        "ValueError: reshard_after_forward=0: an int must be >= 1"
+    )
+    assert errors["reshard-float"] == (
+        "TypeError: reshard_after_forward must be a bool or an int (ranks per group); got "
+        "1.5 (float)"
+    )
     assert "optimizer.step() while its gradient is still deferred" in errors["step-while-deferred"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -603,14 +604,30 @@ def _resolve_reshard(
 ) -> tuple[bool, dist.ProcessGroup | None]:
     """(reshard after forward, secondary group or None) from the argument.
 
+    An int M keeps 1/M of the full parameters for backward; M = 1 keeps them whole
+    (as False), M = the group size keeps this rank's shard only (as True).
+
     Raises:
-        ValueError: an int that does not divide the group size, or an int with a
-            subgroup (hybrid sharding already keeps all-gathers inside a node).
+        TypeError: neither a bool nor an int (a float such as 1.5 was truncated before).
+        ValueError: an int below 1, one that does not divide the group size, or an int
+            with a subgroup (hybrid sharding already keeps all-gathers inside a node).
     """
     if isinstance(reshard_after_forward, bool):
         return reshard_after_forward, None
-    size, world = int(reshard_after_forward), dist.get_world_size(shard_group)
-    if size < 1 or world % size:
+    try:
+        size = operator.index(reshard_after_forward)  # int, numpy integers; not 1.5
+    except TypeError:
+        raise TypeError(
+            f"reshard_after_forward must be a bool or an int (ranks per group); got "
+            f"{reshard_after_forward!r} ({type(reshard_after_forward).__name__})"
+        ) from None
+    world = dist.get_world_size(shard_group)
+    if size < 1:
+        raise ValueError(
+            f"reshard_after_forward={size}: an int must be >= 1 (the ranks of a group that "
+            "keeps a unit's parameters for backward); use True or False otherwise"
+        )
+    if world % size:
         raise ValueError(
             f"reshard_after_forward={size} must divide the group's {world} ranks (groups "
             f"of {size} consecutive ranks keep 1/{size} of a unit's parameters for backward)"
