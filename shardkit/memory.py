@@ -343,7 +343,7 @@ def trim_heap() -> bool:
 
 def heap_trim_point(kind: str = "unit") -> bool:
     """A point where shardkit's own code may trim: ``kind`` ``"step"`` (FSDP on CPU: the
-    root, once per step after its forward) or ``"unit"`` (after each unit's reshard).
+    root, after each forward a backward follows) or ``"unit"`` (after each unit's reshard).
     If the mode set by :func:`set_heap_trim` is ``kind``, :func:`trim_heap` at every
     ``every``-th such point (the ``every``-th, the ``2 every``-th, ...), else nothing.
     Counted in :func:`heap_trims` either way.
@@ -365,9 +365,11 @@ def set_heap_trim(mode: bool | str, every: int | None = None) -> str:
     """Where shardkit's trim points return the C heap's free pages, for this process.
 
     Args:
-        mode: ``"step"`` (the default): after the FSDP root's forward (the step's
-            activations are live: the pages still free then are the heap's holes,
-            which the step's peak would otherwise count), once every ``every`` steps;
+        mode: ``"step"`` (the default): after the FSDP root's forward when a
+            backward follows (the step's activations are live: the pages still free
+            then are the heap's holes, which the step's peak would otherwise count),
+            once every ``every`` such forwards (a micro-batch counts; an evaluation
+            forward does not);
             ``"unit"`` (or True): after every unit's reshard in forward and backward,
             the lowest peak and the most CPU time; ``"off"`` (or False): never.
             Measured on the benchmark GPT in ``docs/fsdp.md``, "Peak RSS on CPU: the

@@ -137,8 +137,17 @@ def trim_points() -> dict[str, Any]:
         counts.append((after.points - before.points, after.trimmed - before.trimmed))
         grads.append([p.grad.clone() for p in model.parameters()])
         model.zero_grad()
+    previous = set_heap_trim("step", every=1)
+    before = heap_trims()
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                model(x, targets=x)  # evaluation: not a training step
+    finally:
+        set_heap_trim(previous)
     return {
         "counts": counts,
+        "eval_trims": heap_trims().trimmed - before.trimmed,
         "available": heap_trims().available,
         "same_grads": all(
             torch.equal(first, other) for g in grads[1:] for first, other in zip(grads[0], g)

@@ -102,6 +102,7 @@ def test_heap_trim_points_per_step_and_after_every_reshard(rank_pool: Any) -> No
         assert off == unit == step == 13 and off_trimmed == 0
         assert unit_trimmed == (12 if r["available"] else 0)
         assert step_trimmed == (1 if r["available"] else 0)  # the default mode, every=1
+        assert r["eval_trims"] == 0  # a forward without backward is not a training step
         assert r["same_grads"]  # trimming gives back free pages only
 
 

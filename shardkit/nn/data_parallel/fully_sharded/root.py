@@ -158,8 +158,8 @@ class RootState:
         for unit in self.units:
             if unit.is_prefetching or not backward_expected:
                 unit.reshard()  # an unused prefetch, or inference: nothing to keep
-        if self.on_cpu:  # the default: [Note: trimming the heap] in shardkit.memory
-            heap_trim_point("step")
+        if self.on_cpu and backward_expected:  # [Note: trimming the heap] in memory
+            heap_trim_point("step")  # the default mode: training forwards, 1 in 8
 
     def _agree(self, stale: bool) -> bool:
         """Adopt ``requires_grad`` changes made since the last forward (every unit) and,
