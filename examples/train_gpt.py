@@ -446,6 +446,7 @@ def checkpoint_extra(run: Run) -> dict[str, Any]:
         "world_size": run.env.world_size,
         "strategy_name": run.config.strategy.name,  # --strategy (the layout may add +tp<T>)
         "tp": run.config.strategy.tp,
+        "schedule": {"steps": run.config.steps, "warmup": run.config.warmup},
     }
 
 
@@ -477,12 +478,33 @@ def restore(run: Run, step: int, saved_world_size: int, mine: Any, first: Any) -
     run.step = step
     run.sampler.load_state_dict(first["sampler"])
     run.scheduler.load_state_dict(first["scheduler"])
+    schedule_warning = schedule_change(first.get("schedule"), config, step)
+    if schedule_warning is not None:
+        warn(run, schedule_warning)
     run.strategy.load_extra_state(first["strategy"])
     run.history = History(**first["history"])
     if saved_world_size == env.world_size and mine is not None:
         set_rng_state(mine["rng"], env.device)
     else:
         reseed(config.seed, step, env.rank, env.device)
+
+
+def schedule_change(saved: dict[str, int] | None, config: JobConfig, step: int) -> str | None:
+    """A warning if this run's LR schedule (``--steps``, ``--warmup-steps``) differs from
+    the checkpoint's ``saved`` one (None: a checkpoint from before it was kept), naming
+    the LR factor at ``step`` under each; else None. Extending a run this way is
+    allowed, but the learning rate jumps (see docs/train_gpt.md, Pitfalls)."""
+    if saved is None or (saved["steps"], saved["warmup"]) == (config.steps, config.warmup):
+        return None
+    before = lr_factor(step, saved["warmup"], saved["steps"])
+    after = lr_factor(step, config.warmup, config.steps)
+    return (
+        f"--steps {config.steps} --warmup-steps {config.warmup} differ from the "
+        f"checkpoint's {saved['steps']} and {saved['warmup']}: the LR schedule changes, at "
+        f"step {step} the factor on --lr goes from {before:.3f} to {after:.3f}. To continue "
+        "the same schedule, resume with the checkpoint's --steps (and --stop-after to end "
+        "earlier)"
+    )
 
 
 def model_flags(config: JobConfig) -> dict[str, Any]:

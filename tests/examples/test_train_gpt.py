@@ -185,3 +185,20 @@ def test_bad_input_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture
         assert err.startswith("train_gpt.py: error: ") and err.count("\n") == 1, err
         assert message in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_with_another_schedule_warns_with_the_lr_jump() -> None:
+    """Regression (fresh-user test): ``--resume --steps 12`` from a run of ``--steps 8``
+    changed the LR schedule without a word (factor 0.100 -> 0.363 at step 8)."""
+    saved = {"steps": 8, "warmup": 1}
+    same = train_gpt.parse_args(["--steps", "8", "--warmup-steps", "1"])
+    assert train_gpt.schedule_change(saved, same, 8) is None
+    assert train_gpt.schedule_change(None, same, 8) is None  # an older checkpoint
+    longer = train_gpt.parse_args(["--steps", "12", "--warmup-steps", "1"])
+    before, after = train_gpt.lr_factor(8, 1, 8), train_gpt.lr_factor(8, 1, 12)
+    assert (round(before, 3), round(after, 3)) == (0.1, 0.363)
+    assert train_gpt.schedule_change(saved, longer, 8) == (
+        "--steps 12 --warmup-steps 1 differ from the checkpoint's 8 and 1: the LR schedule "
+        "changes, at step 8 the factor on --lr goes from 0.100 to 0.363. To continue the "
+        "same schedule, resume with the checkpoint's --steps (and --stop-after to end earlier)"
+    )
