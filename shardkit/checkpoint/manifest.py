@@ -93,9 +93,9 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint_file",
     "load_tensors_only",
+    "not_the_committed_save",
     "read_manifest",
     "save_checkpoint",
-    "uncommitted_staging",
     "verify_checkpoint",
 ]
 
@@ -219,23 +219,34 @@ def _pointed(root: Path) -> tuple[int, Path] | None:
     return step, root / checkpoint_name(step)
 
 
-def uncommitted_staging(path: PathLike) -> str | None:
-    """Why ``path`` must not be read, if it is a save's staging directory
-    ``ckpt-<step>.new`` that the root's ``latest`` does not name (a crash before the
-    commit point, or a staging directory a newer save left behind: see [Note: commit
-    order]); None for any other path, and for a staging directory ``latest`` names (a
-    crash after the commit point, before the rename: it is the checkpoint).
+def not_the_committed_save(path: PathLike) -> str | None:
+    """Why ``path`` must not be read as its step's checkpoint, or None.
+
+    Two directories of a re-save (see [Note: commit order]) are not the committed save
+    of their step: a staging directory ``ckpt-<step>.new`` that the root's ``latest``
+    does not name (a crash before the commit point, or one a newer save left), and a
+    ``ckpt-<step>`` while ``latest`` names its ``ckpt-<step>.new`` (a crash after the
+    commit point, before the rename: the old save, superseded). Any other path: None.
 
     Returns:
         The sentence to raise with (names ``path`` and what ``latest`` names), or None.
     """
     p = Path(path)
     step = _saved_step(p.name)
-    if step is None or _step_of(p.name) is not None:  # not ckpt-<step>.new
+    if step is None:
         return None
-    if _pointed(p.parent) == (step, p):
-        return None
+    pointed = _pointed(p.parent)
     latest = p.parent / LATEST_NAME
+    if _step_of(p.name) is not None:  # ckpt-<step>
+        staged = _staging(p.parent, step)
+        if pointed != (step, staged):
+            return None
+        return (
+            f"{p}: superseded by {staged.name}, a re-save of step {step} that {latest} "
+            f"names (committed; its rename did not run); read {staged} or the root"
+        )
+    if pointed == (step, p):
+        return None
     named = repr(latest.read_text().strip()) if latest.is_file() else "nothing (no file)"
     return (
         f"{p}: this save did not finish (it was never committed: {latest} names "

@@ -65,8 +65,8 @@ from shardkit.checkpoint.manifest import (
     _step_of,
     list_checkpoints,
     load_tensors_only,
+    not_the_committed_save,
     read_manifest,
-    uncommitted_staging,
     verify_checkpoint,
 )
 from shardkit.checkpoint.universal.loader import read_saved_index, read_tensor
@@ -197,7 +197,7 @@ def find_checkpoint_dir(path: PathLike) -> Path:
             f"{p}: this save did not finish (no {MANIFEST_NAME!r}; files: "
             f"{sorted(names)}); use the root's newest committed one"
         )
-    uncommitted = uncommitted_staging(p)
+    uncommitted = not_the_committed_save(p)
     if uncommitted is not None:
         raise FileNotFoundError(uncommitted)
     return p

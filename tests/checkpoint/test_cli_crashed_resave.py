@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from contextlib import suppress
 from pathlib import Path
 
@@ -131,5 +132,36 @@ def test_load_universal_refuses_an_uncommitted_leftover_and_reads_a_committed_on
     committed = tmp_path / "after"
     assert _crashed_resave(committed, 4) == ["rmtree"]  # latest := ckpt-000005.new
     assert load_universal(committed / NEW, model, optimizer).step == STEP
+    for got, want in zip(model.state_dict().values(), new_model.state_dict().values()):
+        assert torch.equal(got, want)
+
+
+def test_superseded_save_is_refused_by_the_cli_and_the_loader(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression (fresh-user test): a crash after the commit point, before the old
+    ``ckpt-000005`` was deleted, left it intact while ``latest`` names the new
+    ``ckpt-000005.new``; passed directly it inspected as "ok" (exit 0) and
+    ``load_universal`` loaded the OLD values. Both now refuse it; the root reads the
+    new save."""
+    root, other = tmp_path / "run", tmp_path / "other"
+    save_universal(root, STEP, *_trained(1), keep=1)
+    save_universal(other, STEP, *_trained(2), keep=1)
+    shutil.copytree(other / OLD, root / NEW)  # the re-save, complete
+    (root / LATEST_NAME).write_text(f"{NEW}\n")  # committed; the rename never ran
+    old = root / OLD
+    why = (
+        f"{old}: superseded by {NEW}, a re-save of step {STEP} that {root / LATEST_NAME} "
+        f"names (committed; its rename did not run); read {root / NEW} or the root"
+    )
+    assert _cli(capsys, "inspect", str(old)) == (1, "", f"{PROG} inspect: error: {why}\n")
+    model, optimizer = _trained(7)
+    before = [t.clone() for t in model.state_dict().values()]
+    with pytest.raises(FileNotFoundError) as err:
+        load_universal(old, model, optimizer)
+    assert str(err.value) == why
+    assert all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
+    assert load_universal(root, model, optimizer).step == STEP
+    new_model, _ = _trained(2)
     for got, want in zip(model.state_dict().values(), new_model.state_dict().values()):
         assert torch.equal(got, want)

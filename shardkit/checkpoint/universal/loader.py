@@ -48,8 +48,8 @@ from shardkit.checkpoint.manifest import (
     _saved_step,
     find_valid_checkpoint,
     load_tensors_only,
+    not_the_committed_save,
     read_manifest,
-    uncommitted_staging,
     verify_checkpoint,
 )
 from shardkit.checkpoint.universal.layout import ParamEntry, layout_of, session_of
@@ -235,8 +235,8 @@ def _resolve(path: PathLike, group: Any, rank: int, world_size: int) -> Path:
                 f"{p} is not a checkpoint root (no {LATEST_NAME!r} file) or checkpoint "
                 f"directory (no {MANIFEST_NAME!r})"
             )
-    elif (uncommitted := uncommitted_staging(p)) is not None:
-        raise FileNotFoundError(uncommitted)  # complete-looking, never committed
+    elif (uncommitted := not_the_committed_save(p)) is not None:
+        raise FileNotFoundError(uncommitted)  # never committed, or superseded
     error: BaseException | None = None
     try:  # the ranks share the checksum work
         manifest = verify_checkpoint(p, names=[])
