@@ -371,6 +371,9 @@ def launch_error(config: JobConfig, env: Env) -> str | None:
     problem = tp_error(config, env.world_size)
     if problem is not None:
         return problem
+    offload_dir = config.strategy.offload_dir
+    if offload_dir is not None and Path(offload_dir).exists() and not Path(offload_dir).is_dir():
+        return f"--offload-dir {offload_dir} is not a directory (a disk-tier directory to create or reuse)"
     try:
         plan = batch_plan(config, data_parallel(config, env)[1])
     except InputError as err:

@@ -202,3 +202,17 @@ def test_resume_with_another_schedule_warns_with_the_lr_jump() -> None:
         "changes, at step 8 the factor on --lr goes from 0.100 to 0.363. To continue the "
         "same schedule, resume with the checkpoint's --steps (and --stop-after to end earlier)"
     )
+
+
+def test_offload_dir_that_is_a_file_is_a_launch_error(tmp_path: Path) -> None:
+    """Regression (fresh-user test): ``--offload-dir`` naming a regular file ended in a
+    ``ValueError`` traceback on every rank, not the one-line refusal (exit 2)."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    env = train_gpt.Env(rank=0, world_size=1, device=torch.device("cpu"), owns_group=False)
+    bad = train_gpt.parse_args(["--strategy", "offload", "--offload-dir", str(afile)])
+    assert train_gpt.launch_error(bad, env) == (
+        f"--offload-dir {afile} is not a directory (a disk-tier directory to create or reuse)"
+    )
+    fresh = train_gpt.parse_args(["--strategy", "offload", "--offload-dir", str(tmp_path / "d")])
+    assert train_gpt.launch_error(fresh, env) is None
