@@ -14,8 +14,9 @@ Besides the model state, :func:`buffer_pools` reports the reused working buffers
 (FSDP's full parameter and gradient buffers of its units): how many exist, how many
 hold memory now and at most since :func:`reset_buffer_peaks`, and their bytes.
 :func:`trim_heap` returns the free pages of the C heap to the operating system (glibc's
-``malloc_trim``); with :func:`set_heap_trim` on, FSDP on CPU does so after every unit's
-reshard. :func:`heap_trims` counts the calls and the time they took.
+``malloc_trim``); FSDP on CPU does so at the points :func:`set_heap_trim` chooses (by
+default after the root's forward, one training forward in 8; ``"unit"``: after every
+unit's reshard). :func:`heap_trims` counts the calls and the time they took.
 
 [Note: why storages, not tensors]
 ``p.numel() * p.element_size()`` over-counts tied weights (an LM head sharing the
@@ -263,8 +264,11 @@ def reset_buffer_peaks() -> None:
 # set is the heap's high-water mark, not the bytes in use. ``malloc_trim(0)`` walks the
 # free chunks of every arena and ``madvise(MADV_DONTNEED)``s each whole free page inside
 # them (glibc >= 2.8), so those pages leave the resident set at once; the blocks stay
-# where they are and the next use of the space faults in zero pages. It is a call on this
-# process's own heap; no allocator setting (``mallopt``, ``GLIBC_TUNABLES``) is changed.
+# where they are and the next use of the space faults in zero pages: that re-zeroing,
+# not the call, is the cost (a trim after every training forward of the benchmark GPT
+# cost 6% of its CPU time per step), hence one trim in STEP_TRIM_EVERY by default, which
+# bounds the heap's drift (about 5 MiB per step there without trims). It is a call on
+# this process's own heap; no allocator setting (``mallopt``, ``GLIBC_TUNABLES``) changes.
 # Off glibc (macOS, Windows, musl) there is no such function and trim_heap does nothing.
 
 
