@@ -75,6 +75,18 @@ def add_gpt_args(
     add("--rounds", type=int, default=rounds, help=f"interleaved rounds (default {rounds})")
 
 
+def add_strategy_args(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of the benchmarks that build several strategies in the same ranks
+    (:mod:`benchmarks.interleaved`, :mod:`benchmarks.profile_step`): ``--strategies``
+    (default torch DDP, shardkit sdp, shardkit fsdp), ``--size`` (default anchor),
+    ``--warmup`` (untimed steps, default 2) and ``--world-size`` (default 2)."""
+    add = parser.add_argument
+    add("--strategies", nargs="+", default=["torch DDP", "shardkit sdp", "shardkit fsdp"])
+    add("--size", default="anchor", help="model size (default anchor)")
+    add("--warmup", type=int, default=2, help="untimed steps (default 2)")
+    add("--world-size", type=int, default=2)
+
+
 def add_run_args(
     parser: argparse.ArgumentParser, *, batch: int, seq_len: int = 128, timeout_s: float = 900.0
 ) -> None:

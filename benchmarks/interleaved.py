@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from benchmarks.common import add_run_args, slowest, timestamp
+from benchmarks.common import add_run_args, add_strategy_args, slowest, timestamp
 from benchmarks.compare import _batch, model_config
 from benchmarks.profile_step import _step, _strategy
 from shardkit.testing import run_distributed
@@ -94,14 +94,9 @@ def summarize(times: Mapping[str, list[list[float]]]) -> dict[str, dict[str, flo
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.interleaved", description=__doc__)
-    parser.add_argument(
-        "--strategies", nargs="+", default=["torch DDP", "shardkit sdp", "shardkit fsdp"]
-    )
-    parser.add_argument("--size", default="anchor", help="model size (default anchor)")
+    add_strategy_args(parser)
     parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     parser.add_argument("--steps", type=int, default=3, help="steps per round (default 3)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
-    parser.add_argument("--world-size", type=int, default=2)
     add_run_args(parser, batch=8, timeout_s=3600)
     args = parser.parse_args(argv)
     spec = {

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.common import add_run_args, slowest, timestamp
+from benchmarks.common import add_run_args, add_strategy_args, slowest, timestamp
 from benchmarks.compare import _batch, model_config
 from benchmarks.runners import _registry_config
 from examples.strategies import STRATEGIES as MAIN_JOB
@@ -119,14 +119,9 @@ def _print(name: str, result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__)
-    parser.add_argument(
-        "--strategies", nargs="+", default=["torch DDP", "shardkit sdp", "shardkit fsdp"]
-    )
-    parser.add_argument("--size", default="anchor", help="model size (default anchor)")
+    add_strategy_args(parser)
     parser.add_argument("--steps", type=int, default=5, help="timed and profiled steps")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
     parser.add_argument("--top", type=int, default=20, help="rows of the self-time table")
-    parser.add_argument("--world-size", type=int, default=2)
     add_run_args(parser, batch=8, timeout_s=900)
     args = parser.parse_args(argv)
     results: dict[str, Any] = {}
