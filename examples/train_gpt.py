@@ -52,6 +52,7 @@ from strategies import (
 from tqdm import tqdm
 
 from shardkit.checkpoint.atomic import atomic_save, atomic_write
+from shardkit.checkpoint.manifest import MANIFEST_NAME
 from shardkit.distributed import mpu
 from shardkit.memory import ModelStateBytes
 from shardkit.models import GPT, MODEL_SIZES, gpt_config
@@ -367,13 +368,21 @@ def tp_error(config: JobConfig, world_size: int) -> str | None:
 
 def launch_error(config: JobConfig, env: Env) -> str | None:
     """Why the job cannot run at this launch's world size (``--tp``, the global batch,
-    pipe's ``--chunks``), or None; the same answer on every rank."""
+    pipe's ``--chunks``) or with these paths (``--offload-dir`` a file, ``--resume``
+    with ``--out-dir`` a checkpoint directory), or None; the same answer on every rank."""
     problem = tp_error(config, env.world_size)
     if problem is not None:
         return problem
     offload_dir = config.strategy.offload_dir
     if offload_dir is not None and Path(offload_dir).exists() and not Path(offload_dir).is_dir():
         return f"--offload-dir {offload_dir} is not a directory (a disk-tier directory to create or reuse)"
+    out_dir = Path(config.out_dir)
+    if config.resume and (out_dir / MANIFEST_NAME).is_file():
+        return (
+            f"--resume: --out-dir {out_dir} is a checkpoint directory (it holds "
+            f"{MANIFEST_NAME}), not a run directory; use the run directory that holds "
+            f"it and 'latest': --out-dir {out_dir.parent}"
+        )
     try:
         plan = batch_plan(config, data_parallel(config, env)[1])
     except InputError as err:

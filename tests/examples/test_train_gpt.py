@@ -216,3 +216,29 @@ def test_offload_dir_that_is_a_file_is_a_launch_error(tmp_path: Path) -> None:
     )
     fresh = train_gpt.parse_args(["--strategy", "offload", "--offload-dir", str(tmp_path / "d")])
     assert train_gpt.launch_error(fresh, env) is None
+
+
+def test_resume_into_a_checkpoint_directory_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression (fresh-user test): ``--resume --out-dir runs/x/ckpt-000003`` (the
+    checkpoint itself, not the run directory holding it) found no ``latest`` there,
+    started at step 0 and trained into the checkpoint directory. Now: one line naming
+    it and its parent, exit 2, nothing written."""
+    _write_foreign_checkpoint(tmp_path)
+    ckpt = tmp_path / "ckpt-000003"
+    before = sorted(p.name for p in ckpt.iterdir())
+    env = train_gpt.Env(rank=0, world_size=1, device=torch.device("cpu"), owns_group=False)
+    expected = (
+        f"--resume: --out-dir {ckpt} is a checkpoint directory (it holds manifest.json), "
+        f"not a run directory; use the run directory that holds it and 'latest': "
+        f"--out-dir {tmp_path}"
+    )
+    config = train_gpt.parse_args(["--resume", "--out-dir", str(ckpt)])
+    assert train_gpt.launch_error(config, env) == expected
+    fresh = train_gpt.parse_args(["--out-dir", str(ckpt)])  # no --resume: not this check
+    assert train_gpt.launch_error(fresh, env) is None
+    assert train_gpt.launch_error(train_gpt.parse_args(["--resume"]), env) is None
+    assert train_gpt.main([*TINY, "--resume", "--out-dir", str(ckpt)]) == 2
+    assert capsys.readouterr().err == f"train_gpt.py: error: {expected}\n"
+    assert sorted(p.name for p in ckpt.iterdir()) == before
