@@ -519,6 +519,41 @@ def schedule_change(saved: dict[str, int] | None, config: JobConfig, step: int) 
     )
 
 
+def no_step_left(step: int, config: JobConfig) -> str | None:
+    """The line saying that a run resumed at ``step`` has no step to run (``step`` is
+    at or past ``--steps`` or ``--stop-after``), or None when it has."""
+    if step >= config.steps:
+        stop, flag = config.steps, "--steps"
+    elif config.stop_after is not None and step >= config.stop_after:
+        stop, flag = config.stop_after, "--stop-after"
+    else:
+        return None
+    return (
+        f"--resume: the checkpoint is at step {step} and {flag} is {stop}: no step left to "
+        f"run; this run trains nothing (a {flag} above {step} continues the training)"
+    )
+
+
+def final_losses(history: History, steps_this_run: int) -> str:
+    """The losses of the summary line: first -> last of the run; when no step ran, the
+    checkpoint's last recorded ones with their steps (not the step-0 validation loss as
+    if it were the final one)."""
+    train, val = history.train_loss, history.val_loss
+    if steps_this_run:
+        return (
+            f"train loss {train[0][1]:.4f} -> {train[-1][1]:.4f}, "
+            f"val loss {val[0][1]:.4f} -> {val[-1][1]:.4f}"
+        )
+    last = [
+        f"{name} {pairs[-1][1]:.4f} (step {int(pairs[-1][0])})"
+        for name, pairs in (("train", train), ("val", val))
+        if pairs
+    ]
+    if not last:
+        return "no step ran, and the checkpoint records no loss"
+    return f"no step ran; the checkpoint's last losses: {', '.join(last)}"
+
+
 def model_flags(config: JobConfig) -> dict[str, Any]:
     """The flags that fix the model's shapes (kept in each checkpoint; a resume with
     others is refused). ``--tp`` is not one: the universal checkpoint holds the plain
@@ -549,6 +584,9 @@ def maybe_resume(run: Run, out_dir: Path) -> None:
     first: dict[str, Any] = loaded.extra(0) or {}  # present: checked before loading
     restore(run, int(loaded.step), int(loaded.saved_world_size), loaded.extra(env.rank), first)
     say(run, f"resumed from {ckpt} at step {run.step}")
+    nothing_left = no_step_left(run.step, config)
+    if nothing_left is not None:
+        say(run, nothing_left)
     saved = (loaded.saved_world_size, first.get("strategy_name", loaded.saved_strategy))
     if saved != (env.world_size, config.strategy.name):
         say(
@@ -724,13 +762,12 @@ def finish(run: Run, out_dir: Path, wall_s: float) -> None:
     if state is not None:
         atomic_save(state, out_dir / "model.pt")
     plot_metrics(metrics, out_dir / "loss.png")
-    h = run.history
+    losses = final_losses(run.history, run.steps_this_run)
+    speed = f"{metrics['tokens_per_s_run']:,.0f} tok/s, " if run.steps_this_run else ""
     say(
         run,
-        f"done: step {run.step}, train loss {h.train_loss[0][1]:.4f} -> {h.train_loss[-1][1]:.4f}, "
-        f"val loss {h.val_loss[0][1]:.4f} -> {h.val_loss[-1][1]:.4f}, "
-        f"{metrics['tokens_per_s_run']:,.0f} tok/s, {wall_s:.1f} s; wrote {out_dir}/metrics.json "
-        "and loss.png",
+        f"done: step {run.step}, {losses}, {speed}{wall_s:.1f} s; wrote "
+        f"{out_dir}/metrics.json and loss.png",
     )
     if state is not None:  # the trained model continues a prompt: did it learn?
         config = run.config

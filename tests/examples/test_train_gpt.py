@@ -242,3 +242,52 @@ def test_resume_into_a_checkpoint_directory_is_refused(
     assert train_gpt.main([*TINY, "--resume", "--out-dir", str(ckpt)]) == 2
     assert capsys.readouterr().err == f"train_gpt.py: error: {expected}\n"
     assert sorted(p.name for p in ckpt.iterdir()) == before
+
+
+def test_resume_with_no_step_left_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression (fresh-user test): ``--resume --steps 2`` from a checkpoint at step 3
+    ended at step 3 with only the schedule warning, and its summary showed the step-0
+    validation loss as the final one. Now: one line that no step is left, and the
+    summary gives the checkpoint's last losses with their steps."""
+    common = [*TINY, "--eval-every", "0", "--warmup-steps", "1", "--out-dir", str(tmp_path)]
+    assert train_gpt.main([*common, "--steps", "6", "--stop-after", "3"]) == 0
+    history = _metrics(tmp_path)
+    (_, train3), (val_step, val0) = history["train_loss"][-1], history["val_loss"][-1]
+    assert val_step == 0  # --eval-every 0: only step 0 was validated before step 6
+    capsys.readouterr()
+    assert train_gpt.main([*common, "--steps", "2", "--resume"]) == 0
+    out = capsys.readouterr().out
+    left = (
+        "--resume: the checkpoint is at step 3 and --steps is 2: no step left to run; "
+        "this run trains nothing (a --steps above 3 continues the training)\n"
+    )
+    assert left in out, out
+    assert (
+        f"done: step 3, no step ran; the checkpoint's last losses: train {train3:.4f} "
+        f"(step 3), val {val0:.4f} (step 0), "
+    ) in out, out
+    m = _metrics(tmp_path)
+    assert (m["start_step"], m["step"], m["train_loss"]) == (3, 3, history["train_loss"])
+
+
+def test_no_step_left_and_final_losses() -> None:
+    """The two messages of a resume with nothing to run, and the summary's losses."""
+    config = train_gpt.parse_args(["--steps", "10", "--stop-after", "6"])
+    assert train_gpt.no_step_left(5, config) is None
+    assert train_gpt.no_step_left(6, config) == (
+        "--resume: the checkpoint is at step 6 and --stop-after is 6: no step left to "
+        "run; this run trains nothing (a --stop-after above 6 continues the training)"
+    )
+    assert train_gpt.no_step_left(12, config) is not None
+    assert "step 12 and --steps is 10" in str(train_gpt.no_step_left(12, config))
+    ran = train_gpt.History(train_loss=[[1, 5.0], [2, 4.0]], val_loss=[[0, 5.5], [2, 4.5]])
+    assert (
+        train_gpt.final_losses(ran, 2) == "train loss 5.0000 -> 4.0000, val loss 5.5000 -> 4.5000"
+    )
+    assert train_gpt.final_losses(ran, 0) == (
+        "no step ran; the checkpoint's last losses: train 4.0000 (step 2), val 4.5000 (step 2)"
+    )
+    empty = train_gpt.History()
+    assert train_gpt.final_losses(empty, 0) == "no step ran, and the checkpoint records no loss"
