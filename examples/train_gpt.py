@@ -788,11 +788,16 @@ def run_job(
     data: tuple[torch.Tensor, torch.Tensor],
     callbacks: Sequence[Callback] = (),
 ) -> None:
-    """Build, maybe resume, train, write the outputs."""
+    """Build, maybe resume, print the banner (with the batch plan that runs), train,
+    write the outputs."""
     start = time.perf_counter()
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     run = build_run(config, env, *data)
+    for callback in callbacks:
+        callback(run)
+    if config.resume:  # may change the batch plan, or refuse it: the banner comes after
+        maybe_resume(run, out_dir)
     degree = config.strategy.tp
     tp_note = f" | tensor parallel {degree} (data parallel {env.world_size // degree})"
     say(
@@ -803,10 +808,6 @@ def run_job(
         f"{len(data[0]):,} train / "
         f"{len(data[1]):,} val tokens",
     )
-    for callback in callbacks:
-        callback(run)
-    if config.resume:
-        maybe_resume(run, out_dir)
     train_loop(run, out_dir)
     finish(run, out_dir, time.perf_counter() - start)
 
@@ -838,8 +839,8 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Callback] = ()) -> i
         if problem is not None:  # the same on every rank: rank 0 says it
             return fail(InputError(problem), env.rank == 0)
         run_job(config, env, data, callbacks)
-    except InputError as err:
-        return fail(err, True)
+    except InputError as err:  # raised on every rank (the checkpoint checks agree): rank 0 says it
+        return fail(err, env.rank == 0)
     except NonFiniteLossError as err:  # every rank stops; rank 0 says it
         return fail(err, env.rank == 0)
     finally:

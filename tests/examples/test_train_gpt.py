@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -291,3 +293,51 @@ def test_no_step_left_and_final_losses() -> None:
     )
     empty = train_gpt.History()
     assert train_gpt.final_losses(empty, 0) == "no step ran, and the checkpoint records no loss"
+
+
+def _main_outputs(argvs: list[list[str]]) -> list[tuple[int, str, str]]:
+    """On each pool rank: run the job once per command line; the exit code, stdout and
+    stderr of each."""
+    results = []
+    for argv in argvs:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = train_gpt.main(argv)
+        results.append((code, out.getvalue(), err.getvalue()))
+    return results
+
+
+def test_resume_refusals_print_once_and_after_no_banner(rank_pool: Any, tmp_path: Path) -> None:
+    """Regressions (fresh-user test), on 2 ranks: a resume refused in the job (another
+    program's checkpoint; a global batch the new size cannot split) printed its error
+    line on every rank, and the global-batch refusal came after a banner showing this
+    launch's global batch (6 = 3 x 1 x 2) as if it would run. Now: the line on rank 0
+    only, exit 2 on both, no banner; an accepted resume's banner shows the checkpoint's
+    global batch that runs (8 = 2 x 2 x 2, not --batch-size 2's 4)."""
+    foreign, batch8 = tmp_path / "foreign", tmp_path / "batch8"
+    _write_foreign_checkpoint(foreign)
+    saved = ["--steps", "8", "--save-every", "3", "--stop-after", "3", "--eval-every", "0"]
+    assert train_gpt.main([*TINY, *saved, "--batch-size", "8", "--out-dir", str(batch8)]) == 0
+    resume = [*TINY, *saved, "--resume"]
+    results = rank_pool(2).run(
+        _main_outputs,
+        [
+            [*resume, "--out-dir", str(foreign)],
+            [*resume, "--out-dir", str(batch8), "--batch-size", "3"],
+            [*resume, "--out-dir", str(batch8), "--batch-size", "2"],  # 8 = 2 x 2 x 2
+        ],
+        timeout_s=120,
+    )
+    assert [[code for code, _, _ in rank] for rank in results] == [[2, 2, 0]] * 2
+    (_, _, foreign0), (_, out0, split0), (_, resumed0, _) = results[0]
+    assert foreign0.startswith(f"train_gpt.py: error: --resume: {foreign / 'ckpt-000003'}")
+    assert foreign0.count("\n") == 1, foreign0
+    assert split0.startswith(
+        "train_gpt.py: error: --resume: the checkpoint's global batch 8 does not split "
+        "over 2 data-parallel rank(s)"
+    )
+    assert split0.count("\n") == 1, split0
+    assert "parameters |" not in out0 and "global batch 6" not in out0, out0
+    assert "| global batch 8 = 2 x 2 micro-batch(es) x 2 data-parallel rank(s), 32 " in resumed0
+    assert "global batch 4" not in resumed0, resumed0  # this launch's own, 2 x 1 x 2
+    assert [(out, err) for _, out, err in results[1][:2]] == [("", "")] * 2  # rank 1: silent
