@@ -19,7 +19,9 @@ ranks (see :mod:`shardkit.checkpoint.reader`).
 
 Exit status: 0; 1 when the checkpoint is damaged, unsafe, not finished saving (a
 ``ckpt-<step>`` or ``ckpt-<step>.new`` a crash left) or holds nothing to convert (one
-line on stderr, naming the file and why); 2 for bad usage.
+line on stderr, naming the file and why; with ``inspect --json``, one JSON object on
+stdout instead: ``{"ok": false, "problem": "...", "message": "..."}``); 2 for bad
+usage.
 """
 
 from __future__ import annotations
@@ -166,5 +168,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _inspect(args) if args.command == "inspect" else _convert(args)
     except (CheckpointError, ValueError, FileNotFoundError) as err:
-        print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
+        if getattr(args, "json", False):  # scripts parse stdout: the error as JSON too
+            print(json.dumps(_error_object(err), indent=1, sort_keys=True))
+        else:
+            print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
         return 1
+
+
+def _error_object(err: Exception) -> dict[str, Any]:
+    """``inspect --json``'s output for a checkpoint it cannot read: ``ok`` false, the
+    ``problem`` (a :class:`CheckpointError`'s word, ``not found`` for a path that is not
+    a checkpoint, ``invalid`` for another refusal) and the one-line ``message``."""
+    if isinstance(err, CheckpointError):
+        problem = err.problem
+    else:
+        problem = "not found" if isinstance(err, FileNotFoundError) else "invalid"
+    return {"ok": False, "problem": problem, "message": str(err)}

@@ -289,3 +289,34 @@ def test_inspect_unfinished_save_says_so(
     assert main(["inspect", str(unfinished)]) == 1
     err = capsys.readouterr().err
     assert "did not finish" in err and "shard-0-of-2.safetensors" in err
+
+
+def test_inspect_json_reports_errors_as_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression (fresh-user test): ``inspect --json`` of a path it cannot read printed
+    its error as text on stderr, which a script parsing stdout cannot read. Now: one
+    JSON object on stdout, nothing on stderr, the same exit status 1; without
+    ``--json`` the text line is unchanged."""
+    missing = tmp_path / "nope"
+    bad_manifest = tmp_path / "ckpt-000001"
+    bad_manifest.mkdir()
+    (bad_manifest / "manifest.json").write_text("{not json")
+    unfinished = tmp_path / "ckpt-000006"
+    unfinished.mkdir()
+    (unfinished / "shard-0-of-2.safetensors").write_bytes(b"partial")
+    cases = [
+        (missing, "not found", f"{missing} is not a directory"),
+        (bad_manifest, "manifest", f"{bad_manifest / 'manifest.json'} is unreadable: "),
+        (unfinished, "not found", f"{unfinished}: this save did not finish"),
+    ]
+    prefix = "python -m shardkit.checkpoint inspect: error: "
+    for path, problem, start in cases:
+        assert main(["inspect", str(path)]) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(prefix + start) and err.count("\n") == 1, err
+        assert main(["inspect", str(path), "--json"]) == 1
+        out, json_err = capsys.readouterr()
+        assert json_err == ""
+        message = err.removeprefix(prefix).rstrip("\n")
+        assert json.loads(out) == {"ok": False, "problem": problem, "message": message}
