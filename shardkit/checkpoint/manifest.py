@@ -25,7 +25,9 @@ hashes them; the records are all-gathered (this is the barrier); rank 0 writes
 4. ``latest`` := ``ckpt-<step>``; older checkpoints beyond ``keep`` are pruned.
 
 Rank 0's outcome is broadcast, so a failure on any rank raises on every rank instead
-of leaving the others waiting. A committed checkpoint's files are never rewritten in
+of leaving the others waiting (see [Note: one failure, every rank] in
+:mod:`shardkit.checkpoint.agreement`); a save that fails before the commit point
+deletes its staging directory. A committed checkpoint's files are never rewritten in
 place, so a crash at any point leaves ``latest`` naming a complete checkpoint: the
 previous one before step 1, the new one from step 1 on (:func:`list_checkpoints`
 reads a ``latest`` naming ``ckpt-<step>.new`` as that directory while it exists, else
@@ -74,6 +76,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardkit.checkpoint.agreement import RankFailure, describe_failures
 from shardkit.checkpoint.atomic import atomic_save, atomic_write, fsync_dir
 from shardkit.distributed.collectives import global_rank
 
@@ -484,10 +487,10 @@ def _swap_in(root: Path, step: int) -> None:
     _point_latest(root, ckpt.name)
 
 
-def _prepare(root: Path, step: int) -> str:
+def _prepare(root: Path, step: int) -> tuple[str, Exception | None]:
     """Rank 0, before any rank writes: finish an interrupted swap, delete what crashed
     saves left (uncommitted staging directories), create an empty staging directory
-    for ``step``. The reason if that failed, else ''."""
+    for ``step``. The reason and the error if that failed, else ``("", None)``."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         pointer = _pointer(root)
@@ -497,24 +500,45 @@ def _prepare(root: Path, step: int) -> str:
             shutil.rmtree(stale)
         _staging(root, step).mkdir()
     except Exception as err:  # broadcast to every rank by the caller
-        return f"rank 0: preparing {_staging(root, step).name}: {type(err).__name__}: {err}"
-    return ""
+        return f"rank 0: preparing {_staging(root, step).name}: {type(err).__name__}: {err}", err
+    return "", None
+
+
+def _names_staging(root: Path, step: int) -> bool:
+    """Whether ``latest`` names ``ckpt-<step>.new`` (the save of ``step`` is committed
+    there); False when ``latest`` cannot be read."""
+    try:
+        match = _pointer(root)
+    except OSError:
+        return False
+    return match is not None and match.group(0) == _staging(root, step).name
+
+
+def _discard(root: Path, step: int) -> None:
+    """Delete the staging directory of a save that failed before the commit point
+    (best effort: the next save's :func:`_prepare` deletes what is left)."""
+    if not _names_staging(root, step):
+        shutil.rmtree(_staging(root, step), ignore_errors=True)
 
 
 def _commit(
     root: Path, step: int, per_rank: list[Any], layout: Mapping[str, Any], keep: int
-) -> str:
-    """Write the manifest and swap the checkpoint in (rank 0); the reason if that
-    failed, else ''. Past the commit point the reason says it was committed."""
-    failed = [f"rank {r}: {out}" for r, out in enumerate(per_rank) if isinstance(out, str)]
+) -> tuple[str, Exception | None]:
+    """Write the manifest and swap the checkpoint in (rank 0); the reason and rank 0's
+    error if that failed, else ``("", None)``. Past the commit point the reason says it
+    was committed; before it, the staging directory is deleted."""
+    failed = describe_failures(per_rank)
     if failed:
-        return "not committed: " + "; ".join(failed)
+        _discard(root, step)
+        return "not committed: " + failed, None
     staged = _staging(root, step)
     try:
         _write_manifest(staged, step, per_rank, layout)
         _point_latest(root, staged.name)  # the commit point
     except Exception as err:
-        return f"not committed: rank 0: {type(err).__name__}: {err}"
+        if not _names_staging(root, step):  # else committed after all: swap it in below
+            _discard(root, step)
+            return f"not committed: {RankFailure.of(0, err)}", err
     try:
         _swap_in(root, step)
         _prune(root, step, keep)
@@ -523,8 +547,8 @@ def _commit(
             f"committed as {staged.name} (latest names it), but moving it to "
             f"{checkpoint_name(step)} failed: {type(err).__name__}: {err}; loading "
             "finds it, the next save finishes the move"
-        )
-    return ""
+        ), err
+    return "", None
 
 
 def _write_manifest(
@@ -574,36 +598,50 @@ def save_checkpoint(
         The checkpoint directory.
 
     Raises:
-        CheckpointError (problem ``save``), on every rank: rank 0 could not prepare the
-            staging directory, a rank could not write its files, two ranks used one
-            name, or rank 0 could not write the manifest (the message says "not
-            committed"); or the checkpoint was committed but rank 0 could not move it
-            from ``ckpt-<step>.new`` to ``ckpt-<step>`` (the message says so; loading
-            finds it there, the next save finishes the move).
+        CheckpointError (problem ``save``), on every rank, within seconds (no rank
+            waits for the process group's timeout): rank 0 could not prepare the
+            staging directory, a rank could not write its files (any exception of its
+            ``save``, of the file system: disk full, permission denied), two ranks
+            used one name, or rank 0 could not write the manifest (the message says
+            "not committed" and names each failing rank, the exception's type and
+            message; ``latest`` and the committed checkpoints are unchanged, the
+            staging directory is deleted); or the checkpoint was committed but rank 0
+            could not move it from ``ckpt-<step>.new`` to ``ckpt-<step>`` (the message
+            says so; loading finds it there, the next save finishes the move). On the
+            failing rank the original exception is chained (``__cause__``).
     """
     root = Path(root)
     rank, world_size = _rank_world(group)
     json.dumps(layout or {})  # TypeError now, on every rank, if not serializable
     ckpt = root / checkpoint_name(step)
-    status = [_prepare(root, step) if rank == 0 else ""]
+    status, error = [""], None
+    if rank == 0:
+        status[0], error = _prepare(root, step)
     _broadcast(status, group, world_size)
     if status[0]:
-        raise CheckpointError(ckpt, "save", f"saving {ckpt} failed, not committed: {status[0]}")
+        raise _save_failed(ckpt, f"not committed: {status[0]}") from error
     outcome: Any
     try:
         outcome = _write_files(_staging(root, step), files, rank, save)
     except Exception as err:  # reported on every rank below, never left to hang them
-        outcome = f"{type(err).__name__}: {err}"
+        outcome, error = RankFailure.of(rank, err), err
     per_rank: list[Any] = [outcome]
     if world_size > 1:
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, outcome, group=group)
     if rank == 0:
-        status[0] = _commit(root, step, per_rank, layout or {}, keep)
+        status[0], commit_error = _commit(root, step, per_rank, layout or {}, keep)
+        error = error or commit_error
     _broadcast(status, group, world_size)
     if status[0]:
-        raise CheckpointError(ckpt, "save", f"saving {ckpt} failed, {status[0]}")
+        raise _save_failed(ckpt, status[0]) from error
     return ckpt
+
+
+def _save_failed(ckpt: PathLike, reason: str) -> CheckpointError:
+    """The error a failed save raises on every rank: ``CheckpointError`` (problem
+    ``save``), ``"saving <ckpt> failed, <reason>"``."""
+    return CheckpointError(ckpt, "save", f"saving {ckpt} failed, {reason}")
 
 
 def _broadcast(status: list[str], group: dist.ProcessGroup | None, world_size: int) -> None:

@@ -13,11 +13,14 @@ optimizer's param groups (hyperparameters and the keys of their parameters).
 Before anything is written, the ranks all-gather what they will write and check
 that every element of every key (and of each optimizer state) is written exactly
 once: an adapter bug fails the save on every rank, naming the keys, instead of
-leaving a checkpoint that cannot load.
+leaving a checkpoint that cannot load. Any exception a rank raises while building
+what it writes travels in that same all-gather (see [Note: one failure, every rank]
+in :mod:`shardkit.checkpoint.agreement`), so every rank raises at once.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import io
 import os
@@ -28,7 +31,14 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from shardkit.checkpoint.manifest import _rank_world, load_tensors_only, save_checkpoint
+from shardkit.checkpoint.agreement import RankFailure, describe_failures
+from shardkit.checkpoint.manifest import (
+    _rank_world,
+    _save_failed,
+    checkpoint_name,
+    load_tensors_only,
+    save_checkpoint,
+)
 from shardkit.checkpoint.universal.layout import ParamEntry, aliases_of, layout_of, session_of
 from shardkit.checkpoint.universal.meta import KeyMeta, build_layout, extra_file_name
 from shardkit.checkpoint.universal.optim_state import (
@@ -49,6 +59,7 @@ from shardkit.checkpoint.universal.views import check_view
 __all__ = ["check_entry", "save_universal"]
 
 PathLike = str | os.PathLike[str]
+_INPUT_ERRORS = ("ValueError", "TypeError")  # raised as such on every rank (bad input)
 
 
 def check_entry(entry: ParamEntry) -> None:
@@ -184,14 +195,26 @@ def save_universal(
     Raises:
         ValueError: (on every rank) an adapter's pieces are invalid or do not write
             every element of a key exactly once (the keys are named), or optimizer
-            state is not element-wise.
-        TypeError: (on every rank) a rank's ``extra`` would not load with
+            state is not element-wise. The failing rank raises its own error, the
+            others ``"rank <r>: <its message>"``.
+        TypeError: (on every rank, likewise) a rank's ``extra`` would not load with
             ``weights_only=True``.
-        CheckpointError: writing or committing failed (see ``save_checkpoint``).
+        CheckpointError: (problem ``save``, on every rank, within seconds: no rank
+            waits for the process group's timeout) any other exception on a rank while
+            it builds its pieces (e.g. a ``RuntimeError`` of the model's state) or
+            writes its files (an ``OSError``: disk full, permission denied), or rank 0
+            failed to commit; see ``save_checkpoint``. The message names each failing
+            rank with the exception's type and message ("not committed": ``latest``
+            and the committed checkpoints are unchanged); on the failing rank the
+            original exception is chained (``__cause__``). A failure after rank 0's
+            commit point is reported on every rank alike, saying the checkpoint was
+            committed. The adapter's ``session`` is left after the commit: an error
+            there is raised on its own rank only (the checkpoint is committed).
     """
     rank, world_size = _rank_world(group)
     with contextlib.ExitStack() as session:  # the adapter's session(), left at the end
         summary: Any
+        error: Exception | None = None
         try:
             adapter = layout_of(model, optimizer, group=group)
             session.enter_context(session_of(adapter, "save"))
@@ -203,15 +226,12 @@ def save_universal(
             summary["aliases"] = aliases_of(adapter)
             if getattr(adapter, "assumes_replicas", False) and world_size > 1:
                 summary["fingerprints"] = {_piece_id(e): _fingerprint(e.tensor) for e in entries}
-        except (ValueError, TypeError) as err:
-            summary = err
+            hyper = group_records(optimizer, {}) if optimizer is not None else None
+            optimizer_name = optimizer_class(optimizer)
+        except Exception as err:  # every rank raises below (no rank left waiting)
+            summary, error = RankFailure.of(rank, err), err
         summaries = _all_gather(summary, group, world_size)
-        failed = [(r, s) for r, s in enumerate(summaries) if isinstance(s, BaseException)]
-        if failed:
-            if isinstance(summary, BaseException):
-                raise summary
-            first_rank, first = failed[0]
-            raise type(first)(f"rank {first_rank}: {first}")
+        _raise_failures(summaries, error, Path(root) / checkpoint_name(step))
         problems = _replica_problems(summaries)
         if problems:
             raise ValueError(
@@ -223,14 +243,30 @@ def save_universal(
                 "...), mark tensor-parallel parts (tensor_views.set_view), or save each "
                 "rank's model with a process group of its own (group=)"
             )
-        hyper = group_records(optimizer, {}) if optimizer is not None else None
-        layout = build_layout(
-            summaries, adapter.strategy, world_size, hyper, optimizer_class(optimizer)
-        )
+        layout = build_layout(summaries, adapter.strategy, world_size, hyper, optimizer_name)
         files = {file: shard, extra_file_name(rank): extra_data}
         return save_checkpoint(
             root, step, files, layout=layout, keep=keep, group=group, save=_write
         )
+
+
+def _raise_failures(summaries: list[Any], error: Exception | None, ckpt: Path) -> None:
+    """After the all-gather of the summaries: raise on every rank if a rank failed.
+
+    A ``ValueError`` / ``TypeError`` (bad input) is raised as such: the failing rank's
+    own, on the others the first failure's type with ``"rank <r>: <message>"``. Any
+    other failure raises ``CheckpointError`` naming every failing rank, chained to
+    this rank's own exception."""
+    failures = [s for s in summaries if isinstance(s, RankFailure)]
+    if not failures:
+        return
+    if isinstance(error, (ValueError, TypeError)):
+        raise error
+    first = failures[0]
+    kind = next((k for k in _INPUT_ERRORS if k in first.builtins), None)
+    if error is None and kind is not None:
+        raise getattr(builtins, kind)(f"rank {first.rank}: {first.message}")
+    raise _save_failed(ckpt, f"not committed: {describe_failures(summaries)}") from error
 
 
 def _piece_id(entry: ParamEntry) -> tuple[Any, ...]:
