@@ -250,3 +250,27 @@ def test_one_rank_runtime_error_is_a_checkpoint_error(tmp_path: Path) -> None:
     )
     assert info.value.problem == "save" and isinstance(info.value.__cause__, RuntimeError)
     assert sorted(os.listdir(tmp_path)) == ["ckpt-000001", LATEST_NAME]
+
+
+def test_latest_written_then_failing_is_committed(tmp_path: Path) -> None:
+    """``latest`` := ``ckpt-<step>.new`` done, then an error (an fsync of the root): the
+    save is committed; it was reported as "not committed" while ``latest`` named it."""
+    save_universal(tmp_path, 1, *_trained(1))
+    real, named = manifest._point_latest, []
+
+    def named_then_failed(root: Path, name: str) -> None:
+        real(root, name)
+        named.append(name)
+        if len(named) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+
+    model, optimizer = _trained(2)
+    with mock.patch.object(manifest, "_point_latest", side_effect=named_then_failed):
+        ckpt = save_universal(tmp_path, 2, model, optimizer)
+    assert named == ["ckpt-000002.new", "ckpt-000002"]
+    assert ckpt == tmp_path / "ckpt-000002"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000001", "ckpt-000002", LATEST_NAME]
+    loaded_model, loaded_opt = _trained(3)
+    assert load_universal(tmp_path, loaded_model, loaded_opt).step == 2
+    saved, loaded = _values(model, optimizer), _values(loaded_model, loaded_opt)
+    assert all(torch.equal(loaded[k], v) for k, v in saved.items()) and len(saved) == 16
