@@ -598,8 +598,8 @@ def save_checkpoint(
         The checkpoint directory.
 
     Raises:
-        CheckpointError (problem ``save``), on every rank, within seconds (no rank
-            waits for the process group's timeout): rank 0 could not prepare the
+        CheckpointError: (problem ``save``) on every rank, within seconds (no rank
+            waits for the process group's timeout), when rank 0 could not prepare the
             staging directory, a rank could not write its files (any exception of its
             ``save``, of the file system: disk full, permission denied), two ranks
             used one name, or rank 0 could not write the manifest (the message says
