@@ -379,7 +379,8 @@ def set_heap_trim(mode: bool | str, every: int | None = None) -> str:
             Measured on the benchmark GPT in ``docs/fsdp.md``, "Peak RSS on CPU: the
             allocator".
         every: trim at one of every ``every`` points of the mode (>= 1). Default
-            (None): :data:`STEP_TRIM_EVERY` (8) for ``"step"``, 1 for ``"unit"``.
+            (None): :data:`STEP_TRIM_EVERY` (8) for ``"step"``, 1 for ``"unit"``; with
+            ``"off"`` only None.
             Every trimmed page the heap reuses is faulted in again (zeroed), so a trim
             per step cost about 6% of the benchmark GPT's step; one in 8 bounds the
             heap's drift (about 5 MiB per step there) at an eighth of that cost.
@@ -388,13 +389,20 @@ def set_heap_trim(mode: bool | str, every: int | None = None) -> str:
         The previous mode.
 
     Raises:
-        ValueError: another ``mode``, or ``every`` < 1.
+        ValueError: another ``mode``; ``every`` < 1 or not an int; ``every`` given
+            with mode ``"off"`` (or False), which has no trim point to count.
     """
+    given = mode
     if isinstance(mode, bool):
         mode = "unit" if mode else "off"
     if mode not in HEAP_TRIM_MODES:
         raise ValueError(
             f"set_heap_trim: mode must be one of {HEAP_TRIM_MODES} or a bool; got {mode!r}"
+        )
+    if mode == "off" and every is not None:
+        raise ValueError(
+            f'set_heap_trim: every={every!r} with mode={given!r} ("off": no trim point '
+            'trims, so there is nothing to count); drop every, or use mode "step" or "unit"'
         )
     if every is None:
         every = STEP_TRIM_EVERY if mode == "step" else 1

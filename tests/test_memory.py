@@ -189,6 +189,14 @@ def test_trim_points_follow_the_switch_and_are_no_ops_off_glibc(
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="every must be an int >= 1"):
             set_heap_trim("step", every=bad)  # type: ignore[arg-type]
+    for off in ("off", False):  # regression (fresh-user test): every=5 with "off" passed
+        with pytest.raises(ValueError) as err:
+            set_heap_trim(off, every=5)
+        assert str(err.value) == (
+            f'set_heap_trim: every=5 with mode={off!r} ("off": no trim point trims, so '
+            'there is nothing to count); drop every, or use mode "step" or "unit"'
+        )
+        assert heap_trims().mode == "step" and heap_trims().every == 8  # unchanged
     previous = set_heap_trim(True)
     try:
         assert previous == "step" and heap_trims().mode == "unit" and heap_trims().every == 1

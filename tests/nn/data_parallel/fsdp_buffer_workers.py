@@ -127,7 +127,8 @@ def trim_points() -> dict[str, Any]:
     model.zero_grad()
     counts, grads = [], []
     for mode in ("off", "unit", "step"):
-        previous = set_heap_trim(mode, every=1)  # "step": a trim every step, not 1 in 8
+        every = None if mode == "off" else 1  # "step": a trim every step, not 1 in 8
+        previous = set_heap_trim(mode, every=every)
         before = heap_trims()
         try:
             model(x, targets=x)[1].backward()
