@@ -54,11 +54,9 @@ def test_leftover_without_manifest(tmp_path: Path, capsys: pytest.CaptureFixture
         "['shard-0-of-1.safetensors']); use the root's newest committed one"
     )
     assert _cli(capsys, "inspect", str(new)) == (1, "", f"{PROG} inspect: error: {why}\n")
-    assert _cli(capsys, "inspect", str(new), "--json") == (
-        1,
-        "",
-        f"{PROG} inspect: error: {why}\n",
-    )
+    code, text, err = _cli(capsys, "inspect", str(new), "--json")  # for scripts: JSON
+    assert (code, err) == (1, "")
+    assert json.loads(text) == {"ok": False, "problem": "not found", "message": why}
     out = tmp_path / "model.pt"
     assert _cli(capsys, "convert", str(new), str(out)) == (1, "", f"{PROG} convert: error: {why}\n")
     assert not out.exists()
