@@ -24,7 +24,9 @@ import builtins
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["RankFailure", "describe_failures"]
+import torch.distributed as dist
+
+__all__ = ["RankFailure", "describe_failures", "gather_failures"]
 
 
 @dataclass(frozen=True)
@@ -60,3 +62,31 @@ def describe_failures(gathered: Sequence[object]) -> str:
     """``"rank 1: OSError: disk full; rank 3: ..."`` for the :class:`RankFailure` items
     of ``gathered`` (one item per rank, rank order); ``""`` when there is none."""
     return "; ".join(str(item) for item in gathered if isinstance(item, RankFailure))
+
+
+def gather_failures(
+    rank: int, error: BaseException | None, groups: Sequence[dist.ProcessGroup | None]
+) -> str:
+    """Every rank's failure, known to every rank of ``groups``: ``error`` (None: this
+    rank is fine) is all-gathered over the first group, the description of the result
+    over the next one and so on (a shard group, then its replicas), so that every rank
+    of the union returns the same text.
+
+    Args:
+        rank: the number that names this rank in the text (e.g. its global rank).
+        error: this rank's exception, or None.
+        groups: process groups (None: the world); a group of one rank is skipped.
+
+    Returns:
+        ``describe_failures`` of every failing rank (``"rank 1: OSError: ..."``), ``""``
+        when no rank failed. One ``all_gather_object`` per group of more than one rank.
+    """
+    text = str(RankFailure.of(rank, error)) if error is not None else ""
+    for group in groups:
+        size = dist.get_world_size(group) if dist.is_initialized() else 1
+        if size == 1:
+            continue
+        every: list[object] = [None] * size
+        dist.all_gather_object(every, text, group=group)
+        text = "; ".join(dict.fromkeys(str(t) for t in every if t))  # each failure once
+    return text

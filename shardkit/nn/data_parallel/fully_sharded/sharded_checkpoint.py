@@ -38,9 +38,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.checkpoint.agreement import gather_failures
 from shardkit.checkpoint.flat import read_flat_range
-from shardkit.checkpoint.manifest import load_tensors_only, save_checkpoint
+from shardkit.checkpoint.manifest import (
+    CheckpointError,
+    checkpoint_name,
+    load_tensors_only,
+    save_checkpoint,
+)
 from shardkit.checkpoint.sharded_optim import resolve_shard_directory
+from shardkit.distributed.collectives import global_rank
 from shardkit.nn.data_parallel.fully_sharded.disk_tier import refuse_on_disk
 from shardkit.nn.data_parallel.fully_sharded.optim_state import (
     flat_optim_state,
@@ -129,15 +136,60 @@ def save_fsdp_sharded(
         keep: committed checkpoints to keep (the newest); default 0: all.
 
     Returns:
-        The path this rank wrote.
+        The path of this rank's file, ``directory/ckpt-<step, 6 digits>/<file>`` (a
+        replica that does not write gets the path of the same file its first
+        replica wrote).
 
     Raises:
-        CheckpointError: on every rank, if a rank could not write its file.
+        CheckpointError: (problem ``save``) on every rank of the data-parallel group,
+            within seconds, naming the failing ranks with their exception's type and
+            message: a rank could not build its record (the exception is chained on
+            that rank) or write its file, or the commit failed. Nothing is committed
+            then; the previous checkpoint stays ``latest``.
         RuntimeError: the model is on a disk tier (its directory is the checkpoint).
     """
     runtimes = named_units(model)
     refuse_on_disk(list(runtimes.values()), "save_fsdp_sharded")
     root = _root(runtimes)
+    group, replicas = root.process_group, root.replicate_group
+    writer = replicas is None or dist.get_rank(replicas) == 0  # replicas hold the same shards
+    ckpt = Path(directory) / checkpoint_name(step)
+    name = fsdp_shard_path(".", root.rank, root.world_size).name
+    error: Exception | None = None
+    try:  # a rank's failure is told to every rank, not left to hang them (below)
+        record = _shard_record(model, runtimes, root, optim)
+    except Exception as err:
+        record, error = {}, err
+    me = dist.get_rank() if dist.is_initialized() else 0  # the global rank: named
+    failed = gather_failures(me, error, [group, replicas])
+    if failed:
+        reason = f"saving {ckpt} failed, not committed: {failed}"
+        raise CheckpointError(ckpt, "save", reason) from error
+    status = [""]
+    if writer:
+        layout = {"format": FSDP_SHARD_FORMAT, "reshardable": True}
+        try:
+            ckpt = save_checkpoint(
+                directory, step, {name: record}, layout=layout, keep=keep, group=group
+            )
+        except CheckpointError as err:  # raised on every rank of the writing group
+            status[0], error = str(err), err
+    if replicas is not None:  # the others return once the writers committed, or failed
+        dist.broadcast_object_list(status, src=global_rank(replicas, 0), group=replicas)
+    if status[0]:
+        if isinstance(error, CheckpointError):
+            raise error
+        raise CheckpointError(ckpt, "save", status[0])
+    return ckpt / name
+
+
+def _shard_record(
+    model: nn.Module,
+    runtimes: dict[str, UnitRuntime],
+    root: UnitRuntime,
+    optim: torch.optim.Optimizer | None,
+) -> dict[str, Any]:
+    """This rank's file: its units' flat shards, the buffers, ``optim``'s flat state."""
     param_keys, buffer_keys = _state_dict_keys(model)
     units = {key: _unit_record(unit, param_keys) for key, unit in runtimes.items()}
     named_buffers = dict(model.named_buffers())
@@ -156,18 +208,7 @@ def save_fsdp_sharded(
         flat, scalars = flat_optim_state(model, optim)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
         record["optim"] = {"param_groups": groups, "scalars": scalars, "flat": flat}
-    name = fsdp_shard_path(".", root.rank, root.world_size).name
-    layout = {"format": FSDP_SHARD_FORMAT, "reshardable": True}
-    group, replicas = root.process_group, root.replicate_group
-    writer = replicas is None or dist.get_rank(replicas) == 0  # replicas hold the same shards
-    ckpt = Path(directory) / f"ckpt-{step}"
-    if writer:
-        ckpt = save_checkpoint(
-            directory, step, {name: record}, layout=layout, keep=keep, group=group
-        )
-    if replicas is not None:
-        dist.barrier(group=replicas)  # the others return once the checkpoint is committed
-    return ckpt / name
+    return record
 
 
 def _open_all(directory: PathLike) -> list[dict[str, Any]]:
