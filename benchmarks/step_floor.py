@@ -143,7 +143,9 @@ def floor(p: dict[str, float], compute: float) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse, measure, print the table, write the JSON; return the document."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.step_floor", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.step_floor", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--size", default="anchor", choices=sorted(SIZES), help="default anchor")
     p.add_argument("--world-size", type=int, default=2, help="default 2")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank (default 8)")
