@@ -37,13 +37,12 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import machine, timestamp
+from benchmarks.common import RESULTS, machine, timestamp
 from benchmarks.compare import SIZES, _batch, model_config
 from shardkit.models import GPT, GPTConfig
 from shardkit.nn.data_parallel.fully_sharded.collectives import (
@@ -163,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, ms in {**measured, **result}.items():
         print(f"{name:>22}: {ms:9.3f}" if name == "fsdp / ddp" else f"{name:>22}: {ms:7.1f} ms")
     doc = {"args": vars(args), "machine": machine(), "pieces_ms": measured, "floor": result}
-    out = Path(__file__).parent / "results" / f"step_floor-{timestamp()}.json"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"step_floor-{timestamp()}.json"
     out.write_text(json.dumps(doc, indent=2))
     print(f"wrote {out}")
     return doc

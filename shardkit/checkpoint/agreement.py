@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["RankFailure", "describe_failures", "gather_failures"]
+from shardkit.distributed.collectives import global_rank
+
+__all__ = ["RankFailure", "broadcast_outcome", "describe_failures", "gather_failures"]
 
 
 @dataclass(frozen=True)
@@ -90,3 +92,11 @@ def gather_failures(
         dist.all_gather_object(every, text, group=group)
         text = "; ".join(dict.fromkeys(str(t) for t in every if t))  # each failure once
     return text
+
+
+def broadcast_outcome(outcome: list[str], group: dist.ProcessGroup | None) -> None:
+    """Overwrite ``outcome`` (a one-item list: ``""`` for success, else the reason) on
+    every rank of ``group`` (None: the world) with its first rank's, in place; a no-op
+    without a process group or on one rank."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(outcome, src=global_rank(group, 0), group=group)

@@ -76,9 +76,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardkit.checkpoint.agreement import RankFailure, describe_failures
+from shardkit.checkpoint.agreement import RankFailure, broadcast_outcome, describe_failures
 from shardkit.checkpoint.atomic import atomic_save, atomic_write, fsync_dir
-from shardkit.distributed.collectives import global_rank
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -617,7 +616,7 @@ def save_checkpoint(
     status, error = [""], None
     if rank == 0:
         status[0], error = _prepare(root, step)
-    _broadcast(status, group, world_size)
+    broadcast_outcome(status, group)
     if status[0]:
         raise _save_failed(ckpt, f"not committed: {status[0]}") from error
     outcome: Any
@@ -632,7 +631,7 @@ def save_checkpoint(
     if rank == 0:
         status[0], commit_error = _commit(root, step, per_rank, layout or {}, keep)
         error = error or commit_error
-    _broadcast(status, group, world_size)
+    broadcast_outcome(status, group)
     if status[0]:
         raise _save_failed(ckpt, status[0]) from error
     return ckpt
@@ -642,11 +641,6 @@ def _save_failed(ckpt: PathLike, reason: str) -> CheckpointError:
     """The error a failed save raises on every rank: ``CheckpointError`` (problem
     ``save``), ``"saving <ckpt> failed, <reason>"``."""
     return CheckpointError(ckpt, "save", f"saving {ckpt} failed, {reason}")
-
-
-def _broadcast(status: list[str], group: dist.ProcessGroup | None, world_size: int) -> None:
-    if world_size > 1:
-        dist.broadcast_object_list(status, src=global_rank(group, 0), group=group)
 
 
 def _prune(root: Path, step: int, keep: int) -> None:

@@ -38,16 +38,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.checkpoint.agreement import gather_failures
+from shardkit.checkpoint.agreement import broadcast_outcome, gather_failures
 from shardkit.checkpoint.flat import read_flat_range
 from shardkit.checkpoint.manifest import (
     CheckpointError,
+    _save_failed,
     checkpoint_name,
     load_tensors_only,
     save_checkpoint,
 )
 from shardkit.checkpoint.sharded_optim import resolve_shard_directory
-from shardkit.distributed.collectives import global_rank
 from shardkit.nn.data_parallel.fully_sharded.disk_tier import refuse_on_disk
 from shardkit.nn.data_parallel.fully_sharded.optim_state import (
     flat_optim_state,
@@ -163,8 +163,7 @@ def save_fsdp_sharded(
     me = dist.get_rank() if dist.is_initialized() else 0  # the global rank: named
     failed = gather_failures(me, error, [group, replicas])
     if failed:
-        reason = f"saving {ckpt} failed, not committed: {failed}"
-        raise CheckpointError(ckpt, "save", reason) from error
+        raise _save_failed(ckpt, f"not committed: {failed}") from error
     status = [""]
     if writer:
         layout = {"format": FSDP_SHARD_FORMAT, "reshardable": True}
@@ -175,7 +174,7 @@ def save_fsdp_sharded(
         except CheckpointError as err:  # raised on every rank of the writing group
             status[0], error = str(err), err
     if replicas is not None:  # the others return once the writers committed, or failed
-        dist.broadcast_object_list(status, src=global_rank(replicas, 0), group=replicas)
+        broadcast_outcome(status, replicas)
     if status[0]:
         if isinstance(error, CheckpointError):
             raise error
