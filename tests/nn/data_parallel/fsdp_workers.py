@@ -226,7 +226,21 @@ def state_roundtrips() -> dict[str, Any]:
     out["local_back"], out["before"] = model.state_dict(), full
     rank0 = FSDP(tiny_gpt(), state_dict_on_rank_0_only=True)
     out["rank0_only_keys"] = len(rank0.state_dict())
+    # tied names (wte / lm_head) share one tensor in the full state dict, as in the plain one
+    out["tied_ref"] = tied_groups(tiny_gpt().state_dict())
+    out["tied"] = {n: tied_groups(wrap_model(tiny_gpt(), n).state_dict()) for n in NESTINGS}
     return out
+
+
+NESTINGS = ("flat", "size", "block")
+
+
+def tied_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The groups of two or more keys whose tensors share memory (same data pointer)."""
+    groups: dict[int, list[str]] = {}
+    for key, value in state.items():
+        groups.setdefault(value.data_ptr(), []).append(key)
+    return sorted(sorted(g) for g in groups.values() if len(g) > 1)
 
 
 def save_sharded(directory: str) -> dict[str, Any]:

@@ -30,6 +30,11 @@ def test_state_dict_and_optimizer_roundtrips(rank_pool: Any) -> None:
     assert_state_dicts_close(first["resumed"], first["continued"], atol=0.0, rtol=0.0)
     assert_state_dicts_close(first["local_back"], first["before"], atol=0.0, rtol=0.0)
     assert [r["rank0_only_keys"] for r in results] == [len(first["before"]), 0]
+    # a tied parameter is one tensor under each of its names, as in the plain state dict
+    # (each name had its own copy: save_pretrained / safetensors wrote it once per name)
+    assert first["tied_ref"] == [["lm_head.weight", "wte.weight"]]
+    for nesting in w.NESTINGS:
+        assert first["tied"][nesting] == first["tied_ref"], nesting
 
 
 def test_sharded_checkpoint_loads_at_other_world_sizes(rank_pool: Any, tmp_path: Path) -> None:

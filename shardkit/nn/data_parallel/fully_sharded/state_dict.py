@@ -81,16 +81,33 @@ def refuse_direct_state_dict(unit: UnitRuntime, module: nn.Module, *_: Any) -> N
 
 
 def _copy_tensors(raw: Mapping[str, Any], device: torch.device | None) -> dict[str, Any]:
-    """Detached copies (tied tensors stay tied) that outlive the full flat buffers."""
-    memo: dict[int, torch.Tensor] = {}
+    """Detached copies that outlive the full flat buffers; tied tensors stay tied.
+
+    ``nn.Module.state_dict`` detaches each entry, so a parameter registered under two
+    names (T5's ``shared`` / ``embed_tokens`` / ``lm_head``) comes as two tensor objects
+    over the same memory. They get ONE copy, as ``state_dict()`` of the plain model
+    shares one storage between them, so ``save_pretrained`` / safetensors see the tie
+    and write the tensor once.
+    """
+    memo: dict[tuple[Any, ...], torch.Tensor] = {}
     out: dict[str, Any] = {}
     for key, value in raw.items():
         if isinstance(value, torch.Tensor):
-            if id(value) not in memo:
-                memo[id(value)] = value.detach().to(device=device, copy=True)
-            value = memo[id(value)]
+            alias = _alias_key(value)
+            if alias not in memo:
+                memo[alias] = value.detach().to(device=device, copy=True)
+            value = memo[alias]
         out[key] = value
     return out
+
+
+def _alias_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Equal for two tensors exactly when they view the same elements of one storage
+    (an empty tensor aliases nothing: it is keyed by its own identity)."""
+    if tensor.numel() == 0 or tensor.device.type == "meta":
+        return ("object", id(tensor))
+    place = (tensor.untyped_storage().data_ptr(), tensor.device, tensor.storage_offset())
+    return (*place, tensor.dtype, tensor.shape, tensor.stride())
 
 
 def local_state_dict(root: nn.Module) -> dict[str, torch.Tensor]:
