@@ -15,6 +15,7 @@ and launch with ``torchrun --nproc_per_node N script.py``. Strategies:
 ``sdp``   ``ShardedDataParallel`` + ``OSS``                ZeRO-2
 ``fsdp``  ``FullyShardedDataParallel``, one unit per block ZeRO-3
           class of ``model._no_split_modules`` + the root
+          (the whole model as one unit if it names none)
 ========  ==============================================  ==========
 
 The optimizer is the one ``TrainingArguments`` selects (``optim``, ``learning_rate``,
@@ -28,6 +29,18 @@ as accelerate applies it), clipping by the global norm (the wrapper's own
 state sharded: ``optimizer.rank<r>-of-<n>.pt`` per rank, resumed at the same world size
 and strategy). Each log line gains every rank's model-state bytes
 (``model_state_bytes/rank<r>/<category>``).
+
+[Note: models without ``_no_split_modules``]
+A model class that names no block class in ``_no_split_modules`` (DistilBERT, ALBERT,
+ELECTRA, DeBERTa, Marian, Pegasus, ...) becomes ONE FSDP unit: the root holds every
+parameter. This is what accelerate's transformer-based wrap policy (the Trainer's
+default for its own FSDP) gives such a model, and it is correct for every model: a
+size-based policy could put a module whose weight another module reads directly (an
+embedding read as ``.weight``, a layer shared by several blocks) in a unit of its own,
+and its threshold would have to suit every size. The cost: the whole model is gathered
+for forward and backward (parameters, gradients and optimizer state stay sharded between
+steps). ``ShardkitConfig(strategy="fsdp", wrap_classes=("TransformerBlock",))`` splits
+it by block class. The policy used is printed as one line on rank 0.
 
 Tested with transformers 5.23.0 and accelerate 1.15.0 (``requirements.txt``). The
 integration overrides ``Trainer`` methods, some of them private (``_wrap_model``,
@@ -60,6 +73,7 @@ from shardkit.nn import (
     enable_wrap,
     transformer_auto_wrap_policy,
 )
+from shardkit.nn.wrap import AutoWrapPolicy
 from shardkit.optim import OSS, register_reduce_to_owner_hook
 
 __all__ = [
@@ -67,6 +81,7 @@ __all__ = [
     "ShardkitConfig",
     "ShardkitTrainer",
     "block_classes",
+    "fsdp_wrap_policy",
     "optimizer_shard_name",
 ]
 
@@ -84,11 +99,16 @@ def optimizer_shard_name(rank: int, world_size: int) -> str:
 class ShardkitConfig:
     """What :class:`ShardkitTrainer` wraps the model with.
 
+    Raises:
+        ValueError: an unknown strategy, or ``wrap_classes`` given as one string.
+
     Attributes:
         strategy: ``"oss"`` (ZeRO-1), ``"sdp"`` (ZeRO-2) or ``"fsdp"`` (ZeRO-3).
-        wrap_classes: fsdp: class names of the modules that become one FSDP unit each;
-            None: the model's ``_no_split_modules`` (``["GPT2Block"]``, ``["BertLayer"]``,
-            ...). Default None.
+        wrap_classes: fsdp: class names of the modules that become one FSDP unit each
+            (the root unit holds the rest); None: the model's ``_no_split_modules``
+            (``["GPT2Block"]``, ``["BertLayer"]``, ...), or the whole model as one unit
+            when those name no submodule's class; ``()``: the whole model as one unit.
+            Default None.
         log_state_bytes: add every rank's model-state bytes to each log. Default True.
     """
 
@@ -101,6 +121,11 @@ class ShardkitConfig:
             raise ValueError(
                 f"unknown shardkit strategy {self.strategy!r}; choose one of {list(STRATEGIES)}"
             )
+        if isinstance(self.wrap_classes, str):
+            raise ValueError(
+                f"wrap_classes={self.wrap_classes!r} is one string; pass a tuple of class "
+                f"names: wrap_classes=({self.wrap_classes!r},)"
+            )
 
 
 def block_classes(model: nn.Module, names: Iterable[str]) -> set[type[nn.Module]]:
@@ -112,11 +137,52 @@ def block_classes(model: nn.Module, names: Iterable[str]) -> set[type[nn.Module]
     wanted = set(names)
     found = {type(m) for m in model.modules() if type(m).__name__ in wanted}
     if not found:
+        present = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(
-            f"fsdp: no module of {type(model).__name__} is of a class named in {sorted(wanted)} "
-            "(the model's _no_split_modules); pass ShardkitConfig(wrap_classes=(...))"
+            f"fsdp: no module of {type(model).__name__} is of a class named in "
+            f"{sorted(wanted)} (ShardkitConfig.wrap_classes); its module classes are "
+            f"{present}: name some of them, or pass wrap_classes=None"
         )
     return found
+
+
+def fsdp_wrap_policy(
+    model: nn.Module, wrap_classes: Iterable[str] | None = None
+) -> tuple[AutoWrapPolicy | None, str]:
+    """The auto-wrap policy :class:`ShardkitTrainer` nests FSDP units by, and a line
+    saying which it is.
+
+    Args:
+        model: the model to wrap.
+        wrap_classes: class names, one unit per instance (``ShardkitConfig.wrap_classes``;
+            empty: the whole model is one unit); default None: the classes named in
+            ``model._no_split_modules`` that occur in ``model``.
+
+    Returns:
+        ``(policy, line)``: ``policy`` is a :func:`~shardkit.nn.transformer_auto_wrap_policy`,
+        or None when no block class is named (the whole model is one unit, see
+        [Note: models without ``_no_split_modules``]).
+
+    Raises:
+        ValueError: ``wrap_classes`` names no class of ``model``'s submodules.
+    """
+    owner = type(model).__name__
+    if wrap_classes is not None:
+        wanted = tuple(wrap_classes)
+        classes = block_classes(model, wanted) if wanted else set()
+        source = "ShardkitConfig.wrap_classes"
+    else:
+        named = set(getattr(model, "_no_split_modules", None) or ())
+        classes = {type(m) for m in model.modules() if type(m).__name__ in named}
+        source = f"{owner}._no_split_modules"
+    if not classes:
+        return None, (
+            f"shardkit fsdp: {source} names no block class of the model: the whole {owner} "
+            "is one FSDP unit (ShardkitConfig(strategy='fsdp', wrap_classes=(...)) splits it)"
+        )
+    names = sorted(c.__name__ for c in classes)
+    line = f"shardkit fsdp: one FSDP unit per {', '.join(names)} ({source}) + the root"
+    return transformer_auto_wrap_policy(classes), line
 
 
 def _ensure_process_group() -> None:
@@ -183,15 +249,18 @@ class ShardkitTrainer(Trainer):
         return self.model
 
     def _fsdp_module(self) -> FullyShardedDataParallel:
-        """The FSDP root over ``self.model`` (built once): one unit per block class."""
+        """The FSDP root over ``self.model`` (built once): one unit per block class (see
+        :func:`fsdp_wrap_policy`), whose line rank 0 prints."""
         if self.sharded_module is None:
             config = cast(ShardkitConfig, self.shardkit)
             model = self._plain_model
-            names = config.wrap_classes or tuple(getattr(model, "_no_split_modules", ()) or ())
-            policy = transformer_auto_wrap_policy(block_classes(model, names))
-            with enable_wrap(wrapper_cls=FullyShardedDataParallel):
-                wrapped = auto_wrap(model, policy)
-            self.sharded_module = FullyShardedDataParallel(wrapped)
+            policy, line = fsdp_wrap_policy(model, config.wrap_classes)
+            if self.is_world_process_zero():
+                print(line, flush=True)
+            if policy is not None:
+                with enable_wrap(wrapper_cls=FullyShardedDataParallel):
+                    model = auto_wrap(model, policy)
+            self.sharded_module = FullyShardedDataParallel(model)
         return cast(FullyShardedDataParallel, self.sharded_module)
 
     def _build(self) -> None:

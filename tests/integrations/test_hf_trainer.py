@@ -1,12 +1,14 @@
 """``ShardkitTrainer`` (shardkit.integrations.hf): the HF Trainer on 2 ranks under torchrun.
 
-GPT-2 and BERT from small configs (no download), dropout off. Each strategy (oss, sdp,
-fsdp) trains with gradient accumulation and clipping and is compared with the
-Trainer's own DDP run on the same seed: the logged losses, gradient norms and the eval
-loss. Also: bf16 (autocast, as accelerate applies it) against DDP in bf16; a run
-resumed from a checkpoint (sharded optimizer state) against an uninterrupted one;
-``save_model()`` loaded by ``from_pretrained`` on one process reproduces the eval
-loss; every rank's model-state bytes in the logs.
+GPT-2, BERT, T5 (seq2seq, tied embeddings) and DistilBERT sequence classification (no
+``_no_split_modules``) from small configs (no download), dropout off. Each strategy
+(oss, sdp, fsdp) trains with gradient accumulation and clipping and is compared with
+the Trainer's own DDP run on the same seed: the logged losses, gradient norms and the
+eval loss and metrics. Also: bf16 (autocast, as accelerate applies it) against DDP in
+bf16; a run resumed from a checkpoint (sharded optimizer state)
+against an uninterrupted one; ``save_model()`` loaded by ``from_pretrained`` on one
+process reproduces the eval loss, and writes the tensors the DDP run's save writes;
+every rank's model-state bytes in the logs.
 
 Importing transformers costs 10-20 s per process on the 2-core box, so every
 configuration runs in ONE torchrun (this file is its script: ``--worker OUT``), which
@@ -15,7 +17,9 @@ writes what it measured to a JSON file; the test reads it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -34,6 +38,9 @@ pytestmark = pytest.mark.skipif(
 VOCAB, SEQ = 64, 16
 STEPS, GA, BATCH, EVAL_BATCH = 3, 2, 2, 2
 STRATEGIES = ("oss", "sdp", "fsdp")
+MODELS = ("gpt2", "bert", "t5", "distilbert")
+LABELS = 3  # distilbert: sequence classification classes
+EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_logit_mean")
 
 
 # -- the torchrun worker (each rank) ---------------------------------------------------
@@ -48,6 +55,20 @@ def _model(name: str) -> Any:
             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
         )  # fmt: skip
         return hf.GPT2LMHeadModel(cfg)
+    if name == "t5":  # shared / encoder / decoder embeddings and lm_head: one tensor
+        cfg = hf.T5Config(
+            num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16,
+            vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0, bos_token_id=0,
+            eos_token_id=0, pad_token_id=0, tie_word_embeddings=True,
+        )  # fmt: skip
+        return hf.T5ForConditionalGeneration(cfg)
+    if name == "distilbert":  # _no_split_modules names no block class
+        cfg = hf.DistilBertConfig(
+            n_layers=2, dim=32, n_heads=2, hidden_dim=64, vocab_size=VOCAB,
+            max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0,
+            seq_classif_dropout=0.0, pad_token_id=0, num_labels=LABELS,
+        )  # fmt: skip
+        return hf.DistilBertForSequenceClassification(cfg)
     cfg = hf.BertConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
         vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
@@ -63,6 +84,12 @@ def _data(name: str, n: int, seed: int) -> list[dict[str, Any]]:
     ids = torch.randint(2, VOCAB, (n, SEQ), generator=gen)
     if name == "gpt2":
         return [{"input_ids": x, "labels": x.clone()} for x in ids]
+    if name == "t5":  # a target of half the length, other tokens
+        targets = torch.randint(2, VOCAB, (n, SEQ // 2), generator=gen)
+        return [{"input_ids": x, "labels": y} for x, y in zip(ids, targets)]
+    if name == "distilbert":
+        classes = torch.randint(0, LABELS, (n,), generator=gen)
+        return [{"input_ids": x, "labels": c} for x, c in zip(ids, classes)]
     masked = torch.rand(n, SEQ, generator=gen) < 0.25  # masked LM: predict the masked ids
     masked[:, 0] = True  # at least one label per row
     return [
@@ -71,7 +98,19 @@ def _data(name: str, n: int, seed: int) -> list[dict[str, Any]]:
     ]
 
 
-def _trainer(name: str, strategy: str | None, out: str, model: Any = None, **kwargs: Any) -> Any:
+def _metrics(prediction: Any) -> dict[str, float]:
+    """Eval metrics from the predictions gathered over the ranks: the accuracy of the
+    arg-max class or token, and the mean logit (a value, to compare to fp32 rounding)."""
+    import numpy as np
+
+    logits = prediction.predictions
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    labels = prediction.label_ids
+    hits = (logits.argmax(-1) == labels)[labels != -100]
+    return {"accuracy": float(np.mean(hits)), "logit_mean": float(np.mean(logits))}
+
+
+def _trainer(name: str, strategy: Any, out: str, model: Any = None, **kwargs: Any) -> Any:
     import transformers as hf
 
     from shardkit.integrations.hf import ShardkitTrainer
@@ -99,6 +138,7 @@ def _trainer(name: str, strategy: str | None, out: str, model: Any = None, **kwa
         train_dataset=_data(name, 48, 1),
         eval_dataset=_data(name, 8, 2),
         shardkit=strategy,
+        compute_metrics=_metrics if name in ("t5", "distilbert") else None,
     )
 
 
@@ -106,7 +146,7 @@ def _history(trainer: Any, key: str) -> list[float]:
     return [float(h[key]) for h in trainer.state.log_history if key in h and "eval_loss" not in h]
 
 
-def _train(name: str, strategy: str | None, out: str, **kwargs: Any) -> dict[str, Any]:
+def _train(name: str, strategy: Any, out: str, **kwargs: Any) -> dict[str, Any]:
     import transformers as hf
 
     class CountSteps(hf.TrainerCallback):
@@ -118,12 +158,17 @@ def _train(name: str, strategy: str | None, out: str, **kwargs: Any) -> dict[str
     resume = kwargs.pop("resume_from_checkpoint", None)
     trainer = _trainer(name, strategy, out, **kwargs)
     trainer.add_callback(CountSteps())
-    trainer.train(resume_from_checkpoint=resume)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # the wrap policy's line (fsdp, rank 0)
+        trainer.train(resume_from_checkpoint=resume)
+    evaluated = trainer.evaluate()
     result = {
         "steps_run": CountSteps.steps,
         "loss": _history(trainer, "loss"),
         "grad_norm": _history(trainer, "grad_norm"),
-        "eval_loss": float(trainer.evaluate()["eval_loss"]),
+        "eval_loss": float(evaluated["eval_loss"]),
+        "eval_metrics": {k: float(v) for k, v in evaluated.items() if k in EVAL_METRICS},
+        "printed": [x for x in printed.getvalue().splitlines() if x.startswith("shardkit")],
         "state_bytes": getattr(trainer, "model_state_bytes", []),
         "logged_keys": sorted(k for h in trainer.state.log_history for k in h),
     }
@@ -152,7 +197,41 @@ def _from_pretrained(name: str, directory: str) -> Any:
     return cls.from_pretrained(directory).eval()
 
 
-def _worker(out_path: str) -> None:
+def _saved_tensors(directory: Path) -> dict[str, Any]:
+    """The tensors a save wrote (every ``*.safetensors`` / ``*.bin`` file in it)."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Any] = {}
+    for path in sorted(directory.iterdir()):
+        if path.suffix == ".safetensors":
+            tensors.update(load_file(str(path)))
+        elif path.suffix == ".bin" and path.name != "training_args.bin":
+            tensors.update(torch.load(path, weights_only=True))
+    return tensors
+
+
+def _compare_saves(mine: Path, ddp: Path) -> dict[str, Any]:
+    """Key sets, shapes and the largest difference of two saves' tensors."""
+    got, want = _saved_tensors(mine), _saved_tensors(ddp)
+    common = sorted(set(got) & set(want))
+    return {
+        "keys": sorted(got),
+        "ddp_keys": sorted(want),
+        "shapes_differ": [k for k in common if got[k].shape != want[k].shape],
+        "max_diff": max(
+            [float((got[k].float() - want[k].float()).abs().max()) for k in common] or [0.0]
+        ),
+    }
+
+
+def _unit_count(trainer: Any) -> int:
+    from shardkit.nn import FullyShardedDataParallel
+
+    return sum(isinstance(m, FullyShardedDataParallel) for m in trainer.sharded_module.modules())
+
+
+def _worker(out_path: str, groups: tuple[str, ...] = ("base", "families")) -> None:
     import torch
     import torch.distributed as dist
 
@@ -164,8 +243,58 @@ def _worker(out_path: str) -> None:
         results[key] = {k: v for k, v in run.items() if k != "trainer"}
         return run
 
+    if "base" in groups:
+        _base(root, results, keep)
+    if "families" in groups:
+        _families(root, results, keep)
+    if dist.get_rank() == 0:
+        Path(out_path).write_text(json.dumps(results))
+    dist.barrier()
+
+
+def _families(root: Path, results: dict[str, Any], keep: Any) -> None:
+    """T5 and DistilBERT (no ``_no_split_modules``), each strategy against DDP; each
+    run's ``save_model()`` against the DDP run's; DistilBERT with the block class named."""
+    import torch.distributed as dist
+
+    from shardkit.integrations.hf import ShardkitConfig, fsdp_wrap_policy
+
+    for name in ("t5", "distilbert"):
+        runs = {"ddp": _train(name, None, str(root / f"{name}-ddp"))}
+        for strategy in STRATEGIES:
+            runs[strategy] = _train(name, strategy, str(root / f"{name}-{strategy}"))
+        split = ShardkitConfig("fsdp", wrap_classes=("TransformerBlock",))
+        if name == "distilbert":
+            runs["fsdp-blocks"] = _train(name, split, str(root / f"{name}-fsdp-blocks"))
+        for label, run in runs.items():
+            keep(f"{name}/{label}", run)
+            run["trainer"].save_model(str(root / f"{name}-{label}-saved"))  # on every rank
+            if label.startswith("fsdp"):
+                results[f"{name}/{label}"]["units"] = _unit_count(run["trainer"])
+        dist.barrier()
+        for label in runs:
+            if label != "ddp" and dist.get_rank() == 0:
+                mine, ddp = root / f"{name}-{label}-saved", root / f"{name}-ddp-saved"
+                results[f"{name}/{label}/saved"] = _compare_saves(mine, ddp)
+    errors = results.setdefault("errors", {})
+    for key, call in {
+        "no_such_class": lambda: fsdp_wrap_policy(_model("distilbert"), ("TransformerLayer",)),
+        "one_string": lambda: ShardkitConfig("fsdp", wrap_classes="TransformerBlock"),  # type: ignore[arg-type]
+    }.items():
+        try:
+            call()
+            errors[key] = "no error"
+        except ValueError as err:
+            errors[key] = f"ValueError: {err}"
+
+
+def _base(root: Path, results: dict[str, Any], keep: Any) -> None:
+    """GPT-2 and BERT: each strategy, bf16, resume, ``save_model()`` and a bad strategy."""
+    import torch.distributed as dist
+
     for name in ("gpt2", "bert"):
-        keep(f"{name}/ddp", _train(name, None, str(root / f"{name}-ddp")))
+        ddp = keep(f"{name}/ddp", _train(name, None, str(root / f"{name}-ddp")))
+        ddp["trainer"].save_model(str(root / f"{name}-ddp-saved"))
         for strategy in STRATEGIES:
             run = keep(
                 f"{name}/{strategy}", _train(name, strategy, str(root / f"{name}-{strategy}"))
@@ -183,6 +312,9 @@ def _worker(out_path: str) -> None:
                     "manual_loaded": _manual_eval_loss(loaded, name),
                     "trainer_eval_loss": float(plain.evaluate()["eval_loss"]),
                 }
+                if dist.get_rank() == 0:
+                    ddp_saved = root / f"{name}-ddp-saved"
+                    results[f"{name}/fsdp/saved"] = _compare_saves(saved, ddp_saved)
     # mixed precision: bf16 autocast on CPU, against the Trainer's DDP in bf16
     keep("gpt2/ddp/bf16", _train("gpt2", None, str(root / "bf16-ddp"), bf16=True))
     for strategy in ("sdp", "fsdp"):
@@ -206,12 +338,9 @@ def _worker(out_path: str) -> None:
         keep(f"resume/{strategy}/resumed", resumed)
     try:
         _trainer("gpt2", "zero", str(root / "zero"))
-        results["errors"] = {"zero": "no error"}
+        results.setdefault("errors", {})["zero"] = "no error"
     except ValueError as err:
-        results["errors"] = {"zero": f"ValueError: {err}"}
-    if dist.get_rank() == 0:
-        Path(out_path).write_text(json.dumps(results))
-    dist.barrier()
+        results.setdefault("errors", {})["zero"] = f"ValueError: {err}"
 
 
 # -- the test ----------------------------------------------------------------------------
@@ -278,6 +407,70 @@ def test_saved_model_loads_with_from_pretrained(results: dict[str, Any], name: s
     # and the model's own loss, one process vs through FSDP, is the same
     assert abs(reloaded["manual_loaded"] - reloaded["manual_sharded"]) < 1e-5
     assert reloaded["manual_loaded"] < 5.0
+
+
+@pytest.mark.parametrize("name", ["t5", "distilbert"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_other_families_equal_the_trainers_ddp(
+    results: dict[str, Any], name: str, strategy: str
+) -> None:
+    """A seq2seq model with tied embeddings (T5) and an encoder classifier whose class
+    has no ``_no_split_modules`` (DistilBERT: fsdp made it one unit; it was refused):
+    losses, gradient norms, eval loss and metrics (from the predictions gathered over
+    the ranks) equal the Trainer's DDP run's."""
+    ddp, mine = results[f"{name}/ddp"], results[f"{name}/{strategy}"]
+    assert len(ddp["loss"]) == STEPS and ddp["loss"][0] > 1.0
+    assert _close(mine["loss"], ddp["loss"], 1e-5), (mine["loss"], ddp["loss"])
+    assert _close(mine["grad_norm"], ddp["grad_norm"], 1e-4), (mine["grad_norm"], ddp["grad_norm"])
+    assert set(ddp["eval_metrics"]) == set(EVAL_METRICS)
+    for key, want in ddp["eval_metrics"].items():
+        assert abs(mine["eval_metrics"][key] - want) < 1e-5, (key, mine["eval_metrics"], want)
+
+
+def test_fsdp_without_no_split_modules_is_one_unit_or_split_by_config(
+    results: dict[str, Any],
+) -> None:
+    """DistilBERT names no block class: the whole model is one FSDP unit, said in one
+    line on rank 0; ``ShardkitConfig(wrap_classes=("TransformerBlock",))`` splits it
+    (2 blocks + the root) and trains as DDP does."""
+    whole, split, ddp = (results[f"distilbert/{k}"] for k in ("fsdp", "fsdp-blocks", "ddp"))
+    assert whole["units"] == 1 and split["units"] == 3
+    assert len(whole["printed"]) == 1 and "the whole" in whole["printed"][0]
+    assert "DistilBertForSequenceClassification" in whole["printed"][0]
+    assert "wrap_classes" in whole["printed"][0]
+    assert split["printed"] == [
+        "shardkit fsdp: one FSDP unit per TransformerBlock (ShardkitConfig.wrap_classes) + the root"
+    ]
+    assert results["t5/fsdp"]["printed"] == [
+        "shardkit fsdp: one FSDP unit per T5Block (T5ForConditionalGeneration._no_split_modules)"
+        " + the root"
+    ]
+    assert results["t5/fsdp"]["units"] == 5  # 2 encoder + 2 decoder blocks + the root
+    assert _close(split["loss"], ddp["loss"], 1e-5), (split["loss"], ddp["loss"])
+    assert abs(split["eval_loss"] - ddp["eval_loss"]) < 1e-5
+    # a class the model does not have, or one string: refused, naming what to pass
+    missing = results["errors"]["no_such_class"]
+    assert missing.startswith("ValueError: fsdp: no module of DistilBertForSequenceClassification")
+    assert "'TransformerLayer'" in missing and "'TransformerBlock'" in missing  # the classes
+    assert results["errors"]["one_string"] == (
+        "ValueError: wrap_classes='TransformerBlock' is one string; pass a tuple of class "
+        "names: wrap_classes=('TransformerBlock',)"
+    )
+
+
+@pytest.mark.parametrize(
+    "run", ["gpt2/fsdp", "t5/oss", "t5/sdp", "t5/fsdp", "distilbert/fsdp", "distilbert/fsdp-blocks"]
+)
+def test_saved_tensors_equal_the_ddp_save(results: dict[str, Any], run: str) -> None:
+    """``save_model()`` writes the tensors the Trainer's DDP run's save writes: the same
+    names (a tied weight once: T5's ``shared``, GPT-2's ``wte``; under fsdp each of its
+    names was written), the same shapes, the same values to fp32 rounding."""
+    saved = results[f"{run}/saved"]
+    assert saved["keys"] == saved["ddp_keys"]
+    assert saved["shapes_differ"] == []
+    assert saved["max_diff"] < 1e-5
+    if run.startswith("t5"):
+        assert "shared.weight" in saved["keys"] and "lm_head.weight" not in saved["keys"]
 
 
 @pytest.mark.parametrize("strategy", ["sdp", "fsdp"])
