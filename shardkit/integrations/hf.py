@@ -28,7 +28,10 @@ as accelerate applies it), clipping by the global norm (the wrapper's own
 ``resume_from_checkpoint`` continues from exactly (the model in HF format, the optimizer
 state sharded: ``optimizer.rank<r>-of-<n>.pt`` per rank, resumed at the same world size
 and strategy). Each log line gains every rank's model-state bytes
-(``model_state_bytes/rank<r>/<category>``).
+(``model_state_bytes/rank<r>/<category>``). The Trainer's ``accelerator.unwrap_model``
+sees through shardkit's wrappers, so what the Trainer decides from the model's class
+(label smoothing with a causal LM's label shift, the model card) is what it decides
+under DDP.
 
 [Note: models without ``_no_split_modules``]
 A model class that names no block class in ``_no_split_modules`` (DistilBERT, ALBERT,
@@ -53,6 +56,7 @@ Trainer's own ``fsdp`` / ``deepspeed`` options, an optimizer passed in
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
@@ -185,6 +189,15 @@ def fsdp_wrap_policy(
     return transformer_auto_wrap_policy(classes), line
 
 
+def _see_through(unwrap_model: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``accelerator.unwrap_model`` that first takes ``model`` out of shardkit's
+    wrappers (an FSDP root, ``ShardedDataParallel``): the Trainer reads the model's
+    class from what it returns."""
+    while isinstance(model, (FullyShardedDataParallel, ShardedDataParallel)):
+        model = model.module
+    return unwrap_model(model, *args, **kwargs)
+
+
 def _ensure_process_group() -> None:
     """A one-rank gloo group when the script runs without torchrun."""
     if not dist.is_initialized():
@@ -223,6 +236,9 @@ class ShardkitTrainer(Trainer):
         if shardkit is not None:
             self._check_supported()
             _ensure_process_group()
+            # an instance attribute: every Trainer path that unwraps goes through it
+            unwrap = functools.partial(_see_through, self.accelerator.unwrap_model)
+            setattr(self.accelerator, "unwrap_model", unwrap)  # noqa: B010
 
     def _check_supported(self) -> None:
         args, name = self.args, f"ShardkitTrainer(shardkit={self.shardkit.strategy!r})"  # type: ignore[union-attr]

@@ -5,7 +5,8 @@ GPT-2, BERT, T5 (seq2seq, tied embeddings) and DistilBERT sequence classificatio
 (oss, sdp, fsdp) trains with gradient accumulation and clipping and is compared with
 the Trainer's own DDP run on the same seed: the logged losses, gradient norms and the
 eval loss and metrics. Also: bf16 (autocast, as accelerate applies it) against DDP in
-bf16; a run resumed from a checkpoint (sharded optimizer state)
+bf16; label smoothing (the Trainer shifts a causal LM's labels, deciding by the
+unwrapped model's class); a run resumed from a checkpoint (sharded optimizer state)
 against an uninterrupted one; ``save_model()`` loaded by ``from_pretrained`` on one
 process reproduces the eval loss, and writes the tensors the DDP run's save writes;
 every rank's model-state bytes in the logs.
@@ -231,7 +232,7 @@ def _unit_count(trainer: Any) -> int:
     return sum(isinstance(m, FullyShardedDataParallel) for m in trainer.sharded_module.modules())
 
 
-def _worker(out_path: str, groups: tuple[str, ...] = ("base", "families")) -> None:
+def _worker(out_path: str, groups: tuple[str, ...] = ("base", "families", "smoothing")) -> None:
     import torch
     import torch.distributed as dist
 
@@ -247,6 +248,8 @@ def _worker(out_path: str, groups: tuple[str, ...] = ("base", "families")) -> No
         _base(root, results, keep)
     if "families" in groups:
         _families(root, results, keep)
+    if "smoothing" in groups:
+        _label_smoothing(root, keep)
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
     dist.barrier()
@@ -286,6 +289,20 @@ def _families(root: Path, results: dict[str, Any], keep: Any) -> None:
             errors[key] = "no error"
         except ValueError as err:
             errors[key] = f"ValueError: {err}"
+
+
+def _label_smoothing(root: Path, keep: Any) -> None:
+    """GPT-2 with ``label_smoothing_factor``: the Trainer shifts the labels of a causal
+    LM (by the class ``accelerator.unwrap_model`` returns), under every strategy."""
+    for strategy in (None, *STRATEGIES):
+        label = strategy or "ddp"
+        run = _train("gpt2", strategy, str(root / f"smooth-{label}"), label_smoothing_factor=0.1)
+        trainer = keep(f"smoothing/{label}", run)["trainer"]
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        accepts = trainer.model_accepts_loss_kwargs
+        keep(
+            f"smoothing/{label}", {**run, "unwrapped": type(unwrapped).__name__, "accepts": accepts}
+        )
 
 
 def _base(root: Path, results: dict[str, Any], keep: Any) -> None:
@@ -471,6 +488,19 @@ def test_saved_tensors_equal_the_ddp_save(results: dict[str, Any], run: str) -> 
     assert saved["max_diff"] < 1e-5
     if run.startswith("t5"):
         assert "shared.weight" in saved["keys"] and "lm_head.weight" not in saved["keys"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_label_smoothing_shifts_a_causal_lms_labels(results: dict[str, Any], strategy: str) -> None:
+    """``label_smoothing_factor=0.1`` on GPT-2: the Trainer's ``unwrap_model`` sees the
+    GPT-2 class through shardkit's wrappers, so it shifts the labels as under DDP (it saw
+    ``ShardedDataParallel`` / ``FullyShardedDataParallel`` and did not shift)."""
+    ddp, mine = results["smoothing/ddp"], results[f"smoothing/{strategy}"]
+    assert mine["unwrapped"] == ddp["unwrapped"] == "GPT2LMHeadModel"
+    assert mine["accepts"] is ddp["accepts"] is True  # num_items_in_batch is passed on
+    assert ddp["loss"] != results["gpt2/ddp"]["loss"]  # smoothing changed the loss
+    assert _close(mine["loss"], ddp["loss"], 1e-5), (mine["loss"], ddp["loss"])
+    assert abs(mine["eval_loss"] - ddp["eval_loss"]) < 1e-5
 
 
 @pytest.mark.parametrize("strategy", ["sdp", "fsdp"])
