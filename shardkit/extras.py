@@ -4,10 +4,12 @@ shardkit installs torch, typing-extensions, tqdm and safetensors (``pip install 
 Everything else is an extra of ``setup.py``: ``hf`` (transformers, accelerate: the
 Trainer integration), ``examples`` (matplotlib: the main job's ``loss.png``), ``bench``
 (the anchors of ``benchmarks.compare`` and its plots), ``test``, ``dev``, ``docs``. A
-feature that needs an extra imports it through :func:`require`; without it, the caller
-gets a :class:`MissingDependency` whose message is one line naming the feature and the
-install command, and either skips the feature (a plot) or stops with that line (a module
-that is nothing without the package).
+feature that needs an extra imports it through :func:`require` (or, where the import must
+stay a plain ``from x import Y`` for type checking, raises :class:`MissingDependency` from
+the ``ImportError`` of that import); without it, the caller gets a
+:class:`MissingDependency` whose message is one line naming the feature and the install
+command, and either skips the feature (a plot) or stops with that line (a module that is
+nothing without the package).
 """
 
 from __future__ import annotations
