@@ -34,7 +34,9 @@ bench: $(STAMP)
 
 # lint-imports: the import contracts of docs/architecture.md ([tool.importlinter] in
 # pyproject.toml); a lower layer importing an upper one fails here. test_wording: no
-# "session" / "the issue's" words in docs/ and README.md.
+# "session" / "the issue's" words in docs/ and README.md. test_doc_names: every
+# `shardkit.` name docs/ and README.md show in code imports (file, line and name if not);
+# test_doc_options: each wrapper guide's options table lists the constructor's arguments.
 lint: $(STAMP) docs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -42,6 +44,7 @@ lint: $(STAMP) docs
 	$(VENV)/bin/mypy examples
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/docs/test_wording.py  # docs speak to users
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/docs/test_doc_names.py tests/docs/test_doc_options.py  # docs name real code
 
 test: lint
 	$(VENV)/bin/pytest -q

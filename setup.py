@@ -40,6 +40,9 @@ setup(
             "psutil==7.2.2",
             "pydantic==2.14.4",
         ],
+        # what examples/train_gpt.py uses when present: matplotlib draws loss.png (without
+        # it the job skips the plot with one line). docs/train_gpt.md
+        "examples": ["matplotlib"],
         # the Trainer integration (shardkit.integrations.hf): the versions it is tested with
         "hf": ["transformers==5.23.0", "accelerate==1.15.0"],
     },

@@ -68,6 +68,7 @@ from benchmarks.common import (
 )
 from benchmarks.report import render_markdown, summarize, write_plots
 from benchmarks.runners import BY_NAME, STRATEGIES, Runner, available
+from shardkit.extras import MissingDependency
 from shardkit.memory import HEAP_TRIM_MODES, set_heap_trim
 from shardkit.models import MODEL_SIZES, GPTConfig
 from shardkit.testing import RankError, RankTimeoutError, run_distributed
@@ -340,7 +341,11 @@ def write_outputs(doc: dict[str, Any], stem: Path) -> str:
     return the Markdown page."""
     args = doc["args"]
     doc["summary"] = summarize(doc["records"], args["batch"], args["seq_len"])
-    doc["plots"] = [p.name for p in write_plots(doc["summary"], stem)]
+    try:
+        doc["plots"] = [p.name for p in write_plots(doc["summary"], stem)]
+    except MissingDependency as missing:  # the results are written all the same
+        print(f"{missing.feature} skipped: {missing.install}")
+        doc["plots"] = []
     page = render_markdown(doc, list(doc["not_installed"]))
     Path(f"{stem}.md").write_text(page + "\n")
     Path(f"{stem}.json").write_text(json.dumps(doc, indent=1, default=float) + "\n")
@@ -368,7 +373,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"compare-{timestamp()}"
     print(write_outputs(doc, stem))
-    print(f"\nwrote {stem}.json, {stem}.md and {', '.join(doc['plots'])}")
+    print(f"\nwrote {', '.join([f'{stem}.json', f'{stem}.md', *doc['plots']])}")
     return doc
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.comm import theory_volume_bytes
+from shardkit.extras import require
 from shardkit.memory import zero_memory_estimate
 
 BASELINE = "torch DDP"
@@ -346,7 +347,13 @@ def write_rss_plot(rows: list[Row], stem: Path) -> Path | None:
 
 def write_plots(rows: list[Row], stem: Path) -> list[Path]:
     """``<stem>-memory.png``, ``<stem>-ratio.png`` and, where the runs recorded it,
-    ``<stem>-rss.png`` (:func:`write_rss_plot`) (matplotlib, Agg); the paths."""
+    ``<stem>-rss.png`` (:func:`write_rss_plot`) (matplotlib, Agg); the paths.
+
+    Raises:
+        MissingDependency: matplotlib is not installed (the ``bench`` extra has it);
+            nothing is written.
+    """
+    require("matplotlib", "plots")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -2,7 +2,9 @@
 sample, and ``torch.profiler`` traces of chosen steps.
 
 - :func:`plot_metrics`: ``loss.png`` next to ``metrics.json`` (train and validation
-  loss against step, tokens/s below), matplotlib's Agg backend (no display needed).
+  loss against step, tokens/s below), matplotlib's Agg backend (no display needed);
+  matplotlib is optional (``pip install -e '.[examples]'``): without it the job skips
+  the plot with one line and writes everything else.
 - :func:`sample_text`: the trained byte-level GPT continues a prompt (rank 0, from the
   consolidated state dict loaded into a plain :class:`GPT`, so it is the same for
   every strategy).
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from shardkit.extras import require
 from shardkit.models import GPT, gpt_config
 
 __all__ = ["SAMPLE_PROMPT", "StepProfiler", "parse_steps", "plot_metrics", "sample_text"]
@@ -29,7 +32,13 @@ SAMPLE_PROMPT = "The "
 
 def plot_metrics(metrics: dict[str, Any], path: Path) -> None:
     """Write the loss curves and tokens/s of ``metrics`` (``metrics.json``'s content)
-    as a PNG."""
+    as a PNG at ``path``.
+
+    Raises:
+        MissingDependency: matplotlib is not installed (it is optional: the
+            ``examples`` extra); nothing is written, the caller skips the plot.
+    """
+    require("matplotlib", path.name)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -22,10 +22,18 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
-from transformers import GPT2Config, GPT2LMHeadModel
-from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
+from shardkit.extras import MissingDependency
 from shardkit.nn import FSDP, auto_wrap, enable_wrap, transformer_auto_wrap_policy
+
+try:  # the `hf` extra; without it, one line saying what to install
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+except ImportError as error:
+    missing = MissingDependency(
+        "hf_gpt2_fsdp.py", error.name or "transformers", "pip install -e '.[hf]'"
+    )
+    raise SystemExit(f"hf_gpt2_fsdp.py: error: {missing}") from error
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -18,9 +18,18 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
-from shardkit.integrations.hf import STRATEGIES, ShardkitTrainer
+from shardkit.extras import MissingDependency
+
+try:  # the `hf` extra; without it, one line saying what to install
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from shardkit.integrations.hf import STRATEGIES, ShardkitTrainer
+except ImportError as error:
+    missing = MissingDependency(
+        "hf_trainer.py", error.name or "transformers", "pip install -e '.[hf]'"
+    )
+    raise SystemExit(f"hf_trainer.py: error: {missing}") from error
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

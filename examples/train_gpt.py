@@ -54,6 +54,7 @@ from tqdm import tqdm
 from shardkit.checkpoint.atomic import atomic_save, atomic_write
 from shardkit.checkpoint.manifest import MANIFEST_NAME
 from shardkit.distributed import mpu
+from shardkit.extras import MissingDependency
 from shardkit.memory import ModelStateBytes
 from shardkit.models import GPT, MODEL_SIZES, gpt_config
 
@@ -761,14 +762,15 @@ def finish(run: Run, out_dir: Path, wall_s: float) -> None:
         json.dump(metrics, handle, indent=1)
     if state is not None:
         atomic_save(state, out_dir / "model.pt")
-    plot_metrics(metrics, out_dir / "loss.png")
+    wrote = f"{out_dir}/metrics.json and loss.png"
+    try:
+        plot_metrics(metrics, out_dir / "loss.png")
+    except MissingDependency as missing:  # an optional package costs its feature only
+        warn(run, f"{missing.feature} skipped: {missing.install}")
+        wrote = f"{out_dir}/metrics.json"
     losses = final_losses(run.history, run.steps_this_run)
     speed = f"{metrics['tokens_per_s_run']:,.0f} tok/s, " if run.steps_this_run else ""
-    say(
-        run,
-        f"done: step {run.step}, {losses}, {speed}{wall_s:.1f} s; wrote "
-        f"{out_dir}/metrics.json and loss.png",
-    )
+    say(run, f"done: step {run.step}, {losses}, {speed}{wall_s:.1f} s; wrote {wrote}")
     if state is not None:  # the trained model continues a prompt: did it learn?
         config = run.config
         text = sample_text(state, config.model_size, VOCAB_SIZE, config.seq_len, SAMPLE_PROMPT)

@@ -67,7 +67,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from transformers import Trainer
+
+from shardkit.extras import MissingDependency
+
+try:  # the `hf` extra: without it, one line saying what to install
+    import accelerate  # type: ignore[import-untyped]  # noqa: F401  (the Trainer needs it)
+    from transformers import Trainer
+except ImportError as error:
+    raise MissingDependency(
+        "shardkit.integrations.hf", error.name or "transformers", "pip install -e '.[hf]'"
+    ) from error
 
 from shardkit.memory import model_state_bytes
 from shardkit.nn import (
