@@ -45,6 +45,7 @@ from shardkit.nn import (
 )
 from shardkit.nn.pipe import stage_module
 from shardkit.nn.tensor_parallel import gpt_plan, parallelize
+from shardkit.nn.wrap import auto_wrap, enable_wrap, size_based_auto_wrap_policy
 from shardkit.optim import OSS
 from tests.nn.data_parallel.fsdp_workers import wrap_model
 
@@ -126,6 +127,19 @@ def hybrid_pair(world: int, shard: int) -> tuple[Any, Any]:
     return mine
 
 
+def wrap_twice(base: nn.Module, kind: str, g: Any) -> FSDP:
+    """FSDP around a root FSDP unit: ``FSDP(FSDP(base))`` (``fsdp_twice``) or
+    FairScale's ``FSDP(auto_wrap(base))`` where the policy wrapped the root and some of
+    its children too (``fsdp_auto_twice``)."""
+    if kind == "fsdp_twice":
+        return FSDP(FSDP(base, process_group=g), process_group=g)
+    with enable_wrap(wrapper_cls=FSDP, process_group=g):
+        inner = auto_wrap(base, size_based_auto_wrap_policy(100))
+    assert isinstance(inner, FSDP), "the policy must wrap the root for this layout"
+    assert len(inner.units()) > 1, "the policy must wrap children too"
+    return FSDP(inner, process_group=g)
+
+
 # layouts -------------------------------------------------------------------------------
 class Run:
     """A model in one layout on this rank, and how it trains one step."""
@@ -172,6 +186,9 @@ class Run:
             return model, adamw(model.parameters())
         if kind == "fsdp":
             model = FSDP(base, process_group=g)
+            return model, adamw(model.parameters())
+        if kind in ("fsdp_twice", "fsdp_auto_twice"):
+            model = wrap_twice(base, kind, g)
             return model, adamw(model.parameters())
         if kind == "hsdp":
             pair = self.hybrid if self.hybrid is not None else (g, group([dist.get_rank()]))

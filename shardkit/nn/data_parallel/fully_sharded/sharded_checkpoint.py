@@ -54,11 +54,11 @@ from shardkit.nn.data_parallel.fully_sharded.optim_state import (
     load_flat_optim_state,
 )
 from shardkit.nn.data_parallel.fully_sharded.unit import (
-    WRAPPED,
     UnitRuntime,
     as_sharded,
     named_units,
     units_in,
+    unwrapped_module,
 )
 
 __all__ = [
@@ -94,12 +94,13 @@ def _state_dict_keys(model: nn.Module) -> tuple[dict[int, list[str]], dict[int, 
     """The plain model's state-dict keys of every sharded parameter (every name of a
     tied one) and persistent buffer, by object id, from the module tree as it stands
     (no gathering: ``keep_vars`` state dict of the wrapped module, units in gathering
-    mode so that their own state-dict hooks let it through)."""
+    mode so that their own state-dict hooks let it through). The keys are the plain
+    model's however many units wrap it directly (``FSDP(FSDP(m))``)."""
     units = units_in(model)
     for unit in units:
         unit.gathering_state_dict = True
     try:
-        raw = nn.Module.state_dict(getattr(model, WRAPPED), keep_vars=True)
+        raw = nn.Module.state_dict(unwrapped_module(model), keep_vars=True)
     finally:
         for unit in units:
             unit.gathering_state_dict = False
