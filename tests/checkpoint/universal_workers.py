@@ -148,7 +148,7 @@ class Run:
         self.family, self.kind, self.world = family, kind, world
         rank = dist.get_rank()
         self.hybrid = hybrid_pair(world, 2) if kind == "hsdp" and world % 2 == 0 else None
-        if kind == "tp_fsdp":
+        if kind in ("tp", "tp_fsdp"):
             mpu.initialize_model_parallel(2)
         self.group = group(list(range(world)))
         self.member = rank < world
@@ -200,6 +200,11 @@ class Run:
             self.dp_rank, self.dp_size = dist.get_rank(dp), dist.get_world_size(dp)
             model = FSDP(base, process_group=dp)
             return model, adamw(model.parameters())
+        if kind == "tp":  # tensor parallel alone (world 2: no data parallelism)
+            parallelize(base, gpt_plan())
+            dp = mpu.get_data_parallel_group()
+            self.dp_rank, self.dp_size = dist.get_rank(dp), dist.get_world_size(dp)
+            return base, adamw(base.parameters())
         if kind == "pipe":
             self.dp_rank, self.dp_size = 0, 1
             n = len(base)  # type: ignore[arg-type]
@@ -228,7 +233,7 @@ class Run:
         self.optimizer.step()
 
     def close(self) -> None:
-        if self.kind == "tp_fsdp":
+        if self.kind in ("tp", "tp_fsdp"):
             mpu.destroy_model_parallel()
 
 
@@ -344,3 +349,79 @@ def run_pairs(
 ) -> list[dict[str, Any] | None]:
     """:func:`run_pair` for each pair, in one call (checkpoints under ``root/<i>``)."""
     return [run_pair(a, b, f"{root}/{i}") for i, (a, b) in enumerate(pairs)]
+
+
+OTHER_HYPER = {"lr": 0.5, "betas": (0.5, 0.6), "eps": 1e-3, "weight_decay": 0.3}
+
+
+def optimizer_by_name(run: Run) -> dict[str, Any]:
+    """This rank's optimizer state by parameter name (``named_parameters``: FSDP's
+    sharded parameters, empty pieces included): ``{name: {state: value}}``, tensors
+    copied, a missing state as None; and the param groups' hyperparameters."""
+    state: dict[str, Any] = {}
+    for name, param in run.model.named_parameters():
+        held = run.optimizer.state.get(param)
+        state[name] = (
+            None
+            if held is None
+            else {
+                k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in held.items()
+            }
+        )
+    groups = [{k: v for k, v in g.items() if k in OTHER_HYPER} for g in run.optimizer.param_groups]
+    return {"state": state, "groups": groups}
+
+
+def run_empty_pieces(
+    spec_a: tuple[str, str, int], spec_b: tuple[str, int], root: str, warm: bool
+) -> dict[str, Any] | None:
+    """Train in layout A (and the plain twin), save; build FSDP layout B (trained one
+    step first when ``warm``: stale state to overwrite; then its hyperparameters set to
+    :data:`OTHER_HYPER`), load. Returns on every member of B: its optimizer state by
+    name, its empty pieces, and on rank 0 also ``gather_full_optim_state_dict`` with
+    B's full parameters, the consolidated saved state of A, the plain twin (and its
+    optimizer) after the save, and B's parameters after one more step."""
+    family, kind_a, world_a = spec_a
+    kind_b, world_b = spec_b
+    torch.manual_seed(0)
+    base = make_model(family)
+    twin = copy.deepcopy(base)
+    twin_opt = adamw(twin.parameters())
+    run_a = Run(family, kind_a, world_a, copy.deepcopy(base))
+    for step in range(TRAIN_STEPS):
+        run_a.step(step)
+        x, y = batch(family, step)
+        twin_opt.zero_grad()
+        loss_of(family, twin, x, y).backward()
+        twin_opt.step()
+    if run_a.member:
+        save_universal(root, TRAIN_STEPS, run_a.model, run_a.optimizer, group=run_a.group)
+    saved = consolidate(run_a)
+    run_a.close()
+    dist.barrier()
+    torch.manual_seed(1)
+    run_b = Run(family, kind_b, world_b, make_model(family))
+    out: dict[str, Any] = {}
+    if run_b.member:
+        if warm:
+            run_b.step(100)
+        for g in run_b.optimizer.param_groups:
+            g.update(OTHER_HYPER)
+        load_universal(root, run_b.model, run_b.optimizer, group=run_b.group)
+        out["loaded"] = optimizer_by_name(run_b)
+        out["empty"] = [n for n, p in run_b.model.named_parameters() if p.numel() == 0]
+        out["full"] = run_b.model.gather_full_optim_state_dict(run_b.optimizer)
+        params = run_b.model.state_dict()
+        out["names"] = [n for n, _ in run_b.model.named_parameters()]
+    if dist.get_rank() == 0:
+        out["params"] = params
+        out["saved"] = saved
+        out["twin"] = copy.deepcopy(twin).state_dict()
+        out["twin_opt"] = copy.deepcopy(twin_opt.state_dict())
+    run_b.step(TRAIN_STEPS)
+    stepped = consolidate(run_b)
+    run_b.close()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        out["stepped"] = stepped
+    return out if run_b.member else None
