@@ -26,7 +26,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
+from shardkit.checkpoint.manifest import find_valid_checkpoint, read_manifest
+from shardkit.checkpoint.universal import load_universal, save_universal
+from shardkit.nn import FSDP
 from tests.checkpoint.universal_workers import (
     OTHER_HYPER,
     TRAIN_STEPS,
@@ -100,3 +104,42 @@ def test_tp2_to_fsdp2_fresh_state(rank_pool: Any, tmp_path: Path) -> None:
         run_empty_pieces, ("gpt", "tp", 2), ("fsdp", 2), str(tmp_path), False
     )
     _check(results, "gpt", "tp2->fsdp2")
+
+
+class _WithEmpty(nn.Module):
+    """A parameter of no element (no rank holds any of it) beside a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.e = nn.Parameter(torch.zeros(0, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.e.sum()
+
+
+def _zero_element_worker(root: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = FSDP(_WithEmpty())
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    save_universal(root, 1, model, optimizer)
+    target = FSDP(_WithEmpty())
+    target_opt = torch.optim.Adam(target.parameters())
+    load_universal(root, target, target_opt)
+    steps = {n: float(target_opt.state[p]["step"]) for n, p in target.named_parameters()}
+    return {
+        "keys": sorted(read_manifest(find_valid_checkpoint(root)).layout["keys"]),
+        "steps": steps,
+    }
+
+
+@pytest.mark.timeout(180)
+def test_zero_element_parameter_is_saved_and_loaded(rank_pool: Any, tmp_path: Path) -> None:
+    """Before, an FSDP parameter of no element was left out of the checkpoint (no rank
+    held a piece; a plain model would not load it: missing key ``e``) and a load into
+    FSDP gave it no optimizer state (``KeyError: 'step'``)."""
+    for got in rank_pool(2).run(_zero_element_worker, str(tmp_path)):
+        assert got["keys"] == ["a.bias", "a.weight", "e"], got
+        assert got["steps"] == {"a.weight": 1.0, "a.bias": 1.0, "e": 1.0}, got
