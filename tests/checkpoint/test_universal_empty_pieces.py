@@ -39,6 +39,7 @@ from tests.checkpoint.universal_workers import (
     loss_of,
     make_model,
     run_empty_pieces,
+    run_state_owners,
 )
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}
@@ -143,3 +144,41 @@ def test_zero_element_parameter_is_saved_and_loaded(rank_pool: Any, tmp_path: Pa
     for got in rank_pool(2).run(_zero_element_worker, str(tmp_path)):
         assert got["keys"] == ["a.bias", "a.weight", "e"], got
         assert got["steps"] == {"a.weight": 1.0, "a.bias": 1.0, "e": 1.0}, got
+
+
+@pytest.mark.timeout(300)
+def test_state_on_its_owner_rank_oss_sdp_offload(rank_pool: Any, tmp_path: Path) -> None:
+    """Siblings: a parameter's state lives on its OSS owner only (the others hold none)
+    or in the one OffloadModel process. After loading sdp@3 into sdp@2, oss@2 (both
+    stepped once before) and offload@1: every parameter's state is held exactly once
+    with the saved names and ``step``, the hyperparameters are the saved ones, and the
+    consolidated OSS state equals the saving run's exactly."""
+    results = rank_pool(3).run(run_state_owners, str(tmp_path))
+    saved = results[0]["saved"]
+    want_hyper = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-4, "weight_decay": 0.01}
+    for kind, world in (("sdp", 2), ("oss", 2), ("offload", 1)):
+        per_rank = [r[kind] for r in results[:world]]
+        held: dict[str, Any] = {}
+        for got in per_rank:
+            assert got["groups"] == [want_hyper], (kind, got["groups"])
+            for name, value in got["state"].items():
+                assert name not in held, f"{kind}: {name} held twice"
+                held[name] = value
+        assert len(held) == len(saved["state"]), (kind, sorted(held))
+        for name, (state_names, step) in held.items():
+            key = name if name in saved["state"] else None
+            want_names = (
+                sorted(set(saved["state"][key]) | set(saved["scalars"][key]))
+                if key
+                else ["exp_avg", "exp_avg_sq", "step"]
+            )
+            assert state_names == want_names and step == TRAIN_STEPS, (kind, name, step)
+        if kind == "offload":
+            continue
+        full, order = per_rank[0]["full"], per_rank[0]["order"]
+        assert sorted(full["state"]) == list(range(len(order))), kind
+        for index, name in enumerate(order):
+            got_state = full["state"][index]
+            assert float(got_state["step"]) == TRAIN_STEPS, (kind, name)
+            for state_name, value in saved["state"][name].items():
+                assert torch.equal(got_state[state_name].reshape(-1), value), (kind, name)

@@ -425,3 +425,53 @@ def run_empty_pieces(
     if dist.get_rank() == 0:
         out["stepped"] = stepped
     return out if run_b.member else None
+
+
+def run_state_owners(root: str) -> dict[str, Any]:
+    """The siblings of :func:`run_empty_pieces`, where a parameter's optimizer state
+    lives on one rank (OSS, ShardedDataParallel) or in one process (OffloadModel):
+    save ShardedDataParallel at 3 ranks, load into sdp@2, oss@2 (each stepped once
+    first, hyperparameters changed) and offload@1. Per target and rank: the state this
+    rank holds by name (its names and ``step``), the hyperparameters, and on rank 0
+    the consolidated OSS state dict and the saved state."""
+    family = "seq"
+    torch.manual_seed(0)
+    run_a = Run(family, "sdp", 3, make_model(family))
+    for step in range(TRAIN_STEPS):
+        run_a.step(step)
+    if run_a.member:
+        save_universal(root, TRAIN_STEPS, run_a.model, run_a.optimizer, group=run_a.group)
+    saved = consolidate(run_a)
+    run_a.close()
+    dist.barrier()
+    out: dict[str, Any] = {"saved": saved}
+    for kind, world in (("sdp", 2), ("oss", 2), ("offload", 1)):
+        torch.manual_seed(1)
+        target = make_model(family)
+        names = {id(p): n for n, p in target.named_parameters()}
+        run = Run(family, kind, world, target)
+        got: dict[str, Any] | None = None
+        if run.member:
+            run.step(100)
+            for g in run.optimizer.param_groups:
+                g.update(OTHER_HYPER)
+            load_universal(root, run.model, run.optimizer, group=run.group)
+            local = getattr(run.optimizer, "optim", run.optimizer).state
+            got = {
+                "state": {
+                    names.get(id(p), f"offloaded {i}"): (sorted(s), float(s["step"]))
+                    for i, (p, s) in enumerate(local.items())
+                },
+                "groups": [
+                    {k: v for k, v in g.items() if k in OTHER_HYPER}
+                    for g in run.optimizer.param_groups
+                ],
+                "order": [n for n, _ in target.named_parameters()],
+            }
+            if kind != "offload":
+                run.optimizer.consolidate_state_dict(recipient_rank=0)
+                got["full"] = run.optimizer.state_dict() if dist.get_rank() == 0 else None
+        run.close()
+        out[kind] = got
+        dist.barrier()
+    return out
