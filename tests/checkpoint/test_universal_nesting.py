@@ -11,8 +11,9 @@ Checked at 2 ranks: save twice-wrapped -> load into a plain model, DDP, FSDP onc
 twice (and once -> twice), parameters and optimizer state exactly the saving run's and
 the next step the plain twin's (see ``universal_workers``); for a twice-wrapped model,
 the full and local state dicts (``consolidate_shard_weights``),
-``gather_full_optim_state_dict``, ``save_fsdp_sharded`` / ``load_fsdp_sharded`` and the
-offline ``inspect`` / ``convert`` against the plain twin.
+``gather_full_optim_state_dict`` (and both loaded back with ``load_state_dict`` /
+``get_shard_from_optim_state_dict``), ``save_fsdp_sharded`` / ``load_fsdp_sharded`` and
+the offline ``inspect`` / ``convert`` against the plain twin.
 """
 
 from __future__ import annotations
@@ -93,6 +94,14 @@ def _formats_worker(root: str) -> dict[str, Any]:
         load_fsdp_sharded(fresh, f"{root}/{kind}", fresh_opt)
         got["reloaded"] = fresh.state_dict()
         got["reloaded_optim"] = fresh.gather_full_optim_state_dict(fresh_opt)
+        full_optim = [got["optim"]]
+        dist.broadcast_object_list(full_optim, src=0)
+        again = wrap_twice(make_model("seq"), kind, None)  # the full dicts loaded back
+        again_opt = adamw(again.parameters())
+        again.load_state_dict(got["state_dict"])
+        again_opt.load_state_dict(again.get_shard_from_optim_state_dict(full_optim[0], again_opt))
+        got["full_reloaded"] = again.state_dict()
+        got["full_reloaded_optim"] = again.gather_full_optim_state_dict(again_opt)
         out[kind] = got
     for step in range(2):
         x, y = batch("seq", step)
@@ -127,8 +136,8 @@ def test_twice_wrapped_every_format_has_plain_keys(rank_pool: Any, tmp_path: Pat
     twin_sd, twin_opt = result["twin"]
     for kind in ("fsdp_twice", "fsdp_auto_twice"):
         got = result[kind]
-        for what in ("state_dict", "consolidated", "convert", "reloaded"):
+        for what in ("state_dict", "consolidated", "convert", "reloaded", "full_reloaded"):
             _assert_state_close(got[what], twin_sd, f"{kind} {what}")
         assert got["inspect"] == sorted(twin_sd), f"{kind}: inspect names {got['inspect']}"
-        for what in ("optim", "reloaded_optim"):
+        for what in ("optim", "reloaded_optim", "full_reloaded_optim"):
             _assert_optim_close(got[what], twin_opt, f"{kind} {what}")
