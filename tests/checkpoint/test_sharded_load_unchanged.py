@@ -5,6 +5,9 @@ optimizer state checked afterwards: loading with an optimizer from a checkpoint 
 without one raised ``ValueError`` with the model already loaded; a read failing on
 one rank left that rank partly loaded while the others loaded everything. Now every
 rank reads and checks everything first, the ranks agree, then the values are copied.
+The sibling ``load_local_state_dict`` checked each shape just before its copy: a
+wrong last shape raised with every earlier shard loaded; now every shape is checked
+first.
 
 2 ranks, a 2-unit FSDP model that has stepped (optimizer state and ``step`` to keep).
 """
@@ -92,6 +95,12 @@ def _worker(root: Path) -> dict[str, Any]:
         )
     out["reads"] = calls[0]
     out["read failure unchanged"] = _same(_snapshot(model, optimizer), before)
+    local = saved.local_state_dict()  # type: ignore[operator]
+    last = list(local)[-1]  # a buffer: every flat shard comes before it
+    local[last] = torch.zeros(local[last].numel() + 1)
+    out["local"] = _outcome(lambda: model.load_local_state_dict(local))  # type: ignore[operator]
+    out["local last key"] = last
+    out["local unchanged"] = _same(_snapshot(model, optimizer), before)
     load_fsdp_sharded(model, root / "with_optim", optimizer)
     out["loaded"] = _same(_snapshot(model, optimizer), want)
     return out
@@ -101,6 +110,9 @@ def _worker(root: Path) -> dict[str, Any]:
 def test_failed_sharded_load_changes_nothing(rank_pool: Any, tmp_path: Path) -> None:
     out = rank_pool(2).run(_worker, tmp_path)
     for rank, got in enumerate(out):
+        assert got["local"].startswith(f"ValueError: {got['local last key']}: shape "), got
+        assert "!= this rank's" in got["local"], got
+        assert got["local unchanged"], (rank, got)
         assert got["no optim"] == (
             f"ValueError: {tmp_path / 'no_optim'}: the checkpoint has no optimizer state"
         ), got
