@@ -315,9 +315,10 @@ class _Staged:
     it in with in-memory copies only.
 
     Attributes:
-        pieces: ``(destination, read values)`` of every filled piece (a parameter's or
-            buffer's storage on this rank, and a slice of an existing optimizer state
-            tensor shaped like its param).
+        pieces: ``(destination, offset, read values)`` of every filled piece: the
+            values go to elements ``[offset, offset + n)`` of the row-major
+            flattened destination (a parameter's or buffer's storage on this rank,
+            or an existing optimizer state tensor shaped like its param).
         created: ``(param, name, tensor)``: optimizer state tensors made for this load
             (none of that shape before), already filled.
         scalars: ``(param, name, value)``: scalar optimizer state (``step``).
