@@ -7,7 +7,9 @@ one rank left that rank partly loaded while the others loaded everything. Now ev
 rank reads and checks everything first, the ranks agree, then the values are copied.
 The sibling ``load_local_state_dict`` checked each shape just before its copy: a
 wrong last shape raised with every earlier shard loaded; now every shape is checked
-first.
+first. And ``FSDP.load_state_dict`` (torch's ``load_state_dict`` copies every tensor
+it can before raising on a size mismatch, and the summoned full parameters were
+written back into the shards): the shards and buffers are now restored.
 
 2 ranks, a 2-unit FSDP model that has stepped (optimizer state and ``step`` to keep).
 """
@@ -101,6 +103,12 @@ def _worker(root: Path) -> dict[str, Any]:
     out["local"] = _outcome(lambda: model.load_local_state_dict(local))  # type: ignore[operator]
     out["local last key"] = last
     out["local unchanged"] = _same(_snapshot(model, optimizer), before)
+    full = saved.state_dict()
+    last = list(full)[-1]
+    full[last] = torch.zeros(full[last].numel() + 1)
+    out["full"] = _outcome(lambda: model.load_state_dict(full))
+    out["full last key"] = last
+    out["full unchanged"] = _same(_snapshot(model, optimizer), before)
     load_fsdp_sharded(model, root / "with_optim", optimizer)
     out["loaded"] = _same(_snapshot(model, optimizer), want)
     return out
@@ -113,6 +121,9 @@ def test_failed_sharded_load_changes_nothing(rank_pool: Any, tmp_path: Path) -> 
         assert got["local"].startswith(f"ValueError: {got['local last key']}: shape "), got
         assert "!= this rank's" in got["local"], got
         assert got["local unchanged"], (rank, got)
+        assert got["full unchanged"], (rank, got)
+        assert got["full"].startswith("RuntimeError: Error(s) in loading state_dict"), got
+        assert f"size mismatch for {got['full last key']}" in got["full"], got
         assert got["no optim"] == (
             f"ValueError: {tmp_path / 'no_optim'}: the checkpoint has no optimizer state"
         ), got
