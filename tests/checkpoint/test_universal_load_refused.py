@@ -4,8 +4,11 @@ Regression: the load filled the tensors and then read the rank's ``extra`` file,
 planted pickle was refused after the model had been overwritten (on 2 ranks, rank 0
 was filled when rank 1 refused); a hyperparameter it could not set failed after the
 fill too. Now every check runs, and the ranks agree, before the first tensor is
-written. A failure while copying (an I/O error after the checks) says the model is
-partly loaded; a shard file deleted after the checks still reads (opened up front).
+written. A failure while reading the tensors (an I/O error after the checks, on any
+rank; its last piece read in the tests) leaves every rank's model and optimizer
+unchanged too: the pieces are read first, the ranks agree, then they are copied in
+(before, the earlier pieces had been copied: problem ``partial``). A shard file
+deleted after the checks still reads (opened up front).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from shardkit.checkpoint import (
 )
 from shardkit.checkpoint.manifest import MANIFEST_NAME
 from shardkit.checkpoint.universal import load_universal, loader, save_universal
+from shardkit.nn import FSDP
 from tests.checkpoint.payload import plant_payload
 
 SHARD = "shard-0-of-1.safetensors"
@@ -120,41 +124,68 @@ def test_shard_deleted_after_the_checks_still_loads(
     saved: tuple[Path, list[Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt, want = saved
-    real_fill = loader._fill
+    real_read = loader._read
 
-    def delete_then_fill(*args: Any) -> None:
+    def delete_then_read(*args: Any) -> Any:
         (ckpt / SHARD).unlink()  # the file is open (memory-mapped) since the checks
-        real_fill(*args)
+        return real_read(*args)
 
-    monkeypatch.setattr(loader, "_fill", delete_then_fill)
+    monkeypatch.setattr(loader, "_read", delete_then_read)
     model, optimizer = _trained(2)
     load_universal(ckpt, model, optimizer)
     assert not (ckpt / SHARD).exists()
     assert _same(_snapshot(model, optimizer), want)
 
 
-def test_read_failure_after_the_checks_says_partly_loaded(
-    saved: tuple[Path, list[Any]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    ckpt, want = saved
+def _fail_last_read(monkeypatch: pytest.MonkeyPatch, reads: int) -> None:
+    """Make the ``reads``-th piece read of the next load raise an I/O error."""
     real_read = loader._FileSource.read
-    reads = [0]
+    count = [0]
 
-    def fails_on_third(self: Any, *args: Any) -> torch.Tensor:
-        reads[0] += 1
-        if reads[0] == 3:
+    def fails(self: Any, *args: Any) -> torch.Tensor:
+        count[0] += 1
+        if count[0] == reads:
             raise OSError("Input/output error")
         return real_read(self, *args)
 
-    monkeypatch.setattr(loader._FileSource, "read", fails_on_third)
+    monkeypatch.setattr(loader._FileSource, "read", fails)
+
+
+def _count_reads(monkeypatch: pytest.MonkeyPatch, load: Any) -> int:
+    """The piece reads ``load()`` makes."""
+    real_read = loader._FileSource.read
+    count = [0]
+
+    def counting(self: Any, *args: Any) -> torch.Tensor:
+        count[0] += 1
+        return real_read(self, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loader._FileSource, "read", counting)
+        load()
+    return count[0]
+
+
+def test_read_failure_after_the_checks_changes_nothing(
+    saved: tuple[Path, list[Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last piece read fails (an I/O error after every check): before, every
+    earlier piece had been copied in (problem ``partial``)."""
+    ckpt, want = saved
+    reads = _count_reads(monkeypatch, lambda: load_universal(ckpt, *_trained(3)))
+    assert reads > 3
     model, optimizer = _trained(2)
-    with pytest.raises(CheckpointError) as caught:
-        load_universal(ckpt, model, optimizer)
-    assert caught.value.problem == "partial"
+    before = _snapshot(model, optimizer)
+    with monkeypatch.context() as patch:
+        _fail_last_read(patch, reads)
+        with pytest.raises(CheckpointError) as caught:
+            load_universal(ckpt, model, optimizer)
+    assert caught.value.problem == "read"
     message = str(caught.value)
-    assert "failed while copying the tensors, after every check had passed" in message
-    assert "OSError: Input/output error" in message and "partly loaded" in message
-    monkeypatch.setattr(loader._FileSource, "read", real_read)
+    assert "failed while reading the tensors, after every check had passed" in message
+    assert "OSError: Input/output error" in message
+    assert "Nothing was copied: the model and optimizer are unchanged" in message
+    assert _same(_snapshot(model, optimizer), before)
     load_universal(ckpt, model, optimizer)  # loading again: every value
     assert _same(_snapshot(model, optimizer), want)
 
@@ -189,3 +220,57 @@ def test_refused_on_one_rank_leaves_every_rank_unchanged(rank_pool: Any, tmp_pat
     assert "extra-1.pt" in out[1]["error"]
     assert [r["unchanged"] for r in out] == [True, True]
     assert [r["marker"] for r in out] == [False, False]
+
+
+def _read_fails_on_rank_1(root: Path) -> dict[str, Any]:
+    """A plain save at 2 ranks loaded into FSDP at 2 ranks (another initialisation,
+    one step taken: state to keep); rank 1's last piece read fails."""
+    rank = dist.get_rank()
+    model, optimizer = _trained(1)
+    save_universal(root, 3, model, optimizer)
+    torch.manual_seed(5)
+    target = FSDP(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)))
+    target_opt = torch.optim.Adam(target.parameters(), lr=0.5)
+    target(torch.randn(5, 3)).square().sum().backward()
+    target_opt.step()
+    scratch = FSDP(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)))
+    reads = _count_reads(
+        pytest.MonkeyPatch(),
+        lambda: load_universal(root, scratch, torch.optim.Adam(scratch.parameters())),
+    )
+    before = _sharded_snapshot(target, target_opt)
+    out: dict[str, Any] = {"reads": reads}
+    with pytest.MonkeyPatch.context() as patch:
+        if rank == 1:
+            _fail_last_read(patch, reads)
+        try:
+            load_universal(root, target, target_opt)
+            out["error"] = None
+        except CheckpointError as err:
+            out["error"] = f"{type(err).__name__} ({err.problem}): {err}"
+    out["unchanged"] = _same(_sharded_snapshot(target, target_opt), before)
+    load_universal(root, target, target_opt)
+    out["loaded"] = not _same(_sharded_snapshot(target, target_opt), before)
+    return out
+
+
+def _sharded_snapshot(model: nn.Module, optimizer: Any) -> list[Any]:
+    """This rank's shards, buffers, optimizer state (step included) and groups."""
+    out: list[Any] = [t.clone() for t in model.local_state_dict().values()]  # type: ignore[operator]
+    for param in model.parameters():
+        state = optimizer.state.get(param, {})
+        out.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+    out += [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return out
+
+
+def test_read_failure_on_one_rank_leaves_every_rank_unchanged(
+    rank_pool: Any, tmp_path: Path
+) -> None:
+    out = rank_pool(2).run(_read_fails_on_rank_1, tmp_path, timeout_s=120)
+    assert all(r["reads"] > 0 for r in out), out
+    assert out[0]["error"].startswith("CheckpointError (load): loading failed on rank 1: "), out
+    assert out[1]["error"].startswith("CheckpointError (read): "), out
+    assert "OSError: Input/output error" in out[1]["error"], out
+    assert [r["unchanged"] for r in out] == [True, True]
+    assert [r["loaded"] for r in out] == [True, True]

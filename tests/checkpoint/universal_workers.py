@@ -45,6 +45,7 @@ from shardkit.nn import (
 )
 from shardkit.nn.pipe import stage_module
 from shardkit.nn.tensor_parallel import gpt_plan, parallelize
+from shardkit.nn.wrap import auto_wrap, enable_wrap, size_based_auto_wrap_policy
 from shardkit.optim import OSS
 from tests.nn.data_parallel.fsdp_workers import wrap_model
 
@@ -126,6 +127,19 @@ def hybrid_pair(world: int, shard: int) -> tuple[Any, Any]:
     return mine
 
 
+def wrap_twice(base: nn.Module, kind: str, g: Any) -> FSDP:
+    """FSDP around a root FSDP unit: ``FSDP(FSDP(base))`` (``fsdp_twice``) or
+    FairScale's ``FSDP(auto_wrap(base))`` where the policy wrapped the root and some of
+    its children too (``fsdp_auto_twice``)."""
+    if kind == "fsdp_twice":
+        return FSDP(FSDP(base, process_group=g), process_group=g)
+    with enable_wrap(wrapper_cls=FSDP, process_group=g):
+        inner = auto_wrap(base, size_based_auto_wrap_policy(100))
+    assert isinstance(inner, FSDP), "the policy must wrap the root for this layout"
+    assert len(inner.units()) > 1, "the policy must wrap children too"
+    return FSDP(inner, process_group=g)
+
+
 # layouts -------------------------------------------------------------------------------
 class Run:
     """A model in one layout on this rank, and how it trains one step."""
@@ -134,7 +148,7 @@ class Run:
         self.family, self.kind, self.world = family, kind, world
         rank = dist.get_rank()
         self.hybrid = hybrid_pair(world, 2) if kind == "hsdp" and world % 2 == 0 else None
-        if kind == "tp_fsdp":
+        if kind in ("tp", "tp_fsdp"):
             mpu.initialize_model_parallel(2)
         self.group = group(list(range(world)))
         self.member = rank < world
@@ -173,6 +187,9 @@ class Run:
         if kind == "fsdp":
             model = FSDP(base, process_group=g)
             return model, adamw(model.parameters())
+        if kind in ("fsdp_twice", "fsdp_auto_twice"):
+            model = wrap_twice(base, kind, g)
+            return model, adamw(model.parameters())
         if kind == "hsdp":
             pair = self.hybrid if self.hybrid is not None else (g, group([dist.get_rank()]))
             model = FSDP(base, process_group=pair, sharding_strategy="HYBRID_SHARD")
@@ -183,6 +200,11 @@ class Run:
             self.dp_rank, self.dp_size = dist.get_rank(dp), dist.get_world_size(dp)
             model = FSDP(base, process_group=dp)
             return model, adamw(model.parameters())
+        if kind == "tp":  # tensor parallel alone (world 2: no data parallelism)
+            parallelize(base, gpt_plan())
+            dp = mpu.get_data_parallel_group()
+            self.dp_rank, self.dp_size = dist.get_rank(dp), dist.get_world_size(dp)
+            return base, adamw(base.parameters())
         if kind == "pipe":
             self.dp_rank, self.dp_size = 0, 1
             n = len(base)  # type: ignore[arg-type]
@@ -211,7 +233,7 @@ class Run:
         self.optimizer.step()
 
     def close(self) -> None:
-        if self.kind == "tp_fsdp":
+        if self.kind in ("tp", "tp_fsdp"):
             mpu.destroy_model_parallel()
 
 
@@ -327,3 +349,129 @@ def run_pairs(
 ) -> list[dict[str, Any] | None]:
     """:func:`run_pair` for each pair, in one call (checkpoints under ``root/<i>``)."""
     return [run_pair(a, b, f"{root}/{i}") for i, (a, b) in enumerate(pairs)]
+
+
+OTHER_HYPER = {"lr": 0.5, "betas": (0.5, 0.6), "eps": 1e-3, "weight_decay": 0.3}
+
+
+def optimizer_by_name(run: Run) -> dict[str, Any]:
+    """This rank's optimizer state by parameter name (``named_parameters``: FSDP's
+    sharded parameters, empty pieces included): ``{name: {state: value}}``, tensors
+    copied, a missing state as None; and the param groups' hyperparameters."""
+    state: dict[str, Any] = {}
+    for name, param in run.model.named_parameters():
+        held = run.optimizer.state.get(param)
+        state[name] = (
+            None
+            if held is None
+            else {
+                k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in held.items()
+            }
+        )
+    groups = [{k: v for k, v in g.items() if k in OTHER_HYPER} for g in run.optimizer.param_groups]
+    return {"state": state, "groups": groups}
+
+
+def run_empty_pieces(
+    spec_a: tuple[str, str, int], spec_b: tuple[str, int], root: str, warm: bool
+) -> dict[str, Any] | None:
+    """Train in layout A (and the plain twin), save; build FSDP layout B (trained one
+    step first when ``warm``: stale state to overwrite; then its hyperparameters set to
+    :data:`OTHER_HYPER`), load. Returns on every member of B: its optimizer state by
+    name, its empty pieces, and on rank 0 also ``gather_full_optim_state_dict`` with
+    B's full parameters, the consolidated saved state of A, the plain twin (and its
+    optimizer) after the save, and B's parameters after one more step."""
+    family, kind_a, world_a = spec_a
+    kind_b, world_b = spec_b
+    torch.manual_seed(0)
+    base = make_model(family)
+    twin = copy.deepcopy(base)
+    twin_opt = adamw(twin.parameters())
+    run_a = Run(family, kind_a, world_a, copy.deepcopy(base))
+    for step in range(TRAIN_STEPS):
+        run_a.step(step)
+        x, y = batch(family, step)
+        twin_opt.zero_grad()
+        loss_of(family, twin, x, y).backward()
+        twin_opt.step()
+    if run_a.member:
+        save_universal(root, TRAIN_STEPS, run_a.model, run_a.optimizer, group=run_a.group)
+    saved = consolidate(run_a)
+    run_a.close()
+    dist.barrier()
+    torch.manual_seed(1)
+    run_b = Run(family, kind_b, world_b, make_model(family))
+    out: dict[str, Any] = {}
+    if run_b.member:
+        if warm:
+            run_b.step(100)
+        for g in run_b.optimizer.param_groups:
+            g.update(OTHER_HYPER)
+        load_universal(root, run_b.model, run_b.optimizer, group=run_b.group)
+        out["loaded"] = optimizer_by_name(run_b)
+        out["empty"] = [n for n, p in run_b.model.named_parameters() if p.numel() == 0]
+        out["full"] = run_b.model.gather_full_optim_state_dict(run_b.optimizer)
+        params = run_b.model.state_dict()
+        out["names"] = [n for n, _ in run_b.model.named_parameters()]
+    if dist.get_rank() == 0:
+        out["params"] = params
+        out["saved"] = saved
+        out["twin"] = copy.deepcopy(twin).state_dict()
+        out["twin_opt"] = copy.deepcopy(twin_opt.state_dict())
+    run_b.step(TRAIN_STEPS)
+    stepped = consolidate(run_b)
+    run_b.close()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        out["stepped"] = stepped
+    return out if run_b.member else None
+
+
+def run_state_owners(root: str) -> dict[str, Any]:
+    """The siblings of :func:`run_empty_pieces`, where a parameter's optimizer state
+    lives on one rank (OSS, ShardedDataParallel) or in one process (OffloadModel):
+    save ShardedDataParallel at 3 ranks, load into sdp@2, oss@2 (each stepped once
+    first, hyperparameters changed) and offload@1. Per target and rank: the state this
+    rank holds by name (its names and ``step``), the hyperparameters, and on rank 0
+    the consolidated OSS state dict and the saved state."""
+    family = "seq"
+    torch.manual_seed(0)
+    run_a = Run(family, "sdp", 3, make_model(family))
+    for step in range(TRAIN_STEPS):
+        run_a.step(step)
+    if run_a.member:
+        save_universal(root, TRAIN_STEPS, run_a.model, run_a.optimizer, group=run_a.group)
+    saved = consolidate(run_a)
+    run_a.close()
+    dist.barrier()
+    out: dict[str, Any] = {"saved": saved}
+    for kind, world in (("sdp", 2), ("oss", 2), ("offload", 1)):
+        torch.manual_seed(1)
+        target = make_model(family)
+        names = {id(p): n for n, p in target.named_parameters()}
+        run = Run(family, kind, world, target)
+        got: dict[str, Any] | None = None
+        if run.member:
+            run.step(100)
+            for g in run.optimizer.param_groups:
+                g.update(OTHER_HYPER)
+            load_universal(root, run.model, run.optimizer, group=run.group)
+            local = getattr(run.optimizer, "optim", run.optimizer).state
+            got = {
+                "state": {
+                    names.get(id(p), f"offloaded {i}"): (sorted(s), float(s["step"]))
+                    for i, (p, s) in enumerate(local.items())
+                },
+                "groups": [
+                    {k: v for k, v in g.items() if k in OTHER_HYPER}
+                    for g in run.optimizer.param_groups
+                ],
+                "order": [n for n, _ in target.named_parameters()],
+            }
+            if kind != "offload":
+                run.optimizer.consolidate_state_dict(recipient_rank=0)
+                got["full"] = run.optimizer.state_dict() if dist.get_rank() == 0 else None
+        run.close()
+        out[kind] = got
+        dist.barrier()
+    return out

@@ -16,13 +16,16 @@
    opened (memory-mapped: a file deleted from then on still reads).
 5. The ranks agree: a failure on any rank raises on every rank before any rank
    writes a tensor, so a refused load leaves every model and optimizer unchanged.
-6. The pieces: :class:`~.plan.Filler` (range intersection, or assemble one global
-   tensor and cut). Optimizer state of each piece's ``param``, then the param
-   groups' hyperparameters. What can still fail here, after writes, is reading the
-   bytes (an I/O error, a file truncated after the checks, memory): that error
-   (problem ``partial``) says the model and optimizer are partly loaded.
-7. The ranks agree again (before ``after_load``, whose collectives would otherwise
-   wait for the failed rank).
+6. The pieces, read (:class:`~.plan.Filler`: range intersection, or assemble one
+   global tensor and cut) into buffers of their own, with the optimizer state of
+   each piece's ``param`` (:class:`_Staged`): nothing the model or the optimizer
+   holds is written yet. What can still fail here is reading the bytes (an I/O
+   error, a file truncated after the checks, memory): that error (problem
+   ``read``) says the model and optimizer are unchanged.
+7. The ranks agree again: a read failure on any rank raises on every rank.
+8. The commit: in-memory copies of what was read into the model and the optimizer
+   state, then the param groups' hyperparameters, then ``after_load``. The cost:
+   this rank's share of the checkpoint is held once more during the load.
 """
 
 from __future__ import annotations
@@ -305,35 +308,100 @@ def _cover_check(
         )
 
 
-def _fill_state(
-    filler: Filler, index: SavedIndex, entry: ParamEntry, optimizer: Any, group: dict[str, Any]
+@dataclass
+class _Staged:
+    """Everything a load writes, read from the files but not yet visible to the model
+    or the optimizer (step 6 of [Note: the steps of a load]); :meth:`commit` copies
+    it in with in-memory copies only.
+
+    Attributes:
+        pieces: ``(destination, offset, read values)`` of every filled piece: the
+            values go to elements ``[offset, offset + n)`` of the row-major
+            flattened destination (a parameter's or buffer's storage on this rank,
+            or an existing optimizer state tensor shaped like its param).
+        created: ``(param, name, tensor)``: optimizer state tensors made for this load
+            (none of that shape before), already filled.
+        scalars: ``(param, name, value)``: scalar optimizer state (``step``).
+        stateless: params saved without optimizer state: theirs is dropped.
+    """
+
+    pieces: list[tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=list)
+    created: list[tuple[torch.Tensor, str, torch.Tensor]] = field(default_factory=list)
+    scalars: list[tuple[torch.Tensor, str, Any]] = field(default_factory=list)
+    stateless: list[torch.Tensor] = field(default_factory=list)
+
+    def read_piece(
+        self,
+        filler: Filler,
+        dst: torch.Tensor,
+        offset: int,
+        pieces: Sequence[SavedPiece],
+        entry: ParamEntry,
+    ) -> None:
+        """Read ``entry``'s range of ``pieces`` now, for elements ``[offset, offset +
+        n)`` of ``dst`` (row-major) at commit."""
+        if entry.stop <= entry.start:
+            return
+        values = torch.empty(entry.stop - entry.start, dtype=dst.dtype)
+        filler.fill(values, pieces, entry.view, entry.start, entry.stop)
+        self.pieces.append((dst, offset, values))
+
+    @torch.no_grad()
+    def commit(self, optimizer: Any) -> None:
+        """Copy everything read into the model and the optimizer."""
+        for dst, offset, values in self.pieces:
+            n = values.numel()
+            if dst.is_contiguous():
+                dst.view(-1)[offset : offset + n].copy_(values)
+            else:  # strided (a state tensor laid out like its param): via a copy
+                flat = dst.reshape(-1).clone()
+                flat[offset : offset + n].copy_(values)
+                dst.copy_(flat.view(dst.shape))
+        for param, name, tensor in self.created:
+            optimizer.state[param][name] = tensor
+        for param, name, value in self.scalars:
+            optimizer.state[param][name] = value
+        for param in self.stateless:  # saved before its first step: no state
+            optimizer.state.pop(param, None)
+
+
+def _read_state(
+    staged: _Staged,
+    filler: Filler,
+    index: SavedIndex,
+    entry: ParamEntry,
+    optimizer: Any,
+    group: dict[str, Any],
+    made: dict[tuple[int, str], torch.Tensor],
 ) -> None:
     """Optimizer state of ``entry``'s param from the saved pieces, as torch's
     ``Optimizer.load_state_dict`` places it: new element-wise state in the param's
     dtype (a floating param; else the saved dtype) and on its device; an existing
     state tensor of the param's shape is filled in place (any strides); a 0-dim
-    ``step`` on the param's device when ``group`` is ``capturable`` or ``fused``."""
+    ``step`` on the param's device when ``group`` is ``capturable`` or ``fused``.
+    Read into ``staged`` (``made``: the state tensors this load creates, by param and
+    name, shared by the param's pieces)."""
     param = entry.param
     assert param is not None
-    state = optimizer.state[param]
+    state = optimizer.state.get(param, {})
     offset, n = entry_offset(entry), entry.stop - entry.start
     for name in index.states(entry.key):
         pieces = index.pieces[(entry.key, name)]
-        current = state.get(name)
+        current = made.get((id(param), name), state.get(name))
         if not isinstance(current, torch.Tensor) or current.shape != param.shape:
             saved = dtype_from_name(pieces[0].dtype)
             dtype = param.dtype if param.is_floating_point() else saved
-            current = state[name] = torch.zeros(param.shape, dtype=dtype, device=param.device)
+            current = torch.zeros(param.shape, dtype=dtype, device=param.device)
+            made[(id(param), name)] = current
+            staged.created.append((param, name, current))
         if not n:
             continue
-        if current.is_contiguous():
+        if (id(param), name) in made:  # not visible before the commit: filled now
             filler.fill(
                 current.view(-1)[offset : offset + n], pieces, entry.view, entry.start, entry.stop
             )
-        else:  # strided like its param (zeros_like keeps the strides): via a copy
-            flat = current.reshape(-1).clone()
-            filler.fill(flat[offset : offset + n], pieces, entry.view, entry.start, entry.stop)
-            current.copy_(flat.view(current.shape))
+        else:  # the optimizer's own tensor: filled at commit
+            staged.read_piece(filler, current, offset, pieces, entry)
     on_param = bool(group.get("capturable") or group.get("fused"))
     for name, scalar in index.scalars.get(entry.key, {}).items():
         value = scalar.restore()
@@ -343,33 +411,34 @@ def _fill_state(
                 value = value.to(old.device)
             elif on_param:
                 value = value.to(param.device)
-        state[name] = value
+        staged.scalars.append((param, name, value))
 
 
-def _fill(
+def _read(
     entries: Sequence[ParamEntry], index: SavedIndex, optimizer: Any, source: _FileSource
-) -> None:
+) -> _Staged:
+    """Read every piece this rank loads, changing nothing (see :class:`_Staged`)."""
     filler = Filler(source)
+    staged = _Staged()
     in_optimizer = optimizer_params(optimizer) if optimizer is not None else {}
     stateless: dict[int, torch.Tensor] = {}  # params none of whose keys has saved state
     with_state: set[int] = set()
+    made: dict[tuple[int, str], torch.Tensor] = {}
     for entry in sorted(entries, key=lambda e: e.key):  # a key's pieces together
         pieces = index.pieces.get((entry.key, ""))
         if pieces is None:  # not strict, key not saved
             continue
-        with torch.no_grad():
-            filler.fill(entry.tensor, pieces, entry.view, entry.start, entry.stop)
-            if entry.param is not None and id(entry.param) in in_optimizer:
-                if index.states(entry.key) or entry.key in index.scalars:
-                    group = optimizer.param_groups[in_optimizer[id(entry.param)]]
-                    _fill_state(filler, index, entry, optimizer, group)
-                    with_state.add(id(entry.param))
-                else:
-                    stateless[id(entry.param)] = entry.param
+        staged.read_piece(filler, entry.tensor, 0, pieces, entry)
+        if entry.param is not None and id(entry.param) in in_optimizer:
+            if index.states(entry.key) or entry.key in index.scalars:
+                group = optimizer.param_groups[in_optimizer[id(entry.param)]]
+                _read_state(staged, filler, index, entry, optimizer, group, made)
+                with_state.add(id(entry.param))
+            else:
+                stateless[id(entry.param)] = entry.param
     filler.release()
-    for pid, param in stateless.items():  # saved before its first step: no state
-        if pid not in with_state:
-            optimizer.state.pop(param, None)
+    staged.stateless = [p for pid, p in stateless.items() if pid not in with_state]
+    return staged
 
 
 def load_universal(
@@ -409,10 +478,10 @@ def load_universal(
         CheckpointUnsafeError: this rank's extra file holds something other than
             tensors and plain containers.
         CheckpointError: (problem ``load``) another rank failed; (problem
-            ``partial``) reading the tensors failed after every check had passed (an
-            I/O error): the model and optimizer are then partly loaded, the message
-            says so. Every error above is raised before any tensor is written: the
-            model and optimizer are unchanged (see [Note: the steps of a load]).
+            ``read``) reading the tensors failed after every check had passed (an
+            I/O error). Every error above is raised on every rank before any tensor
+            is written: the model and optimizer are unchanged (see [Note: the steps
+            of a load]).
     """
     rank, world_size = _rank_world(group)
     ckpt = _resolve(path, group, rank, world_size)
@@ -448,28 +517,30 @@ def load_universal(
                 error = err
         _agree(error, group, world_size)  # a failure raises on every rank: nothing written
         assert plan is not None and adapter is not None
+        staged = _Staged()
         try:
-            _fill(entries, plan.index, optimizer, plan.source)
-            restore_hyperparameters(optimizer, plan.hyper)
+            staged = _read(entries, plan.index, optimizer, plan.source)
         except Exception as err:
-            error = _partly_loaded(ckpt, err)
+            error = _read_failed(ckpt, err)
         except BaseException as err:
             error = err
-        _agree(error, group, world_size)
+        _agree(error, group, world_size)  # a read failure on any rank: nothing written
+        staged.commit(optimizer)
+        restore_hyperparameters(optimizer, plan.hyper)
+        del staged
         adapter.after_load()
         return plan.loaded
 
 
-def _partly_loaded(ckpt: Path, err: Exception) -> CheckpointError:
-    """The error of a fill that failed after the checks (step 6 of [Note: the steps of
+def _read_failed(ckpt: Path, err: Exception) -> CheckpointError:
+    """The error of a read that failed after the checks (step 6 of [Note: the steps of
     a load]), chained to ``err``."""
     error = CheckpointError(
         getattr(err, "path", ckpt),
-        "partial",
-        f"loading {ckpt} failed while copying the tensors, after every check had "
-        f"passed: {type(err).__name__}: {err}. The model and optimizer are partly "
-        "loaded (some tensors hold the checkpoint's values, the others their previous "
-        "ones): load again, or start from a fresh model",
+        "read",
+        f"loading {ckpt} failed while reading the tensors, after every check had "
+        f"passed: {type(err).__name__}: {err}. Nothing was copied: the model and "
+        "optimizer are unchanged",
     )
     error.__cause__ = err
     return error
@@ -530,7 +601,7 @@ def _plan_local(
 def _check_pieces(
     ckpt: Path, entries: list[ParamEntry], index: SavedIndex, optimizer: Any, source: _FileSource
 ) -> None:
-    """What :func:`_fill` needs and would otherwise find wrong only after writing: the
+    """What :func:`_read` needs and would otherwise find wrong only while reading: the
     offset of each piece's optimizer state in its param, every scalar state's value;
     and every shard file it reads, opened now."""
     in_optimizer = optimizer_params(optimizer) if optimizer is not None else {}

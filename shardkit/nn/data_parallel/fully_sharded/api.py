@@ -512,9 +512,32 @@ class FullyShardedDataParallel(nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load a full state dict (the unwrapped module's keys) on every rank."""
-        with self.summon_full_params(recurse=True, writeback=True), torch.no_grad():
-            return super().load_state_dict(state_dict, strict=strict)
+        """Load a full state dict (the unwrapped module's keys) on every rank.
+
+        A load that raises (a missing or unexpected key with ``strict``, another
+        shape: torch's ``load_state_dict`` copies every tensor it can before raising)
+        leaves this rank's shards and buffers as they were (a copy of them is kept
+        meanwhile; units on the disk tier excepted: their shards are files).
+
+        Raises:
+            RuntimeError: torch's "Error(s) in loading state_dict" (keys, shapes),
+                naming the unwrapped keys.
+        """
+        units = units_in(self)
+        kept = [u.handle.local_shard for u in units if u.disk is None]
+        kept += [buf for _, buf in self.named_buffers()]
+        before = [t.detach().clone() for t in kept]
+        try:
+            with self.summon_full_params(recurse=True, writeback=True), torch.no_grad():
+                return super().load_state_dict(state_dict, strict=strict)
+        except BaseException as err:
+            with torch.no_grad():
+                for tensor, value in zip(kept, before):
+                    tensor.copy_(value)
+            if isinstance(err, RuntimeError) and f"{WRAPPED}." in str(err):
+                # torch names the keys as it reached them (size mismatches): unwrapped
+                raise RuntimeError(clean_name(str(err))) from err
+            raise
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards: ``"<unit>flat_param"`` per unit, and the buffers.

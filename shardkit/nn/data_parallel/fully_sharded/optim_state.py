@@ -23,7 +23,13 @@ from torch import nn
 from shardkit.nn.data_parallel.fully_sharded.collectives import all_gather_flat
 from shardkit.nn.data_parallel.fully_sharded.unit import UnitRuntime, named_units
 
-__all__ = ["flat_optim_state", "gather_full", "load_flat_optim_state", "shard_full"]
+__all__ = [
+    "flat_optim_state",
+    "flat_optim_state_dict",
+    "gather_full",
+    "load_flat_optim_state",
+    "shard_full",
+]
 
 # unit key -> state key -> flat shard (S,)
 FlatState = dict[str, dict[str, torch.Tensor]]
@@ -78,6 +84,18 @@ def load_flat_optim_state(
 
     ``param_groups``' hyperparameters replace ``optim``'s (same number of groups).
     """
+    optim.load_state_dict(flat_optim_state_dict(root, optim, flat, scalars, param_groups))
+
+
+def flat_optim_state_dict(
+    root: nn.Module,
+    optim: torch.optim.Optimizer,
+    flat: FlatState,
+    scalars: Mapping[str, Mapping[str, Any]],
+    param_groups: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The state dict :func:`load_flat_optim_state` loads into ``optim`` (built, not
+    loaded: ``optim`` is unchanged)."""
     names, local = _names(root), optim.state_dict()
     index = {id(p): i for i, p in enumerate(p for g in optim.param_groups for p in g["params"])}
     state: dict[int, dict[str, Any]] = {}
@@ -96,7 +114,7 @@ def load_flat_optim_state(
         {**saved, "params": own["params"]}
         for saved, own in zip(param_groups, local["param_groups"])
     ]
-    optim.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}
 
 
 def gather_full(

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +52,14 @@ from shardkit.checkpoint.sharded_optim import resolve_shard_directory
 from shardkit.nn.data_parallel.fully_sharded.disk_tier import refuse_on_disk
 from shardkit.nn.data_parallel.fully_sharded.optim_state import (
     flat_optim_state,
-    load_flat_optim_state,
+    flat_optim_state_dict,
 )
 from shardkit.nn.data_parallel.fully_sharded.unit import (
-    WRAPPED,
     UnitRuntime,
     as_sharded,
     named_units,
     units_in,
+    unwrapped_module,
 )
 
 __all__ = [
@@ -94,12 +95,13 @@ def _state_dict_keys(model: nn.Module) -> tuple[dict[int, list[str]], dict[int, 
     """The plain model's state-dict keys of every sharded parameter (every name of a
     tied one) and persistent buffer, by object id, from the module tree as it stands
     (no gathering: ``keep_vars`` state dict of the wrapped module, units in gathering
-    mode so that their own state-dict hooks let it through)."""
+    mode so that their own state-dict hooks let it through). The keys are the plain
+    model's however many units wrap it directly (``FSDP(FSDP(m))``)."""
     units = units_in(model)
     for unit in units:
         unit.gathering_state_dict = True
     try:
-        raw = nn.Module.state_dict(getattr(model, WRAPPED), keep_vars=True)
+        raw = nn.Module.state_dict(unwrapped_module(model), keep_vars=True)
     finally:
         for unit in units:
             unit.gathering_state_dict = False
@@ -266,38 +268,83 @@ def load_fsdp_sharded(
 
     The model must be wrapped the same way (same units, same parameters); the world
     size may differ. ``optim`` (built after wrapping) gets the saved state. A damaged
-    file makes every rank use the previous checkpoint, with a warning.
+    file makes every rank use the previous checkpoint, with a warning. Every rank
+    reads and checks everything it loads first and the ranks agree; only then are the
+    shards, buffers and optimizer state replaced, so a load that fails changes nothing
+    on any rank (this rank's share of the checkpoint is held once more meanwhile).
 
     Raises:
         CheckpointCorruptError: every committed checkpoint is damaged.
         FileNotFoundError: shard files missing, or nothing committed.
         ValueError: the units or their parameters differ from the saved ones, or
             ``optim`` is given and the checkpoint has no optimizer state.
+        CheckpointError: (problem ``load``) another rank failed while reading.
         RuntimeError: the model is on a disk tier (resume its directory instead).
     """
     units = named_units(model)
     refuse_on_disk(list(units.values()), "load_fsdp_sharded")
-    group = _root(units).process_group
-    found = resolve_shard_directory(directory, collective=True, group=group)
+    root = _root(units)
+    found = resolve_shard_directory(directory, collective=True, group=root.process_group)
+    error: Exception | None = None
+    try:
+        commit = _read_shards(model, units, found, directory, optim)
+    except Exception as err:  # told to every rank below: none loads, none hangs
+        error = err
+    me = dist.get_rank() if dist.is_initialized() else 0
+    failed = gather_failures(me, error, [root.process_group])
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(found, "load", f"loading {found} failed on {failed}")
+    commit()
+
+
+def _read_shards(
+    model: nn.Module,
+    units: dict[str, UnitRuntime],
+    found: Path,
+    directory: PathLike,
+    optim: torch.optim.Optimizer | None,
+) -> Callable[[], None]:
+    """Everything :func:`load_fsdp_sharded` loads, read and checked; returns the commit
+    (``optim.load_state_dict`` of a state dict it accepts, in-memory copies)."""
     records = _open_all(found)
     _check_units(records[0]["units"], units)
-    for key, unit in units.items():
-        unit.handle.local_shard.copy_(_resharded(records, unit, key, ("units", key, "flat")))
-    for name, buf in model.named_buffers():
-        buf.copy_(records[0]["buffers"][name])
-    if optim is None:
-        return
-    saved = records[0]["optim"]
-    if saved is None:
-        raise ValueError(f"{directory}: the checkpoint has no optimizer state")
-    flat = {
-        key: {
-            sk: _resharded(records, unit, key, ("optim", "flat", key, sk))
-            for sk in saved["flat"][key]
-        }
-        for key, unit in units.items()
+    shards = {
+        key: _resharded(records, unit, key, ("units", key, "flat")) for key, unit in units.items()
     }
-    load_flat_optim_state(model, optim, flat, saved["scalars"], saved["param_groups"])
+    buffers = [(buf, records[0]["buffers"][name]) for name, buf in model.named_buffers()]
+    optim_state: dict[str, Any] | None = None
+    if optim is not None:
+        saved = records[0]["optim"]
+        if saved is None:
+            raise ValueError(f"{directory}: the checkpoint has no optimizer state")
+        if len(saved["param_groups"]) != len(optim.param_groups):
+            raise ValueError(
+                f"{directory}: the checkpoint's optimizer has {len(saved['param_groups'])} "
+                f"param groups, this one {len(optim.param_groups)}; build the optimizer "
+                "with the same groups"
+            )
+        flat = {
+            key: {
+                sk: _resharded(records, unit, key, ("optim", "flat", key, sk))
+                for sk in saved["flat"][key]
+            }
+            for key, unit in units.items()
+        }
+        optim_state = flat_optim_state_dict(
+            model, optim, flat, saved["scalars"], saved["param_groups"]
+        )
+
+    def commit() -> None:
+        if optim is not None and optim_state is not None:
+            optim.load_state_dict(optim_state)
+        for key, unit in units.items():
+            unit.handle.local_shard.copy_(shards[key])
+        for buf, value in buffers:
+            buf.copy_(value)
+
+    return commit
 
 
 def _check_units(saved: dict[str, Any], units: dict[str, UnitRuntime]) -> None:

@@ -122,7 +122,8 @@ def local_state_dict(root: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_local_state_dict(root: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Copy shards and buffers from :func:`local_state_dict`'s output into ``root``.
+    """Copy shards and buffers from :func:`local_state_dict`'s output into ``root``;
+    every key and shape is checked first, so an error leaves ``root`` unchanged.
 
     Raises:
         KeyError: keys differ (both lists named).
@@ -135,11 +136,12 @@ def load_local_state_dict(root: nn.Module, state: Mapping[str, torch.Tensor]) ->
     missing, unexpected = sorted(set(targets) - set(state)), sorted(set(state) - set(targets))
     if missing or unexpected:
         raise KeyError(f"local state dict keys differ: missing {missing}, unexpected {unexpected}")
-    for key, target in targets.items():
+    for key, target in targets.items():  # every shape before the first copy
         if target.shape != state[key].shape:
             raise ValueError(
                 f"{key}: shape {tuple(state[key].shape)} != this rank's {tuple(target.shape)}; "
                 "a local state dict loads only at the same world size and wrapping (use "
                 "load_fsdp_sharded for another world size)"
             )
+    for key, target in targets.items():
         target.copy_(state[key])

@@ -108,6 +108,7 @@ __all__ = [
     "runtime_of",
     "summon",
     "units_in",
+    "unwrapped_module",
 ]
 
 WRAPPED = "_fsdp_wrapped_module"
@@ -131,6 +132,16 @@ def is_unit(module: nn.Module) -> bool:
 def clean_name(name: str) -> str:
     """``name`` without wrapper prefixes (``a._fsdp_wrapped_module.b`` -> ``a.b``)."""
     return name.replace(f"{WRAPPED}.", "")
+
+
+def unwrapped_module(module: nn.Module) -> nn.Module:
+    """The module that ``module``'s stack of directly nested units wraps
+    (``FSDP(m)`` and ``FSDP(FSDP(m))``, FairScale's ``FSDP(auto_wrap(m))`` when the
+    policy wrapped the root: ``m``); ``module`` itself when it is not a unit. Its
+    state-dict keys are the unwrapped model's, whatever the nesting."""
+    while is_unit(module):
+        module = getattr(module, WRAPPED)
+    return module
 
 
 def units_in(module: nn.Module) -> list[UnitRuntime]:

@@ -15,9 +15,14 @@ tensor-parallel rank 0 only (:func:`~shardkit.checkpoint.universal.tensor_views.
 buffers (whole on every rank) by rank 0 of the shard group. Every rank loads its
 pieces, replicas included, so nothing is re-synchronised after loading.
 
+A parameter none of whose elements is on this rank (a small bias past the end of the
+rank's shard) is listed as an empty piece, written by nobody: loading still sets its
+optimizer state on this rank (the step and the empty element-wise state), so every
+rank's optimizer holds the saving run's state for every parameter.
+
 Keys are those of the unwrapped model's state dict (tied weights: their first key),
 from :func:`.sharded_checkpoint._state_dict_keys`, the map the FSDP sharded checkpoint
-uses.
+uses, whatever the nesting (``FSDP(FSDP(m))`` has ``m``'s keys).
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ class FSDPLayout:
         )
 
     def entries(self) -> Iterator[ParamEntry]:
-        """One entry per original parameter with elements on this rank, then buffers."""
+        """One entry per original parameter (an empty one where this rank holds none of
+        its elements), then buffers."""
         param_keys, buffer_keys = _state_dict_keys(self.model)
         for unit in self.units.values():
             yield from self._unit_entries(unit, param_keys)
@@ -92,21 +98,23 @@ class FSDPLayout:
         shard_start = handle.layout.shard_range(handle.rank)[0]
         for index, (info, sharded) in enumerate(zip(handle.infos, handle.sharded_params)):
             a, b = handle.layout.piece(index, handle.rank)
-            if b <= a:
-                continue
-            start = shard_start + a - handle.layout.offsets[index]
+            # an empty piece (no element on this rank) is listed too, written by nobody
+            # (a 0-element parameter: by rank 0): the load still sets its optimizer
+            # state's scalars (step) on this rank
+            start = shard_start + a - handle.layout.offsets[index] if b > a else 0
             view = info.view if info.view is not None else TensorView(tuple(info.shape))
             keys = param_keys.get(id(sharded))
             if not keys:
                 raise KeyError(f"FSDP parameter `{info.name}` has no key in the model's state dict")
+            holds = b > a or (view.local_numel == 0 and handle.rank == 0)
             yield ParamEntry(
                 key=keys[0],
                 view=view,
                 start=start,
-                stop=start + (b - a),
+                stop=start + max(b - a, 0),
                 tensor=sharded.detach(),
                 param=sharded if id(sharded) in self.held else None,
-                write=self.replica_writer and writes_replica(view),
+                write=holds and self.replica_writer and writes_replica(view),
             )
 
     def aliases(self) -> dict[str, str]:
