@@ -199,6 +199,26 @@ def scenario(pair: Pair) -> None:
         _forward(pair, batch(index), mode)
         index += 1
         pair.record(f"{mode} forward")
+    _frozen_norms(pair, index)
+
+
+def _frozen_norms(pair: Pair, index: int) -> None:
+    """Frozen BatchNorms (eval mode in a training model, saving their running
+    statistics for backward): two forwards, the second after a synchronised one (so
+    it broadcasts), then one backward through both and a step."""
+    for model in pair.both():
+        model(batch(index)).square().mean().backward()  # leaves the flag set
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm1d):
+                module.eval()
+        loss = model(batch(index + 1)).square().mean() + model(batch(index + 2)).square().mean()
+        loss.backward()
+        model.train()
+    pair.record("frozen BatchNorm: two forwards, one backward")
+    for opt in (pair.ddp_opt, pair.opt):
+        opt.step()
+        opt.zero_grad()
+    pair.record("frozen BatchNorm: optimizer step")
 
 
 def buffers_vs_ddp(wrappers: list[str]) -> list[dict[str, Any]]:

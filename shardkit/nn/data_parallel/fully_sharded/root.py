@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.profiler import record_function
 
 from shardkit.memory import heap_trim_point
@@ -179,8 +180,8 @@ class RootState:
         [Note: buffers follow torch DDP]); a collective on every rank."""
         if self.broadcast_buffers and self.sync_buffers:
             buffers = list(self.module.buffers())
-            if buffers:
-                with torch.no_grad():
+            if buffers:  # version counters kept, as DDP: a graph may have saved a buffer
+                with torch.no_grad(), _unsafe_preserve_version_counter(tuple(buffers)):
                     broadcast_data_parallel(buffers, self.process_group, self.replicate_group)
 
     def buffers_after_forward(self, synchronised: bool) -> None:
