@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.profiler import record_function
 
 from shardkit.distributed import broadcast_from_owners, group_ranks, plan_owner_broadcast
@@ -313,9 +314,16 @@ class ShardedDataParallel(nn.Module):
 
     @torch.no_grad()
     def sync_buffers(self) -> None:
-        """Broadcast the module's buffers from the group's first rank (a collective)."""
-        with record_function("ShardedDDP::sync_buffers"):
-            self._broadcast_from_first_rank(list(self.module.buffers()))
+        """Broadcast the module's buffers from the group's first rank (a collective).
+
+        As torch DDP, the broadcast keeps the buffers' autograd version counters: a
+        graph that saved a buffer (an eval-mode BatchNorm saves its running statistics)
+        still backpropagates after the next forward's broadcast, with the new values.
+        """
+        buffers = list(self.module.buffers())
+        preserve = _unsafe_preserve_version_counter(tuple(buffers))
+        with record_function("ShardedDDP::sync_buffers"), preserve:
+            self._broadcast_from_first_rank(buffers)
 
     def _broadcast_from_first_rank(self, tensors: list[torch.Tensor]) -> None:
         if self.world_size == 1 or not tensors:

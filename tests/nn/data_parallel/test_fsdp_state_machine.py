@@ -1,15 +1,24 @@
-"""Stateful property test of FSDP against the plain model (issue 16).
+"""Stateful property test of FSDP against the plain model and torch DDP (issue 16).
 
 A hypothesis ``RuleBasedStateMachine`` draws random sequences of: freeze / unfreeze a
-block, forward + backward, forward without backward (grad enabled), ``no_grad`` eval,
-``step``, ``zero_grad``, ``state_dict`` (saved) and ``load_state_dict`` (of a saved
-state), optimizer rebuild, ``summon_full_params`` (read, or edit a parameter in it).
-Every rule runs on the tiny GPT wrapped with FSDP (this rank's part of the batch)
-and on the plain model (the global batch) side by side; each forward's loss (mean
-over ranks) agrees, and after every rule (invariant) the full parameters and the
-gradients agree: a parameter the plain model has no gradient for has none in FSDP.
-Configurations: nested (one unit per Block) and flat, ``reshard_after_forward`` on
-and off.
+block, forward + backward, a micro-batch accumulated under ``no_sync`` (forward and
+backward inside), forward without backward (grad enabled), ``no_grad`` eval, a forward
+inside ``summon_full_params``, ``step``, ``zero_grad``, ``state_dict`` (saved) and
+``load_state_dict`` (of a saved state), optimizer rebuild, ``summon_full_params``
+(read, or edit a parameter in it). Every rule runs on the tiny GPT wrapped with FSDP
+(this rank's part of the batch) and on the plain model (the global batch) side by
+side; each forward's loss (mean over ranks) agrees, and after every rule (invariant)
+the full parameters and the gradients agree: a parameter the plain model has no
+gradient for has none in FSDP (gradients are compared once no ``no_sync`` micro-batch
+is pending). Configurations: nested (one unit per Block) and flat,
+``reshard_after_forward`` on and off.
+
+The ``bn-`` configurations use a BatchNorm model whose initial buffers differ per rank,
+and torch DDP on the same rank's part of the batch as the reference: each forward's
+loss agrees on every rank, and after every rule each rank's buffers equal DDP's on that
+rank (bit for bit for the BatchNorm on the input and every ``num_batches_tracked``, to
+fp32 rounding behind trained layers), besides parameters and gradients. DDP does not
+follow ``requires_grad`` changes made after wrapping, so freezing is not drawn there.
 
 [Note: one machine on two ranks]
 Both ranks run the same machine inside one ``pool.run``: ``derandomize=True`` and no
@@ -30,6 +39,7 @@ example (default 12).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import traceback
@@ -49,7 +59,11 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 from tests.nn.data_parallel.fsdp_workers import global_batch, local_part, tiny_gpt, wrap_model
 
 EXAMPLES = int(os.environ.get("SHARDKIT_HYPOTHESIS_EXAMPLES", "10"))
@@ -59,6 +73,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "nested-keep": {"nesting": "block", "raf": False},
     "flat": {"nesting": "flat", "raf": True},
     "flat-keep": {"nesting": "flat", "raf": False},
+    "bn-nested": {"nesting": "block", "raf": True, "model": "bn"},
+    "bn-flat": {"nesting": "flat", "raf": True, "model": "bn"},
 }
 LOSS_TOL = 1e-5
 PARAM_TOL = {"atol": 2e-5, "rtol": 1e-4}
@@ -74,6 +90,63 @@ def _blocks(block: int) -> tuple[str, ...]:
     return (f"blocks.{block}.",)
 
 
+class BNBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.bn(self.fc(x)))
+
+
+class BNModel(nn.Module):
+    """BatchNorm on the input (statistics from data and buffers only), then two blocks
+    with a BatchNorm behind a trained layer; ``(x, y) -> (output, MSE loss)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn0 = nn.BatchNorm1d(6)
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList([BNBlock(), BNBlock()])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.inp(self.bn0(x))
+        for block in self.blocks:
+            h = block(h)
+        out = self.head(h).squeeze(-1)
+        return out, (out - y).square().mean()
+
+
+def _bn_model(rank: int) -> BNModel:
+    """The same parameters on every rank; buffers differ (rank 0's must win)."""
+    torch.manual_seed(0)
+    model = BNModel()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm1d):
+            assert m.running_mean is not None and m.running_var is not None
+            m.running_mean.fill_(0.5 * rank)
+            m.running_var.fill_(1.0 + rank)
+    return model
+
+
+def _bn_batch(seed: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[8 r, 8 r + 8)`` are rank r's: shifted and scaled per rank, so each
+    rank's BatchNorm statistics differ."""
+    g = torch.Generator().manual_seed(2000 + seed)
+    x = torch.randn(2 * world, 4, 6, generator=g)
+    x = x * (1 + torch.arange(2 * world) // 2).view(-1, 1, 1) + (torch.arange(2 * world) // 2).view(
+        -1, 1, 1
+    )
+    return x.reshape(-1, 6), torch.randn(8 * world, generator=g)
+
+
+def _exact_buffer(name: str) -> bool:
+    """Buffers that must equal DDP's bit for bit (see the module docstring)."""
+    return name.startswith("bn0.") or name.endswith("num_batches_tracked")
+
+
 class FSDPMachine(RuleBasedStateMachine):
     """FSDP and the plain model side by side (class attributes set per configuration)."""
 
@@ -84,15 +157,19 @@ class FSDPMachine(RuleBasedStateMachine):
         super().__init__()
         self._agree("init")
         torch.manual_seed(0)
-        self.ref = tiny_gpt()
-        self.model = wrap_model(
-            copy.deepcopy(self.ref),
-            self.cfg["nesting"],
-            reshard_after_forward=self.cfg["raf"],
-            process_group=self.group,
-        )
+        self.bn = self.cfg.get("model") == "bn"
+        kwargs = {"reshard_after_forward": self.cfg["raf"], "process_group": self.group}
+        self.ddp: DDP | None = None
+        if self.bn:
+            self.ref: nn.Module = _bn_model(dist.get_rank(self.group))
+            self.model = _wrap_bn(copy.deepcopy(self.ref), self.cfg["nesting"], kwargs)
+            self.ddp = DDP(self.ref, process_group=self.group)
+        else:
+            self.ref = tiny_gpt()
+            self.model = wrap_model(copy.deepcopy(self.ref), self.cfg["nesting"], **kwargs)
         self.opt, self.ref_opt = _sgd(self.model.parameters()), _sgd(self.ref.parameters())
         self.saved: dict[str, torch.Tensor] | None = None
+        self.pending = False  # a no_sync micro-batch's gradient is not reduced yet
 
     # helpers (collectives over the configuration's group, same on every rank) ---------
     def _agree(self, *what: Any) -> None:
@@ -108,14 +185,36 @@ class FSDPMachine(RuleBasedStateMachine):
         dist.all_reduce(t, group=self.group)
         return float(t) / dist.get_world_size(self.group)
 
+    def _max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return float(t)
+
     def _batch(self, seed: int) -> tuple[torch.Tensor, ...]:
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if self.bn:
+            x, y = _bn_batch(seed, world)
+            return x, y, x[8 * rank : 8 * (rank + 1)], y[8 * rank : 8 * (rank + 1)]
         x, y = global_batch(seed, world)
         return x, y, local_part(x, rank), local_part(y, rank)
 
-    def _losses(self, seed: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _losses(
+        self, seed: int, what: str, no_sync: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both models' losses; the plain model on the global batch, DDP (``bn-``) on
+        this rank's part, inside ``no_sync`` with ``no_sync``."""
         x, y, lx, ly = self._batch(seed)
-        ref_loss, loss = self.ref(x, y)[1], self.model(lx, ly)[1]
+        if self.ddp is not None:
+            with self.ddp.no_sync() if no_sync else contextlib.nullcontext():
+                ref_loss = self.ddp(lx, ly)[1]
+        else:
+            ref_loss = self.ref(x, y)[1]
+        with self.model.no_sync() if no_sync else contextlib.nullcontext():
+            loss = self.model(lx, ly)[1]
+        if self.ddp is not None:  # rank by rank, the worst on every rank
+            diff = self._max(abs(loss.item() - ref_loss.item()))
+            assert diff < LOSS_TOL, f"{what}: FSDP loss off DDP's by {diff:.3e} on some rank"
+            return ref_loss, loss
         got, want = self._mean(loss.item()), ref_loss.item()
         assert abs(got - want) < LOSS_TOL, f"{what}: FSDP loss {got:.7f} != plain {want:.7f}"
         return ref_loss, loss
@@ -163,11 +262,13 @@ class FSDPMachine(RuleBasedStateMachine):
         return out
 
     # rules ----------------------------------------------------------------------------
+    @precondition(lambda self: not self.bn and not self.pending)
     @rule(block=BLOCKS)
     def freeze(self, block: int) -> None:
         self._agree("freeze", block)
         self._set_trainable(_blocks(block), False)
 
+    @precondition(lambda self: not self.bn and not self.pending)
     @rule(block=BLOCKS)
     def unfreeze(self, block: int) -> None:
         self._agree("unfreeze", block)
@@ -179,12 +280,32 @@ class FSDPMachine(RuleBasedStateMachine):
         ref_loss, loss = self._losses(seed, "forward_backward")
         ref_loss.backward()
         loss.backward()
+        self.pending = False
+
+    @rule(seed=SEEDS)
+    def accumulate_no_sync(self, seed: int) -> None:
+        """A micro-batch of gradient accumulation: forward and backward in ``no_sync``
+        (the plain model just accumulates the global batch's gradient)."""
+        self._agree("accumulate_no_sync", seed)
+        ref_loss, loss = self._losses(seed, "accumulate_no_sync", no_sync=True)
+        with self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext():
+            ref_loss.backward()
+        with self.model.no_sync():
+            loss.backward()
+        self.pending = True
 
     @rule(seed=SEEDS)
     def forward_without_backward(self, seed: int) -> None:
         """A sanity forward, an eval without no_grad, generation: the graph is dropped."""
         self._agree("forward_without_backward", seed)
         self._losses(seed, "forward_without_backward")
+
+    @rule(seed=SEEDS)
+    def forward_in_summon(self, seed: int) -> None:
+        """``model(x)`` inside ``summon_full_params`` (grad enabled, no backward)."""
+        self._agree("forward_in_summon", seed)
+        with self.model.summon_full_params(writeback=False):
+            self._losses(seed, "forward_in_summon")
 
     @rule(seed=SEEDS)
     def eval_no_grad(self, seed: int) -> None:
@@ -196,12 +317,25 @@ class FSDPMachine(RuleBasedStateMachine):
         self.ref.train()
         self.model.train()
 
+    @precondition(lambda self: self.bn)
+    @rule(seed=SEEDS)
+    def eval_with_grad(self, seed: int) -> None:
+        """An eval-mode forward with grad enabled: the next forward broadcasts (DDP)."""
+        self._agree("eval_with_grad", seed)
+        self.ref.eval()
+        self.model.eval()
+        self._losses(seed, "eval_with_grad")
+        self.ref.train()
+        self.model.train()
+
+    @precondition(lambda self: not self.pending)
     @rule()
     def step(self) -> None:
         self._agree("step")
         self.opt.step()
         self.ref_opt.step()
 
+    @precondition(lambda self: not self.pending)
     @rule()
     def zero_grad(self) -> None:
         self._agree("zero_grad")
@@ -221,12 +355,14 @@ class FSDPMachine(RuleBasedStateMachine):
         ref_state = self.ref.state_dict()
         assert sorted(state) == sorted(ref_state)
         for key, want in ref_state.items():
-            diff = float((state[key].double() - want.double()).abs().max())
-            tol = PARAM_TOL["atol"] + PARAM_TOL["rtol"] * float(want.abs().max())
-            assert diff <= tol, f"state_dict()[{key}] off by {diff:.3e}"
+            diff = self._max(float((state[key].double() - want.double()).abs().max()))
+            tol = PARAM_TOL["atol"] + PARAM_TOL["rtol"] * float(want.double().abs().max())
+            if self.bn and _exact_buffer(key):
+                tol = 0.0
+            assert diff <= tol, f"state_dict()[{key}] off by {diff:.3e} on some rank"
         self.saved = {k: v.detach().clone() for k, v in ref_state.items()}
 
-    @precondition(lambda self: self.saved is not None)
+    @precondition(lambda self: self.saved is not None and not self.pending)
     @rule()
     def load_state_dict(self) -> None:
         """Both load the same saved state (the plain model's)."""
@@ -235,6 +371,7 @@ class FSDPMachine(RuleBasedStateMachine):
         self.model.load_state_dict(self.saved)
         self.ref.load_state_dict(self.saved)
 
+    @precondition(lambda self: not self.pending)
     @rule(edit=st.booleans())
     def summon_full_params(self, edit: bool) -> None:
         """Read the full parameters inside the context; with ``edit``, halve one in both."""
@@ -248,8 +385,9 @@ class FSDPMachine(RuleBasedStateMachine):
                 assert diff <= 1e-4, f"summon_full_params: {name} off by {diff:.3e}"
             if edit:
                 with torch.no_grad():
+                    name = "blocks.1.bn.weight" if self.bn else "blocks.1.ln_2.weight"
                     for model in (self.model, self.ref):
-                        dict(model.named_parameters())["blocks.1.ln_2.weight"].mul_(0.5)
+                        dict(model.named_parameters())[name].mul_(0.5)
 
     # invariant ------------------------------------------------------------------------
     @invariant()
@@ -261,6 +399,8 @@ class FSDPMachine(RuleBasedStateMachine):
             diff = float((got.double() - want.detach().double()).abs().max())
             tol = PARAM_TOL["atol"] + PARAM_TOL["rtol"] * float(want.detach().abs().max())
             assert diff <= tol, f"parameter {name} off by {diff:.3e}"
+            if self.pending:  # accumulated in no_sync: reduced at the next backward
+                continue
             if want.grad is None:
                 assert got_grad is None, f"{name}: FSDP has a gradient, the plain model none"
                 continue
@@ -268,6 +408,29 @@ class FSDPMachine(RuleBasedStateMachine):
             diff = float((got_grad.double() - want.grad.double()).abs().max())
             tol = PARAM_TOL["atol"] + PARAM_TOL["rtol"] * float(want.grad.abs().max())
             assert diff <= tol, f"gradient of {name} off by {diff:.3e}"
+
+    @invariant()
+    def buffers_equal_ddp_on_every_rank(self) -> None:
+        """``bn-``: each rank's buffers equal torch DDP's on that rank."""
+        if not self.bn:
+            return
+        self._agree("buffers")
+        mine = dict(self.model.named_buffers())
+        for name, want in self.ref.named_buffers():
+            got = mine[name]
+            diff = self._max(float((got.double() - want.double()).abs().max()))
+            tol = 0.0 if _exact_buffer(name) else PARAM_TOL["atol"]
+            tol += 0.0 if _exact_buffer(name) else PARAM_TOL["rtol"] * float(want.abs().max())
+            assert diff <= tol, f"buffer {name} off torch DDP's by {diff:.3e} on some rank"
+
+
+def _wrap_bn(model: BNModel, nesting: str, kwargs: dict[str, Any]) -> FSDP:
+    """``flat``: one unit; ``block``: one unit per :class:`BNBlock` inside the root."""
+    if nesting == "flat":
+        return FSDP(model, **kwargs)
+    with enable_wrap(wrapper_cls=FSDP, **kwargs):
+        wrapped = auto_wrap(model, transformer_auto_wrap_policy({BNBlock}))
+    return FSDP(wrapped, **kwargs)
 
 
 def run_machines(configs: list[dict[str, Any]], examples: int, steps: int) -> list[Any]:

@@ -163,10 +163,16 @@ class FullyShardedDataParallel(nn.Module):
             hybrid strategy (inside a node stays exact), else the reduce-scatter.
             Default None: exact. Share one compressor across the units of a model (its
             error-feedback state is kept per unit).
-        broadcast_buffers: as torch DDP's: the root broadcasts the group's first rank's
-            buffers before each forward that follows a synchronised training forward
-            (one broadcast per buffer per step; BatchNorm statistics stay equal on every
-            rank). Default True.
+        broadcast_buffers: as torch DDP's ``broadcast_buffers`` (``forward_sync_buffers``):
+            the root broadcasts the group's first rank's buffers before the first forward
+            and before each forward that follows a forward run with grad enabled outside
+            ``no_sync`` (in train or eval mode, inside ``summon_full_params`` too): once
+            per step with ``no_sync`` accumulation, before its first micro-batch. Each
+            rank's buffers then equal torch DDP's on that rank after every forward,
+            backward, step and ``state_dict()``. Either way each unit broadcasts its own
+            buffers at construction, as its parameters; False: only then (DDP's
+            ``forward_sync_buffers=False``), so they may drift apart across ranks.
+            Default True.
         disk_offload: a :class:`~.disk_tier.DiskOffload` (the same object for every unit
             of the model): each unit's shard and optimizer state live in files and the
             optimizer steps unit by unit inside backward (ZeRO-Infinity's NVMe offload;
@@ -300,7 +306,9 @@ class FullyShardedDataParallel(nn.Module):
         buffers = [(m, a) for _, m in _own_modules(module) for a in m._buffers]
         casts = cast_buffers(buffers, mp.buffer_dtype) if mp and mp.buffer_dtype else []
         flat = _flatten(originals, module).to(placement.compute_device)
-        broadcast_data_parallel([flat], group, self._replicate_group)  # rank 0's init wins
+        own_buffers = [b for m, a in buffers if (b := m._buffers[a]) is not None]
+        with torch.no_grad():  # rank 0's init wins, for parameters and buffers (DDP's)
+            broadcast_data_parallel([flat, *own_buffers], group, self._replicate_group)
         handle = FlatParamHandle(infos, flat, rank, world_size, placement)
         mark_taken(originals, infos, label, handle.sharded_params)
         for param in originals:  # release the replaced parameters' memory
@@ -375,8 +383,16 @@ class FullyShardedDataParallel(nn.Module):
         unit = self._unit
         if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
             # Inside summon_full_params (e.g. generate()): the parameters are already
-            # full; the forward hooks would reshard them under the context's feet.
-            return self.module(*args, **kwargs)
+            # full; the forward hooks would reshard them under the context's feet. The
+            # buffers still follow DDP's rule ([Note: buffers follow torch DDP] in .root).
+            self._lazy_init()
+            root = unit.root if unit.is_root else None
+            if root is not None:
+                root.buffers_before_forward()
+            output = self.module(*args, **kwargs)
+            if root is not None:
+                root.buffers_after_forward(unit.sync_gradients)
+            return output
         self._lazy_init()
         unit.pre_forward()
         mp = self._config.mixed_precision
@@ -446,7 +462,8 @@ class FullyShardedDataParallel(nn.Module):
         Inside, backward keeps every unit's full gradient (psi elements per rank); the
         first backward outside reduce-scatters the accumulated sum. Without ``no_sync``
         accumulation is also correct and keeps only sharded gradients. As DDP's
-        ``no_sync``, the forward after one inside does not broadcast buffers.
+        ``no_sync``, the forward after one inside does not broadcast buffers (see
+        ``broadcast_buffers``).
         """
         units = units_in(self)
         for unit in units:

@@ -85,8 +85,10 @@ class FSDPConfig:
         broadcast_buffers: as torch DDP's: before a forward that follows a forward with
             grad enabled outside ``no_sync`` (and before the first), the root broadcasts
             its group's first rank's buffers (BatchNorm statistics) to every rank, one
-            broadcast per buffer. False: buffers are broadcast once, at the first forward,
-            and may then drift apart across ranks. Default True.
+            broadcast per buffer. Each unit also broadcasts its own buffers once at
+            construction, with either value. False: only then (DDP's
+            ``forward_sync_buffers=False``); they may drift apart across ranks later.
+            Default True.
         sharding_strategy: see :class:`ShardingStrategy`. Default ``FULL_SHARD``.
         grad_compression: compresses the gradient reduction that crosses the slowest
             link: the cross-replica all-reduce with a hybrid strategy (the reduce-scatter

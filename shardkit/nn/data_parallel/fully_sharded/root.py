@@ -21,6 +21,22 @@ still pending from the old forward re-gathers its parameters; if the shard chang
 since that forward, it raises instead of mixing two sets of weights (see
 ``UnitRuntime.pre_backward``), as plain torch refuses a backward through a
 parameter modified in place.
+
+[Note: buffers follow torch DDP]
+Buffers (BatchNorm statistics) on every rank hold what torch DDP's would hold on that
+rank after every operation. DDP (torch 2.13, ``forward_sync_buffers=True``) broadcasts
+its first rank's buffers at construction, and before a forward whenever the previous
+forward of that DDP module ran with grad enabled outside ``no_sync`` (and before the
+first forward); train or eval mode does not matter, a backward or an optimizer step
+changes nothing. So with ``no_sync`` accumulation the broadcast comes before the first
+micro-batch of a step (the one inside ``no_sync``), not before the synchronised one,
+and an eval pass under ``torch.no_grad()`` is broadcast to only if it follows a
+synchronised training forward; the forward after it is not. shardkit keeps the same
+flag (``sync_buffers``), set by :meth:`RootState.buffers_after_forward` after every
+root forward, a forward inside ``summon_full_params`` included (generation inside the
+context is a forward too). Each unit broadcasts its own buffers at construction, with
+its flat parameter. ``broadcast_buffers=False`` is DDP's ``forward_sync_buffers=False``:
+the construction broadcast only.
 """
 
 from __future__ import annotations
@@ -35,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.profiler import record_function
 
 from shardkit.memory import heap_trim_point
@@ -145,21 +162,32 @@ class RootState:
                 if stale and unit.has_leftover_full:
                     unit.reshard()
                 unit.drop_secondary()  # [Note: resharding to a smaller group] in .unit
-            if self.broadcast_buffers and self.sync_buffers:
-                buffers = list(self.module.buffers())
-                if buffers:
-                    with torch.no_grad():
-                        broadcast_data_parallel(buffers, self.process_group, self.replicate_group)
+            self.buffers_before_forward()
 
     def end_forward(self, backward_expected: bool, synchronised: bool) -> None:
         """After the root's forward: freeze the order, drop what backward will not use."""
         self.order_frozen = True
-        self.sync_buffers = torch.is_grad_enabled() and synchronised
+        self.buffers_after_forward(synchronised)
         for unit in self.units:
             if unit.is_prefetching or not backward_expected:
                 unit.reshard()  # an unused prefetch, or inference: nothing to keep
         if self.on_cpu and backward_expected:  # [Note: trimming the heap] in memory
             heap_trim_point("step")  # the default mode: training forwards, 1 in 8
+
+    # buffers: torch DDP's rule -----------------------------------------------------
+    def buffers_before_forward(self) -> None:
+        """Broadcast the group's first rank's buffers if the rule says so (see
+        [Note: buffers follow torch DDP]); a collective on every rank."""
+        if self.broadcast_buffers and self.sync_buffers:
+            buffers = list(self.module.buffers())
+            if buffers:  # version counters kept, as DDP: a graph may have saved a buffer
+                with torch.no_grad(), _unsafe_preserve_version_counter(tuple(buffers)):
+                    broadcast_data_parallel(buffers, self.process_group, self.replicate_group)
+
+    def buffers_after_forward(self, synchronised: bool) -> None:
+        """Whether the next forward broadcasts: this one ran with grad enabled outside
+        ``no_sync`` (``synchronised``)."""
+        self.sync_buffers = torch.is_grad_enabled() and synchronised
 
     def _agree(self, stale: bool) -> bool:
         """Adopt ``requires_grad`` changes made since the last forward (every unit) and,

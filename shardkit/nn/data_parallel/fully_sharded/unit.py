@@ -87,7 +87,6 @@ from shardkit.nn.data_parallel.fully_sharded.collectives import (
     Pending,
     all_gather_flat,
     all_reduce_sum,
-    broadcast_data_parallel,
     reduce_scatter_flat,
 )
 from shardkit.nn.data_parallel.fully_sharded.config import FSDPConfig
@@ -342,10 +341,6 @@ class UnitRuntime:
         for index, unit in enumerate(units):
             unit.root, unit.is_root = root, unit is self
             unit.key = ("fsdp", index)  # the same on every rank: module order
-        if not broadcast_buffers:  # else the first forward broadcasts them
-            broadcast_data_parallel(
-                list(self.module.buffers()), self.process_group, self.replicate_group
-            )
 
     def _root(self) -> RootState:
         assert self.root is not None, "a unit runs only under a root (lazy init)"
