@@ -42,8 +42,10 @@ class CheckpointMode(str, enum.Enum):
         try:
             return cls(value)
         except ValueError:
-            known = [m.value for m in cls]
-            raise ValueError(f"unknown checkpoint mode {value!r}; choose one of {known}") from None
+            raise ValueError(
+                "checkpoint is not one of 'always', 'except_last', or 'never': unknown "
+                f"checkpoint mode {value!r}"
+            ) from None
 
 
 def should_checkpoint(mode: CheckpointMode, index: int, chunks: int) -> bool:

@@ -219,7 +219,8 @@ def test_pipe_container_api() -> None:
         (
             {"balance": [2, 3], "checkpoint": "sometimes"},
             ValueError,
-            "unknown checkpoint mode 'sometimes'",
+            "checkpoint is not one of 'always', 'except_last', or 'never': unknown "
+            "checkpoint mode 'sometimes'",
         ),
         ({"balance": [2, 3], "devices": ["cpu"]}, BalanceError, "2 partitions but 1 devices"),
     ],
@@ -241,8 +242,18 @@ def test_error_for_a_batch_smaller_than_chunks() -> None:
 
 
 def test_error_for_a_module_that_is_not_sequential() -> None:
-    with pytest.raises(TypeError, match="needs an nn.Sequential; got Linear"):
+    with pytest.raises(
+        TypeError, match="module must be nn.Sequential to be partitioned.*got Linear"
+    ):
         Pipe(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
+
+
+def test_error_for_a_layer_used_twice_has_fairscales_words() -> None:
+    layer = nn.Linear(2, 2)
+    with pytest.raises(
+        ValueError, match=r"module with duplicate children is not supported: layers \['0'\]"
+    ):
+        Pipe(nn.Sequential(layer, layer), [1, 1], devices=["cpu", "cpu"])
 
 
 def test_error_for_inputs_that_are_not_tensors() -> None:
