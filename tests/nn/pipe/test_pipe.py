@@ -382,3 +382,34 @@ def test_profiler_labels_every_micro_batch_and_partition() -> None:
     assert copies == sorted(
         f"Pipe::copy micro_batch={i} partition={j}" for i in range(3) for j in range(2)
     )
+
+
+class _Log(nn.Module):
+    """Records (micro-batch, partition) at each call; raises on ``fail_at`` calls."""
+
+    def __init__(self, log: list[tuple[int, int]], partition: int, fail: bool = False) -> None:
+        super().__init__()
+        self.log, self.partition, self.fail, self.calls = log, partition, fail, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError(f"partition {self.partition} fails")
+        self.log.append((self.calls, self.partition))
+        self.calls += 1
+        return x * 2
+
+
+def test_layers_are_called_in_fairscales_clock_order_and_a_failure_stops_the_tick() -> None:
+    log: list[tuple[int, int]] = []
+    pipe = Pipe(nn.Sequential(_Log(log, 0), _Log(log, 1)), [1, 1], devices=["cpu"] * 2, chunks=3)
+    out = pipe(torch.arange(3.0).unsqueeze(1))
+    assert log == [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (2, 1)]
+    torch.testing.assert_close(out, torch.arange(3.0).unsqueeze(1) * 4)
+    log.clear()
+    layers = [_Log(log, 0), _Log(log, 1), _Log(log, 2), _Log(log, 3, fail=True)]
+    pipe = Pipe(nn.Sequential(*layers), [1, 1, 1, 1], devices=["cpu"] * 4, chunks=3)
+    with pytest.raises(RuntimeError, match="partition 3 fails"):
+        pipe(torch.zeros(3, 1))
+    # tick 3 runs (2, 1), (1, 2), then (0, 3) fails: partition 2 saw two micro-batches
+    assert log == [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (0, 2), (2, 1), (1, 2)]
+
