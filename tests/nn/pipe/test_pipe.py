@@ -413,3 +413,42 @@ def test_layers_are_called_in_fairscales_clock_order_and_a_failure_stops_the_tic
     # tick 3 runs (2, 1), (1, 2), then (0, 3) fails: partition 2 saw two micro-batches
     assert log == [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (0, 2), (2, 1), (1, 2)]
 
+
+def _count_nodes(output: torch.Tensor, name: str) -> int:
+    seen: set[object] = set()
+    stack, count = [output.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += type(node).__name__ == name
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return count
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "marked"), [("always", 6), ("except_last", 4), ("never", 0)]
+)
+def test_checkpointed_micro_batches_show_in_the_graph_and_train_as_plain(
+    checkpoint: str, marked: int
+) -> None:
+    # 3 micro-batches x 2 partitions; the first partition's output comes from an
+    # in-place layer (the marker nodes take it in place once more)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)
+    )
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    pipe = Pipe(model, [4, 1], devices=["cpu", "cpu"], chunks=3, checkpoint=checkpoint)
+    out = pipe(x)
+    assert _count_nodes(out, "CheckpointBackward") == marked
+    assert _count_nodes(out, "RecomputeBackward") == marked
+    (out * torch.arange(12.0).view(6, 2)).sum().backward()
+    (reference(x) * torch.arange(12.0).view(6, 2)).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None and q.grad is not None
+        assert_tensors_close(p.grad, q.grad, atol=1e-6, name=name)
+    pipe.eval()
+    assert _count_nodes(pipe(x), "CheckpointBackward") == 0  # no checkpointing in eval
