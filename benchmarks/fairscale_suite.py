@@ -233,8 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for nodeid, outcome in sorted(outcomes.items()):
         if outcome != "passed":
             print(f"{outcome.upper():8s} {nodeid}")
-    total = len(outcomes)
-    print(f"fairscale suite on shardkit: {counts.get('passed', 0)} of {total} passed {counts}")
+    ran = len(outcomes) - counts.get("skipped", 0)
+    print(
+        f"fairscale suite on shardkit: {counts.get('passed', 0)} of {ran} run passed "
+        f"({len(outcomes)} collected, {counts.get('skipped', 0)} skipped) {counts}"
+    )
     if args.out is not None:
         args.out.write_text(json.dumps({"counts": counts, "outcomes": outcomes}, indent=1))
     return 0
