@@ -6,7 +6,9 @@ a stand-in that would have to communicate is refused."""
 from __future__ import annotations
 
 import copy
+import tempfile
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -53,11 +55,7 @@ def _sdp(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     return ShardedDataParallel(model, optimizer, process_group=StandIn()), optimizer
 
 
-@pytest.mark.parametrize("build", [_fsdp, _oss, _sdp], ids=["fsdp", "oss", "sdp"])
-def test_one_rank_stand_in_trains_as_the_plain_model(
-    build: Callable[[nn.Module], tuple[nn.Module, torch.optim.Optimizer]],
-) -> None:
-    assert not dist.is_initialized()
+def _train_as_plain(build: Callable[[nn.Module], tuple[nn.Module, torch.optim.Optimizer]]) -> None:
     reference = _model()
     model, optimizer = build(copy.deepcopy(reference))
     ref_optimizer = torch.optim.Adam(reference.parameters(), lr=0.05)
@@ -74,6 +72,37 @@ def test_one_rank_stand_in_trains_as_the_plain_model(
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6, msg=name)
     assert (got["0.weight"] - _model().state_dict()["0.weight"]).abs().max() > 0.05  # it trained
+    if isinstance(optimizer, OSS):  # a sharded checkpoint of one rank, written and read back
+        with tempfile.TemporaryDirectory() as directory:
+            optimizer.save_sharded(directory)
+            optimizer.load_sharded(directory)
+        optimizer.consolidate_state_dict()
+        state = optimizer.state_dict()["state"]
+        ref_state = ref_optimizer.state_dict()["state"]
+        for key, entry in ref_state.items():
+            torch.testing.assert_close(state[key]["exp_avg"], entry["exp_avg"], rtol=0, atol=1e-6)
+
+
+BUILDS = [_fsdp, _oss, _sdp]
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=["fsdp", "oss", "sdp"])
+def test_one_rank_stand_in_trains_as_the_plain_model(
+    build: Callable[[nn.Module], tuple[nn.Module, torch.optim.Optimizer]],
+) -> None:
+    assert not dist.is_initialized()  # no process group at all
+    _train_as_plain(build)
+
+
+def _all_builds() -> int:
+    for build in BUILDS:
+        _train_as_plain(build)
+    return dist.get_world_size()
+
+
+def test_one_rank_stand_in_next_to_an_initialised_world(rank_pool: Any) -> None:
+    # the world group exists (1 rank) but the wrappers get the stand-in, as FairScale's tests
+    assert rank_pool(1).run(_all_builds) == [1]
 
 
 def test_stand_in_that_would_communicate_is_refused() -> None:
