@@ -78,6 +78,7 @@ import torch.distributed as dist
 
 from shardkit.checkpoint.agreement import RankFailure, broadcast_outcome, describe_failures
 from shardkit.checkpoint.atomic import atomic_save, atomic_write, fsync_dir
+from shardkit.distributed.collectives import group_rank, group_size
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -452,7 +453,7 @@ def load_tensors_only(
 def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    return group_rank(group), group_size(group)
 
 
 def _write_files(

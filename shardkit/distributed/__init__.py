@@ -4,7 +4,8 @@
   buckets of a fixed byte size), :func:`pack` / :func:`unpack` (flat buffers) and
   :class:`BufferPool` (reuse flat buffers across steps).
 - :mod:`shardkit.distributed.collectives`: :func:`global_rank` (a group rank to the
-  global rank collectives take), :func:`group_ranks` and :func:`broadcast_from_owners` (bucketed,
+  global rank collectives take), :func:`group_rank` / :func:`group_size` (also of a
+  one-rank stand-in group, checked by :func:`check_group`), :func:`group_ranks` and :func:`broadcast_from_owners` (bucketed,
   asynchronous broadcasts of each owner's tensors, planned by
   :func:`plan_owner_broadcast`).
 
@@ -27,8 +28,11 @@ from shardkit.distributed.buckets import (
 from shardkit.distributed.collectives import (
     BroadcastBucket,
     broadcast_from_owners,
+    check_group,
     global_rank,
+    group_rank,
     group_ranks,
+    group_size,
     plan_owner_broadcast,
 )
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
@@ -42,9 +46,12 @@ __all__ = [
     "ParallelDims",
     "ProcessMesh",
     "broadcast_from_owners",
+    "check_group",
     "copy_scaled",
     "global_rank",
+    "group_rank",
     "group_ranks",
+    "group_size",
     "pack",
     "plan_buckets",
     "plan_owner_broadcast",

@@ -27,13 +27,82 @@ import torch.distributed as dist
 
 from shardkit.distributed.buckets import BufferPool, pack, plan_buckets, unpack
 
-__all__ = ["BroadcastBucket", "broadcast_from_owners", "global_rank", "plan_owner_broadcast"]
+__all__ = [
+    "BroadcastBucket",
+    "broadcast_from_owners",
+    "check_group",
+    "global_rank",
+    "group_rank",
+    "group_size",
+    "plan_owner_broadcast",
+]
+
+
+def _is_stand_in(group: object) -> bool:
+    """A group object that is not torch's: FairScale's ``DummyProcessGroup`` and the like."""
+    return (
+        group is not None
+        and not isinstance(group, dist.ProcessGroup)
+        and group is not dist.GroupMember.NON_GROUP_MEMBER
+    )
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group`` (the world group if None).
+
+    Also for a stand-in object with ``rank()`` and ``size()`` methods (FairScale's
+    ``DummyProcessGroup``), which works without ``init_process_group``: see
+    :func:`check_group`.
+    """
+    if _is_stand_in(group):
+        return int(group.rank())  # type: ignore[union-attr]
+    return dist.get_rank(group)
+
+
+def check_group(group: object, owner: str) -> None:
+    """Refuse a stand-in group that would have to communicate.
+
+    A process group that is not torch's (an object with ``rank()`` and ``size()``, as
+    FairScale's ``DummyProcessGroup``) is accepted when it has one rank: nothing is
+    then sent or received, and no ``init_process_group`` is needed.
+
+    Raises:
+        TypeError: ``group`` is neither None, a torch ``ProcessGroup``, nor an object
+            with ``rank()`` and ``size()`` methods.
+        ValueError: a stand-in whose ``size()`` is not 1 or ``rank()`` not 0.
+    """
+    if not _is_stand_in(group):
+        return
+    name = type(group).__name__
+    if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
+        raise TypeError(
+            f"{owner}: process_group must be None or a torch.distributed ProcessGroup "
+            f"(dist.new_group(ranks)); got a {name}"
+        )
+    rank, size = group_rank(group), group_size(group)  # type: ignore[arg-type]
+    if (rank, size) != (0, 1):
+        raise ValueError(
+            f"{owner}: process_group is a {name} with rank() {rank} and size() {size}, "
+            "not a torch.distributed ProcessGroup; such a stand-in works only with one "
+            f"rank (size() 1, rank() 0), where nothing is communicated. For {size} "
+            "ranks call dist.init_process_group and pass dist.new_group(ranks)"
+        )
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """The number of ranks in ``group`` (the world group if None); stand-ins as in
+    :func:`group_rank`."""
+    if _is_stand_in(group):
+        return int(group.size())  # type: ignore[union-attr]
+    return dist.get_world_size(group)
 
 
 def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     """The global rank of rank ``group_rank`` of ``group`` (the world group if None)."""
     if group is None or group is dist.GroupMember.WORLD:
         return group_rank
+    if _is_stand_in(group):  # one rank (check_group): this process
+        return dist.get_rank() if dist.is_initialized() else group_rank
     return dist.get_global_rank(group, group_rank)
 
 
@@ -41,6 +110,8 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     """The global ranks of ``group`` (the world group if None), in group-rank order."""
     if group is None or group is dist.GroupMember.WORLD:
         return list(range(dist.get_world_size()))
+    if _is_stand_in(group):
+        return [global_rank(group, 0)]
     return list(dist.get_process_group_ranks(group))
 
 

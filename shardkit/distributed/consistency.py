@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardkit.distributed.collectives import group_size
+
 __all__ = [
     "ConsistencyError",
     "PeerRejectedError",
@@ -124,8 +126,8 @@ def verify_consistent(
         ConsistencyError: naming the first differing entry, what each rank has, and
             the fix.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        if local_error is not None:
+    if not dist.is_available() or not dist.is_initialized() or group_size(group) == 1:
+        if local_error is not None:  # no other rank to tell or to compare with
             raise local_error
         return
     lines = [f"option {k}={v!r}" for k, v in sorted((options or {}).items())] + list(description)

@@ -8,6 +8,8 @@ Two interfaces over one :class:`~shardkit.distributed.mesh.ProcessMesh`:
   ``get_model_parallel_*``.
 - FairScale's module-level ``fairscale.nn.model_parallel.initialize`` family:
   :func:`initialize_model_parallel`, :func:`get_model_parallel_group`, ...,
+  :func:`get_context_parallel_group` (and its size, rank and ranks: the trivial
+  one-rank group until context parallelism comes to the mesh),
   :func:`destroy_model_parallel`, holding one process-wide mesh.
 
 [Note: what "model parallel" means]
@@ -33,6 +35,8 @@ ranks of FairScale's pipeline groups must read them from
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
 
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
@@ -40,8 +44,13 @@ from shardkit.distributed.mesh import ParallelDims, ProcessMesh
 __all__ = [
     "ModelParallelUnit",
     "destroy_model_parallel",
+    "get_context_parallel_group",
+    "get_context_parallel_rank",
+    "get_context_parallel_ranks",
+    "get_context_parallel_world_size",
     "get_data_parallel_group",
     "get_data_parallel_rank",
+    "get_data_parallel_ranks",
     "get_data_parallel_world_size",
     "get_mesh",
     "get_model_parallel_group",
@@ -139,6 +148,7 @@ class ModelParallelUnit:
 
 
 _MESH: list[ProcessMesh | None] = [None]
+_CONTEXT_GROUP: list[dist.ProcessGroup | None] = [None]  # FairScale's context-parallel view
 
 
 def set_mesh(mesh: ProcessMesh | None) -> None:
@@ -171,23 +181,35 @@ def get_mpu() -> ModelParallelUnit:
 def initialize_model_parallel(
     model_parallel_size_: int,
     pipeline_length: int = 1,
+    context_parallel_size: int = 1,
     *,
     model_parallel_backend: str | None = None,
     pipeline_backend: str | None = None,
+    cp_backend: str | None = None,
     ddp_backend: str | None = None,
+    timeout: timedelta | None = None,
 ) -> ProcessMesh:
     """FairScale's ``initialize_model_parallel``: split the world into tensor-parallel
     groups of ``model_parallel_size_`` ranks, ``pipeline_length`` stages, and data
-    parallelism over the rest (``dp_shard``), and create the three groups (a
-    collective on every rank).
+    parallelism over the rest (``dp_shard``), and create the groups (a collective on
+    every rank).
+
+    FairScale's full signature (0.4.13 with its context-parallel additions). Context
+    parallelism is not available through this function yet: ``context_parallel_size``
+    must be 1, and :func:`get_context_parallel_group` and its siblings then describe the
+    trivial group of this rank alone (size 1, rank 0), as FairScale's do.
 
     Args:
         model_parallel_size_: tensor-parallel degree.
         pipeline_length: pipeline-parallel degree. Default 1.
+        context_parallel_size: context-parallel degree; only 1 (the default) is accepted.
         model_parallel_backend: backend of the tensor-parallel groups; default None
             (the default group's).
         pipeline_backend: backend of the pipeline groups; default None.
+        cp_backend: backend of the (one-rank) context-parallel groups; default None.
         ddp_backend: backend of the data-parallel groups; default None.
+        timeout: collective timeout of every group created here; default None (torch's
+            default, 30 minutes).
 
     Returns:
         The mesh (also reachable through :func:`get_mesh`).
@@ -196,8 +218,12 @@ def initialize_model_parallel(
         RuntimeError: ``torch.distributed`` is not initialised, or model parallel is
             already initialised (call :func:`destroy_model_parallel` first).
         ValueError: the world size is not divisible by ``model_parallel_size_ x
-            pipeline_length`` (the message gives the numbers).
+            pipeline_length`` (the message gives the numbers), or
+            ``context_parallel_size`` is below 1.
+        NotImplementedError: ``context_parallel_size`` above 1.
     """
+    if context_parallel_size != 1:
+        _refuse_context_parallel(context_parallel_size)
     if _MESH[0] is not None:
         raise RuntimeError(
             "model parallel is already initialized; call destroy_model_parallel() first"
@@ -207,12 +233,35 @@ def initialize_model_parallel(
     dims = ParallelDims(
         world_size=dist.get_world_size(), pp=pipeline_length, tp=model_parallel_size_
     )
-    mesh = ProcessMesh(dims)
+    mesh = ProcessMesh(dims, timeout=timeout)
     mesh.group("tp", backend=model_parallel_backend)
     mesh.group("pp", backend=pipeline_backend)
     mesh.group("dp", backend=ddp_backend)
+    _CONTEXT_GROUP[0] = _one_rank_groups(cp_backend, timeout)
     set_mesh(mesh)
     return mesh
+
+
+def _refuse_context_parallel(size: int) -> None:
+    if size < 1:
+        raise ValueError(f"context_parallel_size must be >= 1; got {size}")
+    raise NotImplementedError(
+        f"initialize_model_parallel(context_parallel_size={size}): context parallelism "
+        "through the FairScale-style mpu is not implemented yet; pass "
+        "context_parallel_size=1 (the sequence is then not split across ranks)"
+    )
+
+
+def _one_rank_groups(backend: str | None, timeout: timedelta | None) -> dist.ProcessGroup:
+    """This rank's context-parallel group of size 1 (every rank creates all of them, in
+    rank order, as ``new_group`` requires)."""
+    mine = None
+    for rank in range(dist.get_world_size()):
+        group = dist.new_group([rank], backend=backend, timeout=timeout)
+        if rank == dist.get_rank():
+            mine = group
+    assert mine is not None
+    return mine
 
 
 def model_parallel_is_initialized() -> bool:
@@ -265,9 +314,46 @@ def get_pipeline_parallel_ranks() -> list[int]:
     return get_mesh().ranks("pp")
 
 
+def get_data_parallel_ranks() -> list[int]:
+    """The global ranks of this rank's data-parallel group, ascending."""
+    return get_mesh().ranks("dp")
+
+
+def get_context_parallel_group() -> dist.ProcessGroup:
+    """The context-parallel group: this rank alone (``context_parallel_size`` is 1).
+
+    Raises:
+        RuntimeError: model parallel is not initialized.
+    """
+    get_mesh()  # raises when not initialized
+    group = _CONTEXT_GROUP[0]
+    if group is None:  # a mesh set by set_mesh(): create the one-rank groups now
+        group = _CONTEXT_GROUP[0] = _one_rank_groups(None, None)
+    return group
+
+
+def get_context_parallel_world_size() -> int:
+    """The context-parallel degree: 1."""
+    return dist.get_world_size(get_context_parallel_group())
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's context-parallel rank: 0."""
+    return dist.get_rank(get_context_parallel_group())
+
+
+def get_context_parallel_ranks() -> list[int]:
+    """The global ranks of this rank's context-parallel group: ``[this rank]``."""
+    return dist.get_process_group_ranks(get_context_parallel_group())
+
+
 def destroy_model_parallel() -> None:
     """Destroy the groups of the process-wide mesh and forget it (no-op when none is set)."""
     mesh = _MESH[0]
     if mesh is not None:
         mesh.destroy()
+    group = _CONTEXT_GROUP[0]
+    if group is not None:
+        dist.destroy_process_group(group)
+        _CONTEXT_GROUP[0] = None
     set_mesh(None)

@@ -45,7 +45,10 @@ from shardkit.distributed import (
     DEFAULT_BUCKET_BYTES,
     BufferPool,
     broadcast_from_owners,
+    check_group,
     global_rank,
+    group_rank,
+    group_size,
     plan_owner_broadcast,
 )
 from shardkit.distributed.consistency import (
@@ -224,8 +227,10 @@ class OSS(Optimizer):
             if not self._all_params():  # only empty param groups
                 raise _no_parameters()
         self.process_group = self.group = group
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        check_group(group, "OSS")
+        alone = group is None and not dist.is_initialized()  # no process group: one rank
+        self.world_size = 1 if alone else group_size(group)
+        self.rank = 0 if alone else group_rank(group)
         self.global_rank = global_rank(group, self.rank)
         self._param_rank: dict[torch.Tensor, int] = {}
         problem = parameter_problem("OSS", self._named_params(), allow_frozen_integer=True)

@@ -7,6 +7,7 @@ membership of each created group is read back with an all-reduce over that group
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -225,3 +226,54 @@ def test_mpu_interfaces(rank_pool: Any, world: int, mp: int, pipe: int) -> None:
         assert res["fs_pp"] == (pp_group, pp_group)
         assert res["pipe"] == (p, pipe, pp_group, p == 0, p == pipe - 1)
         assert res["mp"] == (mp_group.index(rank), mp * pipe, mp_group)  # Megatron: tp x pp
+
+
+def run_mpu_fairscale_signature(model_parallel_size: int) -> dict[str, Any]:
+    refused = []
+    for size in (2, 0):  # refused before any group is created, so no rank waits
+        try:
+            mpu.initialize_model_parallel(model_parallel_size, 1, size)
+        except (NotImplementedError, ValueError) as err:
+            refused.append((type(err).__name__, str(err)))
+    assert not mpu.model_parallel_is_initialized()
+    mpu.initialize_model_parallel(
+        model_parallel_size,
+        1,
+        1,
+        model_parallel_backend="gloo",
+        pipeline_backend="gloo",
+        cp_backend="gloo",
+        ddp_backend="gloo",
+        timeout=timedelta(seconds=45),
+    )
+    try:
+        cp = mpu.get_context_parallel_group()
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t, group=cp)  # a working group: the sum over this rank alone
+        return {
+            "refused": refused,
+            "cp": (
+                mpu.get_context_parallel_world_size(),
+                mpu.get_context_parallel_rank(),
+                mpu.get_context_parallel_ranks(),
+                t.item(),
+            ),
+            "dp_ranks": mpu.get_data_parallel_ranks(),
+            "mp": _members(mpu.get_model_parallel_group(), dist.get_world_size()),
+        }
+    finally:
+        mpu.destroy_model_parallel()
+
+
+def test_mpu_takes_fairscales_full_signature_with_trivial_context_parallel(
+    rank_pool: Any,
+) -> None:
+    per_rank = rank_pool(4).run(run_mpu_fairscale_signature, 2)
+    for rank, res in enumerate(per_rank):
+        (kind2, msg2), (kind0, msg0) = res["refused"]
+        assert kind2 == "NotImplementedError" and "context_parallel_size=2" in msg2
+        assert "pass context_parallel_size=1" in msg2
+        assert kind0 == "ValueError" and "context_parallel_size must be >= 1; got 0" in msg0
+        assert res["cp"] == (1, 0, [rank], float(rank + 1))
+        assert res["dp_ranks"] == [rank % 2, rank % 2 + 2]
+        assert res["mp"] == [rank - rank % 2, rank - rank % 2 + 1]

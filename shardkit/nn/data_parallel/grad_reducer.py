@@ -42,7 +42,14 @@ import torch.distributed as dist
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from shardkit.distributed import BufferPool, copy_scaled, global_rank, plan_buckets
+from shardkit.distributed import (
+    BufferPool,
+    copy_scaled,
+    global_rank,
+    group_rank,
+    group_size,
+    plan_buckets,
+)
 from shardkit.distributed.compression import GradCompressor
 from shardkit.distributed.failures import collective_context
 
@@ -156,8 +163,8 @@ class GradReducer:
     ) -> None:
         self.group = group
         self.grad_compression = grad_compression
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank = group_rank(group)
+        self.world_size = group_size(group)
         self.reduce_dtype = reduce_dtype
         self.max_in_flight = max(1, max_in_flight)
         self.buckets = build_buckets(params, owner, bucket_numel)
@@ -242,7 +249,9 @@ class GradReducer:
                 record_function(f"ShardedDDP::reduce bucket={bucket.index} owner={bucket.owner}"),
                 collective_context(_WRAPPER, "backward: reduce of gradients", self.group),
             ):
-                if self.grad_compression is None:
+                if self.world_size == 1:  # the sum over one rank is the buffer itself
+                    bucket.work = None
+                elif self.grad_compression is None:
                     bucket.work = dist.reduce(buffer, dst=dst, group=self.group, async_op=True)
                 else:
                     self._reduce_compressed(self.grad_compression, bucket, buffer, dst)
@@ -274,7 +283,7 @@ class GradReducer:
     def _complete(self, bucket: ReduceBucket) -> None:
         """Wait for a bucket; on its owner, set ``.grad`` of every parameter some rank used."""
         assert bucket.buffer is not None
-        if bucket.work is not None:  # None: reduced synchronously (grad_compression)
+        if bucket.work is not None:  # None: reduced synchronously (compressed, one rank)
             with (
                 record_function(f"ShardedDDP::wait bucket={bucket.index}"),
                 collective_context(_WRAPPER, "backward: reduce of gradients", self.group),

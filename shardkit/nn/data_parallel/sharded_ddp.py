@@ -25,7 +25,14 @@ from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.profiler import record_function
 
-from shardkit.distributed import broadcast_from_owners, group_ranks, plan_owner_broadcast
+from shardkit.distributed import (
+    broadcast_from_owners,
+    check_group,
+    group_rank,
+    group_ranks,
+    group_size,
+    plan_owner_broadcast,
+)
 from shardkit.distributed.compression import GradCompressor, get_compressor
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.distributed.failures import collective_context
@@ -142,10 +149,11 @@ class ShardedDataParallel(nn.Module):
             else [sharded_optimizer]
         )
         # before the exchange: a rank on another group would exchange with other peers
+        check_group(process_group, "ShardedDataParallel")
         self.sharded_optimizers = _check_optimizers(opts, process_group)
         self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
+        self.world_size = group_size(process_group)
+        self.rank = group_rank(process_group)
         self.broadcast_buffers = broadcast_buffers
         self.reduce_buffer_size = reduce_buffer_size
         self.auto_refresh_trainable = auto_refresh_trainable

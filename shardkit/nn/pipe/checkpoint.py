@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import torch
 from torch import nn
 
 from shardkit.nn.checkpoint import is_recomputing
@@ -42,8 +43,10 @@ class CheckpointMode(str, enum.Enum):
         try:
             return cls(value)
         except ValueError:
-            known = [m.value for m in cls]
-            raise ValueError(f"unknown checkpoint mode {value!r}; choose one of {known}") from None
+            raise ValueError(
+                "checkpoint is not one of 'always', 'except_last', or 'never': unknown "
+                f"checkpoint mode {value!r}"
+            ) from None
 
 
 def should_checkpoint(mode: CheckpointMode, index: int, chunks: int) -> bool:
@@ -60,5 +63,58 @@ def run_checkpointed(module: nn.Module, value: TensorOrTensors) -> Any:
 
     The recomputation autograd runs during backward happens inside
     :func:`is_recomputing`, with BatchNorm statistics frozen (see the module note).
+    The outputs carry the two marker nodes of [Note: checkpoint markers].
     """
-    return checkpoint_call(module, (value,))
+    inputs = value if isinstance(value, tuple) else (value,)
+    output = checkpoint_call(module, (value,))
+    outputs = output if isinstance(output, tuple) else (output,)
+    markable = tuple(t for t in outputs if _markable(t, inputs))
+    if markable:
+        Checkpoint.apply(*Recompute.apply(*markable))
+    return output
+
+
+# [Note: checkpoint markers]
+# FairScale's Pipe builds a checkpointed micro-batch from two autograd functions of
+# its own, ``Checkpoint`` and ``Recompute``, and its users (and tests) find them in the
+# graph (``CheckpointBackward``, ``RecomputeBackward``) to see which micro-batches are
+# checkpointed. Here the recomputation is the one primitive's (torch's non-reentrant
+# checkpoint, run when backward first needs a dropped activation); the outputs of a
+# checkpointed (micro-batch, partition) pass through two identity nodes of those names,
+# so the graph shows the same thing: ``RecomputeBackward`` where backward enters the
+# region (its forward is recomputed next), then ``CheckpointBackward``. The nodes copy
+# nothing: each takes the output tensors in place (``mark_dirty``, so no view is made and
+# the next partition receives the same tensor objects). Outputs that are views, leaves or the
+# partition's own inputs are left unmarked (taking those in place would rewrite another
+# tensor's history).
+
+
+def _markable(tensor: object, inputs: tuple[Any, ...]) -> bool:
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.requires_grad
+        and tensor.grad_fn is not None
+        and not tensor._is_view()
+        and not any(tensor is t for t in inputs)
+    )
+
+
+class _Marker(torch.autograd.Function):
+    """An identity node over tensors taken in place (see [Note: checkpoint markers])."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.mark_dirty(*tensors)
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return grads
+
+
+class Checkpoint(_Marker):
+    """Marks the end of a checkpointed region in the graph (``CheckpointBackward``)."""
+
+
+class Recompute(_Marker):
+    """Marks where backward enters a checkpointed region (``RecomputeBackward``)."""

@@ -28,14 +28,18 @@ def verify_module(module: object) -> nn.Sequential:
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(
-            f"a pipeline needs an nn.Sequential; got {type(module).__name__}. Express the "
+            "module must be nn.Sequential to be partitioned (a pipeline needs an "
+            f"nn.Sequential); got {type(module).__name__}. Express the "
             "model as nn.Sequential(layer_0, layer_1, ...) whose layers pass one value "
             "(a tensor or a tuple of tensors) to the next"
         )
     ids = [id(layer) for layer in module]
     if len(set(ids)) != len(ids):
         names = [n for n, layer in module.named_children() if ids.count(id(layer)) > 1]
-        raise ValueError(f"layers {names} are the same module object; a pipeline needs each once")
+        raise ValueError(
+            f"module with duplicate children is not supported: layers {names} are the same "
+            "module object; a pipeline needs each once (build a new layer for each position)"
+        )
     return module
 
 

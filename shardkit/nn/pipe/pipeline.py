@@ -48,7 +48,9 @@ class Pipeline:
             partition 1      F0   F1   F2   F3
             partition 2           F0   F1   F2   F3
 
-        Within a tick the tasks are issued by increasing micro-batch. Each task copies
+        Within a tick the tasks are issued by increasing partition (FairScale's order of
+        layer calls; a failure in a later partition stops the tick before the earlier
+        partitions take another micro-batch). Each task copies
         its micro-batch to the partition's device on a side stream, then runs the
         partition (checkpointed per :func:`should_checkpoint`). On CUDA the issuing
         thread does not wait for kernels, so partitions on different devices overlap;

@@ -54,11 +54,15 @@ def clock_cycles(chunks: int, partitions: int) -> Iterator[list[tuple[int, int]]
     """Per clock tick, the ``(micro-batch, partition)`` pairs that can run together.
 
     Micro-batch ``i`` reaches partition ``j`` at tick ``i + j``; there are
-    ``chunks + partitions - 1`` ticks (GPipe fill-drain, forward half).
+    ``chunks + partitions - 1`` ticks (GPipe fill-drain, forward half). Within a tick
+    the pairs go by increasing partition (torchgpipe's and FairScale's order, so layers
+    are called in the same order as there): ``clock_cycles(3, 2)`` is
+    ``[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]``.
     """
     _check(partitions, chunks)
     for k in range(chunks + partitions - 1):
-        yield [(i, k - i) for i in range(max(0, k - partitions + 1), min(k + 1, chunks))]
+        first, last = max(0, k - chunks + 1), min(k, partitions - 1)
+        yield [(k - j, j) for j in range(first, last + 1)]
 
 
 def gpipe_actions(stage: int, stages: int, chunks: int) -> list[Action]:

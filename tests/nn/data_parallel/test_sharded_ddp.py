@@ -83,6 +83,12 @@ CONFIGS: list[dict[str, Any]] = [
     {"name": "tiny-buckets", "optim": torch.optim.AdamW, "kw": {"lr": 0.01}, "bucket": 50},
     {"name": "no-buckets", "optim": torch.optim.SGD, "kw": {"lr": 0.1}, "bucket": 0},
     {"name": "eval-switch", "optim": torch.optim.SGD, "kw": {"lr": 0.1}, "bn": True, "eval": True},
+    {  # FairScale's test_train_eval_change: the eval forward records a graph, unused
+        "name": "eval-switch-grad",
+        "optim": torch.optim.SGD,
+        "kw": {"lr": 0.1, "momentum": 0.9},
+        "eval": "grad",
+    },
 ]
 
 
@@ -146,7 +152,7 @@ def _run(cfg: dict[str, Any], steps: int = 3) -> str:
             _zero(cfg, module, optimizer)
             if cfg.get("eval"):
                 module.eval()
-                with torch.no_grad():
+                with torch.no_grad() if cfg["eval"] is True else contextlib.nullcontext():
                     module(micro_batch(step, 9, 0)[0])
                 module.train()
         assert_state_dicts_close(model, ref, atol=1e-5)

@@ -219,7 +219,8 @@ def test_pipe_container_api() -> None:
         (
             {"balance": [2, 3], "checkpoint": "sometimes"},
             ValueError,
-            "unknown checkpoint mode 'sometimes'",
+            "checkpoint is not one of 'always', 'except_last', or 'never': unknown "
+            "checkpoint mode 'sometimes'",
         ),
         ({"balance": [2, 3], "devices": ["cpu"]}, BalanceError, "2 partitions but 1 devices"),
     ],
@@ -241,8 +242,18 @@ def test_error_for_a_batch_smaller_than_chunks() -> None:
 
 
 def test_error_for_a_module_that_is_not_sequential() -> None:
-    with pytest.raises(TypeError, match="needs an nn.Sequential; got Linear"):
+    with pytest.raises(
+        TypeError, match="module must be nn.Sequential to be partitioned.*got Linear"
+    ):
         Pipe(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
+
+
+def test_error_for_a_layer_used_twice_has_fairscales_words() -> None:
+    layer = nn.Linear(2, 2)
+    with pytest.raises(
+        ValueError, match=r"module with duplicate children is not supported: layers \['0'\]"
+    ):
+        Pipe(nn.Sequential(layer, layer), [1, 1], devices=["cpu", "cpu"])
 
 
 def test_error_for_inputs_that_are_not_tensors() -> None:
@@ -371,3 +382,73 @@ def test_profiler_labels_every_micro_batch_and_partition() -> None:
     assert copies == sorted(
         f"Pipe::copy micro_batch={i} partition={j}" for i in range(3) for j in range(2)
     )
+
+
+class _Log(nn.Module):
+    """Records (micro-batch, partition) at each call; raises on ``fail_at`` calls."""
+
+    def __init__(self, log: list[tuple[int, int]], partition: int, fail: bool = False) -> None:
+        super().__init__()
+        self.log, self.partition, self.fail, self.calls = log, partition, fail, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError(f"partition {self.partition} fails")
+        self.log.append((self.calls, self.partition))
+        self.calls += 1
+        return x * 2
+
+
+def test_layers_are_called_in_fairscales_clock_order_and_a_failure_stops_the_tick() -> None:
+    log: list[tuple[int, int]] = []
+    pipe = Pipe(nn.Sequential(_Log(log, 0), _Log(log, 1)), [1, 1], devices=["cpu"] * 2, chunks=3)
+    out = pipe(torch.arange(3.0).unsqueeze(1))
+    assert log == [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (2, 1)]
+    torch.testing.assert_close(out, torch.arange(3.0).unsqueeze(1) * 4)
+    log.clear()
+    layers = [_Log(log, 0), _Log(log, 1), _Log(log, 2), _Log(log, 3, fail=True)]
+    pipe = Pipe(nn.Sequential(*layers), [1, 1, 1, 1], devices=["cpu"] * 4, chunks=3)
+    with pytest.raises(RuntimeError, match="partition 3 fails"):
+        pipe(torch.zeros(3, 1))
+    # tick 3 runs (2, 1), (1, 2), then (0, 3) fails: partition 2 saw two micro-batches
+    assert log == [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (0, 2), (2, 1), (1, 2)]
+
+
+def _count_nodes(output: torch.Tensor, name: str) -> int:
+    seen: set[object] = set()
+    stack, count = [output.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += type(node).__name__ == name
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return count
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "marked"), [("always", 6), ("except_last", 4), ("never", 0)]
+)
+def test_checkpointed_micro_batches_show_in_the_graph_and_train_as_plain(
+    checkpoint: str, marked: int
+) -> None:
+    # 3 micro-batches x 2 partitions; the first partition's output comes from an
+    # in-place layer (the marker nodes take it in place once more)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)
+    )
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    pipe = Pipe(model, [4, 1], devices=["cpu", "cpu"], chunks=3, checkpoint=checkpoint)
+    out = pipe(x)
+    assert _count_nodes(out, "CheckpointBackward") == marked
+    assert _count_nodes(out, "RecomputeBackward") == marked
+    (out * torch.arange(12.0).view(6, 2)).sum().backward()
+    (reference(x) * torch.arange(12.0).view(6, 2)).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None and q.grad is not None
+        assert_tensors_close(p.grad, q.grad, atol=1e-6, name=name)
+    pipe.eval()
+    assert _count_nodes(pipe(x), "CheckpointBackward") == 0  # no checkpointing in eval

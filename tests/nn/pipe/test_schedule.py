@@ -63,5 +63,5 @@ def test_simulator_detects_a_deadlock() -> None:
 
 
 def test_clock_cycles() -> None:
-    assert list(clock_cycles(3, 2)) == [[(0, 0)], [(0, 1), (1, 0)], [(1, 1), (2, 0)], [(2, 1)]]
+    assert list(clock_cycles(3, 2)) == [[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
     assert sum(len(t) for t in clock_cycles(5, 3)) == 15

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.distributed.collectives import check_group, group_rank, group_size
 from shardkit.distributed.compression import GradCompressor, get_compressor
 from shardkit.distributed.consistency import (
     describe_parameters,
@@ -277,15 +278,15 @@ class FullyShardedDataParallel(nn.Module):
     # construction --------------------------------------------------------------
     def _build_unit(self, module: nn.Module) -> UnitRuntime:
         rank, world_size = (
-            dist.get_rank(self._process_group),
-            dist.get_world_size(self._process_group),
+            group_rank(self._process_group),
+            group_size(self._process_group),
         )
         label, what = _label(module), _what(module)
         options = {  # not devices: cuda:0 on rank 0 and cuda:1 on rank 1 is normal
             "reshard_after_forward": self._config.reshard_after_forward,
             "reshard_group": 0
             if self._secondary_group is None
-            else dist.get_world_size(self._secondary_group),
+            else group_size(self._secondary_group),
             "mixed_precision": self._config.mixed_precision,
             "broadcast_buffers": self._config.broadcast_buffers,
             "sharding_strategy": self._config.sharding_strategy.name,
@@ -661,7 +662,7 @@ def _resolve_reshard(
             f"reshard_after_forward must be a bool or an int (ranks per group); got "
             f"{reshard_after_forward!r} ({type(reshard_after_forward).__name__})"
         ) from None
-    world = dist.get_world_size(shard_group)
+    world = group_size(shard_group)
     if size < 1:
         raise ValueError(
             f"reshard_after_forward={size}: an int must be >= 1 (the ranks of a group that "
@@ -674,7 +675,7 @@ def _resolve_reshard(
         )
     if size in (1, world):
         return size == world, None
-    if dist.get_world_size(shard_group) != dist.get_world_size():
+    if group_size(shard_group) != dist.get_world_size():
         raise ValueError(
             f"reshard_after_forward={size} (an int) works over the world group; with a "
             "subgroup or hybrid sharding the all-gathers are inside the group already: "
@@ -702,6 +703,7 @@ def _resolve_groups(
         shard, replicate = process_group
         return shard, replicate
     if not strategy.hybrid:
+        check_group(process_group, "FullyShardedDataParallel")
         return process_group, None
     if process_group is not None:
         raise ValueError(

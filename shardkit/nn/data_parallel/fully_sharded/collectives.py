@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
-from shardkit.distributed.collectives import global_rank
+from shardkit.distributed.collectives import global_rank, group_rank, group_size
 from shardkit.distributed.failures import collective_context
 
 __all__ = [
@@ -129,7 +129,7 @@ def all_gather_flat(
         return Pending(done=True)
     keep = _unsafe_preserve_version_counter(full)  # records the version now
     with keep:
-        if dist.get_world_size(group) == 1:
+        if group_size(group) == 1:
             with torch.no_grad():
                 full.copy_(shard)
             return Pending(done=True)
@@ -169,7 +169,7 @@ def _broadcast_pieces(
 ) -> _Works:
     """All-gather ``shard`` into ``full`` as one broadcast per rank of its slice of
     ``full`` (see [Note: all-gather on gloo])."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    size, rank = group_size(group), group_rank(group)
     pieces = full.view(size, -1)
     with torch.no_grad():
         pieces[rank].copy_(shard)
@@ -193,6 +193,10 @@ def reduce_scatter_flat(
     local sum (see [Note: reduce-scatter on gloo]); ``shard_out`` is written by the
     returned :class:`Pending`'s ``wait()`` when ``async_op``, else before returning."""
     if flat.numel() == 0:
+        return Pending(done=True)
+    if group_size(group) == 1:  # the sum over one rank: a copy, nothing sent
+        with torch.no_grad():
+            shard_out.copy_(flat)
         return Pending(done=True)
     nbytes = flat.numel() * flat.element_size()
     if not _over_gloo(flat, group):
@@ -225,7 +229,7 @@ def _exchange_chunks(
 ) -> tuple[_Works, torch.Tensor]:
     """Send chunk j of ``flat`` ``(N * S,)`` to rank j and receive every other rank's
     chunk for this rank into row k of ``(N - 1, S)`` (the other ranks in rank order)."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    size, rank = group_size(group), group_rank(group)
     chunks = flat.view(size, -1)
     received = flat.new_empty(size - 1, chunks.shape[1])
     works = []
@@ -245,7 +249,7 @@ def _sum_chunks(
     """``out`` ``(S,)`` = the sum over ranks, in rank order, of their chunk for this rank:
     this rank's own (in ``flat``) and the ``received`` rows (one rounding per element,
     as ``torch.sum`` over the N chunks)."""
-    rank = dist.get_rank(group)
+    rank = group_rank(group)
     own = flat.view(received.shape[0] + 1, -1)[rank]
     if received.shape[0] == 1:  # 2 ranks: one add, no copy
         torch.add(*((received[0], own) if rank else (own, received[0])), out=out)
@@ -261,6 +265,8 @@ def _over_gloo(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
 
 def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
     """Overwrite ``tensors`` on every rank with the group's first rank's values."""
+    if group_size(group) == 1:
+        return
     src = global_rank(group, 0)
     with collective_context(_WRAPPER, "broadcast from rank 0", group):
         for tensor in tensors:
@@ -294,7 +300,7 @@ def all_reduce_sum(
     """Sum ``tensor`` over ``group`` in place (the cross-replica gradient of hybrid
     sharding). The returned :class:`Pending` runs its ``then`` at ``wait()``, also when
     there was nothing to send (one replica)."""
-    if tensor.numel() == 0 or dist.get_world_size(group) == 1:
+    if tensor.numel() == 0 or group_size(group) == 1:
         return Pending()  # nothing to send; ``wait()`` still runs the continuation
     operation = "all-reduce of gradients across replicas"
     with collective_context(_WRAPPER, operation, group):

@@ -56,6 +56,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from shardkit.checkpoint.generations import GenerationStore, packed_offsets, read_into
+from shardkit.distributed.collectives import group_size
 from shardkit.distributed.optim_guard import exempt_optimizer
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
 
@@ -261,7 +262,7 @@ class DiskOffload:
         if not self.stepped:
             return
         with record_function("FSDP::disk_commit"):
-            if dist.is_initialized() and dist.get_world_size(self._group) > 1:
+            if dist.is_initialized() and group_size(self._group) > 1:
                 dist.all_reduce(torch.zeros(1), group=self._group)  # all wrote g + 1
             self._commit(self.generation + 1)
         self.stepped.clear()
@@ -642,7 +643,7 @@ def _check_same_generation(generation: int, group: dist.ProcessGroup | None) -> 
     Raises:
         ValueError: naming the lowest and highest generation.
     """
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if not dist.is_initialized() or group_size(group) == 1:
         return
     both = torch.tensor([generation, -generation], dtype=torch.int64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)

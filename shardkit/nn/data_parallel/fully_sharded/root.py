@@ -54,6 +54,7 @@ from torch.autograd import Variable
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.profiler import record_function
 
+from shardkit.distributed.collectives import group_size
 from shardkit.memory import heap_trim_point
 from shardkit.nn.data_parallel.fully_sharded.collectives import (
     Pending,
@@ -206,7 +207,7 @@ class RootState:
         groups = [self.process_group]
         if self.replicate_group is not None:
             groups.append(self.replicate_group)
-        if not dist.is_initialized() or all(dist.get_world_size(g) == 1 for g in groups):
+        if not dist.is_initialized() or all(group_size(g) == 1 for g in groups):
             return stale
         names = [name for unit in self.units for name in unit.trainable_names()]
         digest = int.from_bytes(
@@ -222,7 +223,7 @@ class RootState:
     def _raise_mismatch(self, names: list[str], groups: list[dist.ProcessGroup | None]) -> None:
         every: list[Any] = []
         for group in groups:  # the sets of this rank's shard group, then of its replicas
-            found: list[Any] = [None] * dist.get_world_size(group)
+            found: list[Any] = [None] * group_size(group)
             dist.all_gather_object(found, names, group=group)
             every += [(group, r, set(n)) for r, n in enumerate(found)]
         union = set().union(*(s for _, _, s in every))

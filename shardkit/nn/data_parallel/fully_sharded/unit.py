@@ -81,6 +81,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardkit.distributed.collectives import group_size
 from shardkit.distributed.optim_guard import add_step_check
 from shardkit.memory import heap_trim_point
 from shardkit.nn.data_parallel.fully_sharded.collectives import (
@@ -207,7 +208,7 @@ class UnitRuntime:
         self.replicate_group = replicate_group
         self.secondary_group = secondary_group  # reshard_after_forward as an int
         self._secondary: torch.Tensor | None = None  # kept from forward for backward
-        replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        replicas = 1 if replicate_group is None else group_size(replicate_group)
         self.data_parallel_size = self.world_size * replicas  # gradients average over these
         self.requires_all_reduce = True  # across replicas; False defers (accumulation)
         self._deferred: torch.Tensor | None = None  # reduced shards not yet all-reduced
@@ -300,7 +301,7 @@ class UnitRuntime:
         """A copy of this rank's slice of the full buffer for its secondary group (call
         while UNSHARDED, before the full buffer is freed)."""
         assert self.secondary_group is not None
-        size = dist.get_world_size(self.secondary_group)
+        size = group_size(self.secondary_group)
         index, chunk = self.rank % size, self.handle.layout.padded // size
         return self.handle.full_flat[index * chunk : (index + 1) * chunk].clone()
 
