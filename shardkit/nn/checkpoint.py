@@ -57,6 +57,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardkit.nn.forwarding import ForwardingMixin
 from shardkit.nn.prefix_hooks import hide_child_prefix
 
 __all__ = [
@@ -183,7 +184,7 @@ def run_checkpointed(
     )
 
 
-class CheckpointWrapper(nn.Module):
+class CheckpointWrapper(ForwardingMixin, nn.Module):
     """A module whose forward is checkpointed (see :func:`checkpoint_wrapper`).
 
     Attributes:
@@ -202,15 +203,6 @@ class CheckpointWrapper(nn.Module):
         # State dicts keep the wrapped module's own keys (no "module." prefix), so a
         # checkpoint of a wrapped model loads into the plain model and back.
         hide_child_prefix(self, "module")
-
-    def __getattr__(self, name: str) -> Any:
-        """An attribute the wrapper lacks is the wrapped module's (``wrapped.cnt``)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(self._modules["module"], name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Setting an attribute that only the wrapped module has sets it there."""

@@ -38,6 +38,7 @@ from shardkit.distributed.consistency import describe_parameters, verify_consist
 from shardkit.distributed.failures import collective_context
 from shardkit.distributed.validation import check_not_wrapped, check_parameters
 from shardkit.nn.data_parallel.grad_reducer import GradReducer, grad_with_graph_message
+from shardkit.nn.forwarding import ForwardingMixin
 from shardkit.optim import OSS
 
 __all__ = ["ShardedDDP", "ShardedDataParallel"]
@@ -72,7 +73,7 @@ def _check_module(module: nn.Module) -> None:
         )
 
 
-class ShardedDataParallel(nn.Module):
+class ShardedDataParallel(ForwardingMixin, nn.Module):
     """Wrap a module trained with :class:`~shardkit.optim.OSS` so each rank keeps 1/N of the grads.
 
     Example::
@@ -183,14 +184,6 @@ class ShardedDataParallel(nn.Module):
         self._build_reducer()
 
     # attributes DDP code reads -----------------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(self.module, name)
-
     @property
     def is_multi_device_module(self) -> bool:
         """Whether the module's parameters sit on more than one device (as DDP's)."""

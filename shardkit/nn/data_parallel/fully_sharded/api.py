@@ -81,12 +81,13 @@ from shardkit.nn.data_parallel.fully_sharded.unit import (
     summon,
     units_in,
 )
+from shardkit.nn.forwarding import ForwardingMixin
 from shardkit.nn.prefix_hooks import hide_child_prefix
 
 __all__ = ["FSDP", "FullyShardedDataParallel"]
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(ForwardingMixin, nn.Module):
     """Shard a module's parameters, gradients and optimizer state across ranks (ZeRO-3).
 
     Usage: ``model = FSDP(model)`` (nest with :func:`shardkit.nn.wrap.auto_wrap`), then
@@ -359,14 +360,8 @@ class FullyShardedDataParallel(nn.Module):
         """FairScale's flag, as given (every unit communicates one flat buffer anyway)."""
         return self._config.flatten_parameters
 
-    def __getattr__(self, name: str) -> Any:
-        """Attributes of the wrapped module (e.g. ``model.config``) are reachable here."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == WRAPPED:  # not set yet (inside __init__): no recursion
-                raise
-            return getattr(self._fsdp_wrapped_module, name)
+    # attributes the wrapper lacks (e.g. ``model.config``) are the wrapped module's
+    _forward_to = WRAPPED
 
     def _lazy_init(self) -> None:
         """First call on a unit with no root: it becomes the root of its subtree."""
