@@ -5,6 +5,7 @@ SHARDKIT_TWO_NODES_LIVE=1 (root, ip, tc; 2-3 minutes on 2 cores)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -25,6 +26,7 @@ from benchmarks.two_nodes import (
     preflight,
     render_markdown,
     setup_commands,
+    strategies,
     summarize,
     tbf_burst_bytes,
     teardown,
@@ -162,6 +164,25 @@ def test_summary_and_table() -> None:
     assert table.rstrip().endswith("- a note")
     crashed = summarize([{"strategy": "torch DDP", "error": "agents exited\n| x |"}], psi, "1gbit")
     assert "| 1gbit | torch DDP | agents exited / x / | - |" in render_markdown(crashed)
+
+
+def test_rows_are_entries_of_the_one_benchmark_registry() -> None:
+    from benchmarks.runners import BY_NAME, BenchStrategy
+    from benchmarks.two_nodes import LINK_FORMULA
+    from benchmarks.two_nodes.rows import unavailable_reason
+
+    rows = strategies()
+    assert list(rows) == list(STRATEGY_NAMES) == list(LINK_FORMULA)
+    assert all(isinstance(row, BenchStrategy) and row.name == name for name, row in rows.items())
+    # the rows benchmarks.compare has too are its very entries, not copies
+    shared = [name for name in STRATEGY_NAMES if name in BY_NAME]
+    assert shared == ["torch DDP", "shardkit fsdp", "shardkit hsdp"]
+    assert all(rows[name] is BY_NAME[name] for name in shared)
+    assert rows["DeepSpeed ZeRO-3 hpZ + qgZ"].requires == "deepspeed"
+    deepspeed = importlib.util.find_spec("deepspeed") is not None
+    assert (unavailable_reason(rows["DeepSpeed ZeRO-3 hpZ + qgZ"]) is None) == deepspeed
+    assert unavailable_reason(rows["shardkit hsdp + bf16"]) is None
+    assert [LINK_FORMULA[n] for n in shared] == ["ddp", "full_shard", "hybrid"]
 
 
 def test_dry_run_prints_the_commands_and_touches_nothing() -> None:
