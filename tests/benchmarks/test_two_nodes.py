@@ -1,8 +1,11 @@
-"""benchmarks.two_nodes: the commands it builds (pure), the formulas, the table; the live
-run only with SHARDKIT_TWO_NODES_LIVE=1 (root, ip, tc; 2-3 minutes on 2 cores)."""
+"""benchmarks.two_nodes: the commands it builds (pure), the formulas, the table; the
+orchestration end to end over real namespaces and a tc cap (one small row; skipped, with
+the reason, where namespaces cannot be created); the full live run only with
+SHARDKIT_TWO_NODES_LIVE=1 (root, ip, tc; 2-3 minutes on 2 cores)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,8 +26,10 @@ from benchmarks.two_nodes import (
     preflight,
     render_markdown,
     setup_commands,
+    strategies,
     summarize,
     tbf_burst_bytes,
+    teardown,
     teardown_commands,
 )
 
@@ -161,6 +166,25 @@ def test_summary_and_table() -> None:
     assert "| 1gbit | torch DDP | agents exited / x / | - |" in render_markdown(crashed)
 
 
+def test_rows_are_entries_of_the_one_benchmark_registry() -> None:
+    from benchmarks.runners import BY_NAME, BenchStrategy
+    from benchmarks.two_nodes import LINK_FORMULA
+    from benchmarks.two_nodes.rows import unavailable_reason
+
+    rows = strategies()
+    assert list(rows) == list(STRATEGY_NAMES) == list(LINK_FORMULA)
+    assert all(isinstance(row, BenchStrategy) and row.name == name for name, row in rows.items())
+    # the rows benchmarks.compare has too are its very entries, not copies
+    shared = [name for name in STRATEGY_NAMES if name in BY_NAME]
+    assert shared == ["torch DDP", "shardkit fsdp", "shardkit hsdp"]
+    assert all(rows[name] is BY_NAME[name] for name in shared)
+    assert rows["DeepSpeed ZeRO-3 hpZ + qgZ"].requires == "deepspeed"
+    deepspeed = importlib.util.find_spec("deepspeed") is not None
+    assert (unavailable_reason(rows["DeepSpeed ZeRO-3 hpZ + qgZ"]) is None) == deepspeed
+    assert unavailable_reason(rows["shardkit hsdp + bf16"]) is None
+    assert [LINK_FORMULA[n] for n in shared] == ["ddp", "full_shard", "hybrid"]
+
+
 def test_dry_run_prints_the_commands_and_touches_nothing() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.two_nodes", "--dry-run", "--rate", "100mbit"],
@@ -213,6 +237,67 @@ def test_live_two_nodes_ddp_and_hybrid(tmp_path: Path) -> None:
     assert rows["shardkit hsdp"]["x_formula"] == pytest.approx(1.0, abs=0.1)
     assert rows["shardkit hsdp"]["loss_vs_ddp"] < 1e-4
     assert set(leftover_namespaces()) <= before  # the run removed its namespaces
+
+
+CI_RATE = "20mbit"
+"""The cap of the end-to-end test: 2.5 MB/s a direction, so the tiny GPT's cross-node
+gradient traffic (about 3.4 MB a direction a step) needs over a second a step where the
+cap holds, and a small fraction of that where it does not."""
+
+
+@pytest.mark.timeout(420)
+def test_orchestration_end_to_end_over_capped_namespaces(tmp_path: Path) -> None:
+    """``python -m benchmarks.two_nodes`` itself: namespaces, veth, tbf, two torchrun
+    agents, 4 ranks of shardkit hsdp, the kernel's byte count, the summary, the results
+    files, the teardown. The bytes across the link match the hybrid formula, each
+    direction stays under the tc cap, the ranks met at node 0's veth address, and no
+    namespace outlives the run (removed here too if the run fails or hangs)."""
+    reason = preflight()
+    if reason is not None:
+        pytest.skip(f"network namespaces are not permitted here: {reason}")
+    before = set(leftover_namespaces())
+    cmd = [sys.executable, "-m", "benchmarks.two_nodes", "--out", str(tmp_path)]
+    cmd += ["--rate", CI_RATE, "--strategies", "shardkit hsdp", "--steps", "1", "--warmup", "1"]
+    cmd += ["--batch", "1", "--seq-len", "16", "--timeout", "300"]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    cluster = cluster_for(f"{proc.pid}0", CI_RATE)  # the CLI's cluster of its first rate
+    try:
+        _, stderr = proc.communicate(timeout=360)
+    finally:  # a failed or hung run: its agents and namespaces go too
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        teardown(cluster)
+    assert not set(leftover_namespaces()) - before
+    assert proc.returncode == 0, stderr[-3000:]
+    (result,) = tmp_path.glob("two_nodes-*.json")
+    assert result.with_suffix(".md").read_text().count("| 20mbit | shardkit hsdp |") == 1
+    doc = json.loads(result.read_text())
+    (row,) = doc["rows"]
+    assert row["status"] == "ok" and row["rate"] == CI_RATE, row
+    (record,) = doc["records"][CI_RATE]
+    ranks, (step_s,) = record["ranks"], record["times"]
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    assert {r["master_addr"] for r in ranks} == {cluster.addresses[0]}  # over the veth
+    assert sorted(r["node"] for r in ranks) == [0, 0, 1, 1]
+    counted = [r for r in ranks if r["tx_bytes"] is not None]  # each node's local rank 0
+    assert sorted(r["node"] for r in counted) == [0, 1]
+    # bytes: at least the formula's payload (2 psi (R - 1) / (R S) fp32 elements per
+    # rank), plus the frames' Ethernet/IP/TCP headers and the loss all-reduce
+    expected = bytes_formula("hybrid", doc["psi"], 2, 2)
+    assert expected is not None and row["formula_bytes_per_rank"] == pytest.approx(expected)
+    assert row["link_bytes_per_step"] == sum(r["tx_bytes"] for r in counted)
+    assert row["link_bytes_per_step_per_rank"] == pytest.approx(row["link_bytes_per_step"] / 4)
+    assert 1.0 <= row["x_formula"] < 1.2, row
+    # the cap: what a node sent in the step fits in rate x time (+ the bucket, + 5%)
+    cap_bytes_per_s = parse_rate(CI_RATE) / 8
+    for r in counted:
+        assert r["tx_bytes"] <= 1.05 * cap_bytes_per_s * step_s + tbf_burst_bytes(CI_RATE), (
+            f"node {r['node']} sent {r['tx_bytes']} B in a {step_s:.2f} s step: above "
+            f"the {CI_RATE} cap"
+        )
 
 
 def test_rounds_pool_steps_and_pair_the_ratio_with_ddp_of_the_same_round() -> None:
