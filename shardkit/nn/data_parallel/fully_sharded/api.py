@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.checkpoint.agreement import gather_failures
 from shardkit.distributed.collectives import check_group, group_rank, group_size
 from shardkit.distributed.compression import GradCompressor, get_compressor
 from shardkit.distributed.consistency import (
@@ -529,28 +530,57 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
 
         A load that raises (a missing or unexpected key with ``strict``, another
         shape: torch's ``load_state_dict`` copies every tensor it can before raising)
-        leaves this rank's shards and buffers as they were (a copy of them is kept
-        meanwhile; units on the disk tier excepted: their shards are files).
+        leaves the shards and buffers as they were (a copy of them is kept meanwhile;
+        units on the disk tier excepted: their shards are files). The ranks agree
+        first: when the state dict fails to load on any rank, every rank of the group
+        (and its replicas under hybrid sharding) keeps its values and raises.
 
         Raises:
             RuntimeError: torch's "Error(s) in loading state_dict" (keys, shapes),
-                naming the unwrapped keys.
+                naming the unwrapped keys; on the other ranks, the same error naming
+                the rank it failed on.
         """
         units = units_in(self)
         kept = [u.handle.local_shard for u in units if u.disk is None]
         kept += [buf for _, buf in self.named_buffers()]
         before = [t.detach().clone() for t in kept]
-        try:
-            with self.summon_full_params(recurse=True, writeback=True), torch.no_grad():
-                return super().load_state_dict(state_dict, strict=strict)
-        except BaseException as err:
+
+        def restore() -> None:
             with torch.no_grad():
                 for tensor, value in zip(kept, before):
                     tensor.copy_(value)
-            if isinstance(err, RuntimeError) and f"{WRAPPED}." in str(err):
-                # torch names the keys as it reached them (size mismatches): unwrapped
-                raise RuntimeError(clean_name(str(err))) from err
+
+        error: Exception | None = None
+        result: Any = None
+        try:
+            with self.summon_full_params(recurse=True, writeback=True), torch.no_grad():
+                result = super().load_state_dict(state_dict, strict=strict)
+        except Exception as err:  # told to every rank below: all load, or none
+            error = err
+        except BaseException:
+            restore()
             raise
+        # A rank whose state dict does not fit must not leave the others loaded: each
+        # rank holds 1/N of every parameter, so some ranks loading and others not gives
+        # parameters that are neither the old values nor the new ones.
+        groups = [self._process_group]
+        if self._replicate_group is not None:
+            groups.append(self._replicate_group)
+        me = dist.get_rank() if dist.is_initialized() else 0
+        failed = gather_failures(me, error, groups)
+        if not failed:
+            return result
+        restore()
+        if error is None:
+            raise RuntimeError(
+                "Error(s) in loading state_dict for FullyShardedDataParallel: the load "
+                f"failed on another rank ({failed}); this rank's shards and buffers are "
+                "kept as they were, as on every rank"
+            )
+        if isinstance(error, RuntimeError) and f"{WRAPPED}." in str(error):
+            # torch names the keys as it reached them (size mismatches): unwrapped
+            raise RuntimeError(clean_name(str(error))) from error
+        raise error
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards: ``"<unit>flat_param"`` per unit, and the buffers.
