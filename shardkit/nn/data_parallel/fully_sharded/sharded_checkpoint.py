@@ -163,7 +163,9 @@ def save_fsdp_sharded(
     except Exception as err:
         record, error = {}, err
     me = dist.get_rank() if dist.is_initialized() else 0  # the global rank: named
-    failed = gather_failures(me, error, [group, replicas])
+    # the replica group only under hybrid sharding (None there would mean the world:
+    # ranks outside this model's group never join, and the save hung until the timeout)
+    failed = gather_failures(me, error, [group] if replicas is None else [group, replicas])
     if failed:
         raise _save_failed(ckpt, f"not committed: {failed}") from error
     status = [""]
