@@ -296,13 +296,14 @@ def reference(model: nn.Module, optimizer: torch.optim.Optimizer) -> Consolidate
     return out
 
 
-def run_pair(
-    spec_a: tuple[str, str, int], spec_b: tuple[str, int], root: str, seed: int = 0
-) -> dict[str, Any] | None:
-    """Train in layout A, save to ``root``, load into layout B, step once more (see the
-    module docstring). ``spec_a``: (family, kind, world); ``spec_b``: (kind, world)."""
+def train_and_save(
+    spec_a: tuple[str, str, int], root: str, seed: int
+) -> tuple[Consolidated | None, nn.Module, torch.optim.Optimizer]:
+    """Train layout ``spec_a`` = (family, kind, world) and its plain twin for
+    :data:`TRAIN_STEPS` steps from the same seeded model, save layout A to ``root``.
+    Returns A's consolidated state (rank 0; as :func:`consolidate`), the twin and its
+    optimizer."""
     family, kind_a, world_a = spec_a
-    kind_b, world_b = spec_b
     torch.manual_seed(seed)
     base = make_model(family)
     twin = copy.deepcopy(base)
@@ -318,6 +319,17 @@ def run_pair(
         save_universal(root, TRAIN_STEPS, run_a.model, run_a.optimizer, group=run_a.group)
     saved = consolidate(run_a)
     run_a.close()
+    return saved, twin, twin_opt
+
+
+def run_pair(
+    spec_a: tuple[str, str, int], spec_b: tuple[str, int], root: str, seed: int = 0
+) -> dict[str, Any] | None:
+    """Train in layout A, save to ``root``, load into layout B, step once more (see the
+    module docstring). ``spec_a``: (family, kind, world); ``spec_b``: (kind, world)."""
+    family = spec_a[0]
+    kind_b, world_b = spec_b
+    saved, twin, twin_opt = train_and_save(spec_a, root, seed)
     want_saved = reference(twin, twin_opt)
     dist.barrier()
     torch.manual_seed(seed + 1)  # another initialisation: loading must replace all of it
@@ -381,23 +393,9 @@ def run_empty_pieces(
     name, its empty pieces, and on rank 0 also ``gather_full_optim_state_dict`` with
     B's full parameters, the consolidated saved state of A, the plain twin (and its
     optimizer) after the save, and B's parameters after one more step."""
-    family, kind_a, world_a = spec_a
+    family = spec_a[0]
     kind_b, world_b = spec_b
-    torch.manual_seed(0)
-    base = make_model(family)
-    twin = copy.deepcopy(base)
-    twin_opt = adamw(twin.parameters())
-    run_a = Run(family, kind_a, world_a, copy.deepcopy(base))
-    for step in range(TRAIN_STEPS):
-        run_a.step(step)
-        x, y = batch(family, step)
-        twin_opt.zero_grad()
-        loss_of(family, twin, x, y).backward()
-        twin_opt.step()
-    if run_a.member:
-        save_universal(root, TRAIN_STEPS, run_a.model, run_a.optimizer, group=run_a.group)
-    saved = consolidate(run_a)
-    run_a.close()
+    saved, twin, twin_opt = train_and_save(spec_a, root, 0)
     dist.barrier()
     torch.manual_seed(1)
     run_b = Run(family, kind_b, world_b, make_model(family))
