@@ -64,6 +64,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
+from shardkit.testing import RankPool
 from tests.nn.data_parallel.fsdp_workers import global_batch, local_part, tiny_gpt, wrap_model
 
 EXAMPLES = int(os.environ.get("SHARDKIT_HYPOTHESIS_EXAMPLES", "10"))
@@ -466,7 +467,16 @@ _CACHE: dict[str, list[Any]] = {}
 @pytest.fixture(scope="module")
 def machine_results(rank_pool: Any) -> dict[str, list[Any]]:
     if not _CACHE:
-        per_rank = rank_pool(2).run(run_machines, list(CONFIGS.values()), EXAMPLES, STEPS)
+        # The shared pool's 120 s fits the default 10 x 12 rules; a larger setting gets
+        # its own pool with the limit scaled by the rules drawn.
+        scale = EXAMPLES * STEPS / (10 * 12)
+        with contextlib.ExitStack() as stack:
+            if scale > 1:
+                pool = RankPool(2, timeout_s=120.0 * scale)
+                stack.callback(pool.close)
+            else:
+                pool = rank_pool(2)
+            per_rank = pool.run(run_machines, list(CONFIGS.values()), EXAMPLES, STEPS)
         for i, name in enumerate(CONFIGS):
             _CACHE[name] = [r[i] for r in per_rank]
     return _CACHE
