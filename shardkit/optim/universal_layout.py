@@ -14,8 +14,9 @@ parameters this rank owns (``OSS.param_to_rank``). So each tensor is one entry, 
   group;
 - a tensor-parallel part (a model with tensor-parallel layers inside each OSS group)
   is written by its owner in each tensor-parallel rank's group; a tensor that every
-  tensor-parallel rank holds whole only on tensor-parallel rank 0
-  (:func:`~shardkit.checkpoint.universal.tensor_views.writes_replica`).
+  tensor-parallel rank holds whole (its shard descriptor's replica group) only by the
+  OSS group holding the replica group's lowest rank
+  (:func:`~shardkit.distributed.shard_descriptor.writes_replica`).
 
 Every rank reads every parameter at load time, so no broadcast follows.
 """
@@ -30,9 +31,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.checkpoint.universal.adapters import tied_aliases
-from shardkit.checkpoint.universal.layout import ParamEntry, register_layout
-from shardkit.checkpoint.universal.tensor_views import strategy_name, view_of
+from shardkit.checkpoint.universal.layout import ParamEntry, register_layout, strategy_name
 from shardkit.checkpoint.universal.whole import whole_entries
+from shardkit.distributed.shard_descriptor import ranks_of, view_of
 from shardkit.optim.oss import OSS
 
 __all__ = ["OSSLayout"]
@@ -72,7 +73,7 @@ class OSSLayout:
             owner = owners.get(tensor) if is_param else None
             return owner == rank if owner is not None else rank == 0
 
-        return whole_entries(self.model, owned, writes)
+        return whole_entries(self.model, owned, writes, holders=ranks_of(self.optimizer.group))
 
     def aliases(self) -> dict[str, str]:
         """Tied keys, ``{other key: first key}``, for the manifest."""

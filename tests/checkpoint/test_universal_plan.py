@@ -34,7 +34,7 @@ from shardkit.checkpoint.universal import (
 )
 from shardkit.checkpoint.universal.plan import Filler, cover_problem, direct_copies
 from shardkit.checkpoint.universal.shardfile import SavedPiece
-from shardkit.checkpoint.universal.views import check_view, local_rows, read_range, write_range
+from shardkit.distributed.shard_elements import check_view, local_rows, read_range, write_range
 from shardkit.nn.tensor_parallel.partition import shard
 
 

@@ -30,7 +30,7 @@ from shardkit.checkpoint.universal import (
     load_universal,
     save_universal,
 )
-from shardkit.checkpoint.universal.tensor_views import set_view
+from shardkit.distributed.shard_descriptor import set_view
 from shardkit.nn.tensor_parallel.partition import shard
 from tests.checkpoint.payload import plant_payload
 

@@ -29,11 +29,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.checkpoint.universal import load_universal, save_universal
-from shardkit.checkpoint.universal.adapters import model_tensors
-from shardkit.checkpoint.universal.layout import layout_of
+from shardkit.checkpoint.universal.adapters import layout_of, model_tensors
 from shardkit.checkpoint.universal.optim_state import entry_offset
-from shardkit.checkpoint.universal.views import local_rows, write_range
 from shardkit.distributed import mpu
+from shardkit.distributed.shard_elements import local_rows, write_range
 from shardkit.models import GPT, GPTConfig
 from shardkit.nn import (
     FSDP,
@@ -140,6 +139,22 @@ def wrap_twice(base: nn.Module, kind: str, g: Any) -> FSDP:
     return FSDP(inner, process_group=g)
 
 
+def tp_dp_groups(world: int) -> tuple[Any, Any]:
+    """(tensor-parallel group, data-parallel group) of this rank for tensor parallel 2
+    over consecutive ranks of ``world`` (every rank creates every group)."""
+    rank = dist.get_rank()
+    mine: list[Any] = [None, None]
+    for start in range(0, world, 2):
+        g = group([start, start + 1])
+        if rank in (start, start + 1):
+            mine[0] = g
+    for offset in range(2):
+        g = group(list(range(offset, world, 2)))
+        if rank % 2 == offset:
+            mine[1] = g
+    return mine[0], mine[1]
+
+
 # layouts -------------------------------------------------------------------------------
 class Run:
     """A model in one layout on this rank, and how it trains one step."""
@@ -150,6 +165,8 @@ class Run:
         self.hybrid = hybrid_pair(world, 2) if kind == "hsdp" and world % 2 == 0 else None
         if kind in ("tp", "tp_fsdp"):
             mpu.initialize_model_parallel(2)
+        if kind.startswith("tpg"):
+            self.tp_dp = tp_dp_groups(world)
         self.group = group(list(range(world)))
         self.member = rank < world
         self.dp_rank, self.dp_size = (rank, world) if self.member else (0, 1)
@@ -205,6 +222,8 @@ class Run:
             dp = mpu.get_data_parallel_group()
             self.dp_rank, self.dp_size = dist.get_rank(dp), dist.get_world_size(dp)
             return base, adamw(base.parameters())
+        if kind.startswith("tpg"):
+            return self._build_tp_groups(base)
         if kind == "pipe":
             self.dp_rank, self.dp_size = 0, 1
             n = len(base)  # type: ignore[arg-type]
@@ -213,6 +232,34 @@ class Run:
             self.stage = PipelineStage(part, process_group=g)
             return self.stage, adamw(part.parameters())
         raise ValueError(f"unknown layout kind {kind!r}")
+
+    def _build_tp_groups(self, base: nn.Module) -> tuple[Any, Any]:
+        """Tensor parallel 2 over explicit groups, no mesh registered: ``tpg`` alone (a
+        plain module, every tensor-parallel group a whole copy of the model), or under
+        DDP, OSS or FSDP over the data-parallel group."""
+        assert not mpu.model_parallel_is_initialized(), "these layouts register no mesh"
+        tp, dp = self.tp_dp
+        parallelize(base, gpt_plan(), process_group=tp)
+        if self.kind == "tpg":
+            self.dp_rank, self.dp_size = 0, 1  # every rank steps the global batch
+            return base, adamw(base.parameters())
+        self.dp_rank, self.dp_size = dist.get_rank(dp), dist.get_world_size(dp)
+        if self.kind == "tpg_ddp":
+            return DistributedDataParallel(base, process_group=dp), adamw(base.parameters())
+        if self.kind == "tpg_oss":
+            oss = OSS(
+                base.parameters(),
+                torch.optim.AdamW,
+                lr=1e-2,
+                eps=1e-4,
+                weight_decay=0.01,
+                process_group=dp,
+            )
+            return DistributedDataParallel(base, process_group=dp), oss
+        if self.kind == "tpg_fsdp":
+            model = FSDP(base, process_group=dp)
+            return model, adamw(model.parameters())
+        raise ValueError(f"unknown layout kind {self.kind!r}")
 
     def step(self, step: int) -> None:
         if not self.member:

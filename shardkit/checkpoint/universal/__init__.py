@@ -13,24 +13,22 @@ data position, loss history), returned by ``loaded.extra(rank)`` (None for a ran
 did not exist at save time; ``loaded.extra(0)`` always exists).
 
 Modules: :mod:`.layout` (the adapter contract and registry), :mod:`.adapters` (plain
-module, torch DDP), :mod:`.views` (element arithmetic of tensor-parallel views),
-:mod:`.plan` (which saved bytes fill a piece), :mod:`.shardfile` (the safetensors
+module, torch DDP, ``layout_of``), :mod:`.plan` (which saved bytes fill a piece), :mod:`.shardfile` (the safetensors
 shard file and its index), :mod:`.optim_state`, :mod:`.meta` (the manifest layout),
 :mod:`.writer` (``save_universal``), :mod:`.loader` (``load_universal``).
 Wrapper adapters live with their wrappers and call :func:`register_layout` at import.
+Every piece is described by its shard descriptor,
+:class:`shardkit.distributed.shard_descriptor.TensorView` (re-exported here), with its
+element arithmetic in :mod:`shardkit.distributed.shard_elements`; this package reads
+descriptors only, never a process-wide mesh.
 """
 
-from shardkit.checkpoint.universal.adapters import DDPLayout, PlainLayout
-from shardkit.checkpoint.universal.layout import (
-    LayoutAdapter,
-    ParamEntry,
-    TensorView,
-    layout_of,
-    register_layout,
-)
+from shardkit.checkpoint.universal.adapters import DDPLayout, PlainLayout, layout_of
+from shardkit.checkpoint.universal.layout import LayoutAdapter, ParamEntry, register_layout
 from shardkit.checkpoint.universal.loader import LoadedCheckpoint, load_universal
 from shardkit.checkpoint.universal.meta import FORMAT
 from shardkit.checkpoint.universal.writer import save_universal
+from shardkit.distributed.shard_descriptor import TensorView
 
 __all__ = [
     "FORMAT",

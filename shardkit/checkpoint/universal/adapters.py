@@ -7,12 +7,20 @@ the ranks and a load fills every piece of every tensor. Under DDP the buffers ar
 written by rank 0 alone: they may differ between ranks after a forward (BatchNorm's
 running statistics), and DDP's rule is that rank 0's win (``broadcast_buffers``).
 
-A tensor-parallel part (a tensor carrying a view, see
-:mod:`~shardkit.checkpoint.universal.tensor_views`) is listed under its view. In a
-plain module its holders are the data-parallel replicas of the process-wide mesh:
-data-parallel rank 0 writes it whole. Under DDP the DDP group holds replicas of it, so
-its pieces are spread over that group; a tensor held whole by every tensor-parallel
-rank is then written by tensor-parallel rank 0 only.
+A tensor-parallel part (a tensor carrying a shard descriptor, see
+:mod:`shardkit.distributed.shard_descriptor`) is listed under its descriptor. In a
+plain module every rank of the group holds a whole copy of the model, so a part is
+one piece written by one holder (:func:`~shardkit.distributed.shard_descriptor.writes_part`:
+the tensor-parallel group holding the group's lowest rank). Under DDP the DDP group
+holds copies of the part, so its pieces are spread over that group; a tensor held
+whole by every tensor-parallel rank (its descriptor's replica group) is written by the
+DDP group holding the replica group's lowest rank
+(:func:`~shardkit.distributed.shard_descriptor.writes_replica`). No process-wide mesh
+is read: the descriptor and the adapter's own group decide.
+
+:func:`layout_of` picks the adapter of a model (the registry is
+:mod:`~shardkit.checkpoint.universal.layout`; this module's plain adapter is the
+fallback).
 """
 
 from __future__ import annotations
@@ -21,13 +29,27 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.checkpoint.manifest import _rank_world
-from shardkit.checkpoint.universal.layout import ParamEntry, TensorView, register_layout
+from shardkit.checkpoint.universal.layout import (
+    LayoutAdapter,
+    ParamEntry,
+    factory_of,
+    register_layout,
+    strategy_name,
+)
+from shardkit.distributed.collectives import group_ranks
+from shardkit.distributed.shard_descriptor import (
+    TensorView,
+    view_of,
+    writes_part,
+    writes_replica,
+)
 
-__all__ = ["DDPLayout", "PlainLayout", "model_tensors", "tied_aliases"]
+__all__ = ["DDPLayout", "PlainLayout", "layout_of", "model_tensors", "tied_aliases"]
 
 
 def model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
@@ -72,13 +94,13 @@ class PlainLayout:
     def __init__(self, model: nn.Module, group: Any = None) -> None:
         self.model = model
         self.rank, self.world_size = _rank_world(group)
+        self.holders: tuple[int, ...] = (
+            tuple(group_ranks(group)) if dist.is_available() and dist.is_initialized() else (0,)
+        )
 
     def entries(self) -> Iterator[ParamEntry]:
         """Every tensor's pieces; afterwards ``strategy`` says ``"+tp<T>"`` when some
         tensor is a tensor-parallel part of T."""
-        # tensor_views imports this module: imported here, not at the top
-        from shardkit.checkpoint.universal.tensor_views import strategy_name, view_of
-
         views = []
         for key, tensor, is_param in model_tensors(self.model):
             view = view_of(tensor)
@@ -89,11 +111,8 @@ class PlainLayout:
     def _writes(self, view: TensorView) -> tuple[bool, bool]:
         """(this rank may write the tensor, its pieces are spread over the group)."""
         if view.split_dim is None:
-            return True, True
-        from shardkit.distributed import mpu
-
-        first = not mpu.model_parallel_is_initialized() or mpu.get_data_parallel_rank() == 0
-        return first, False
+            return writes_replica(view, self.holders), True
+        return writes_part(view, self.holders), False
 
     def _pieces(
         self, key: str, tensor: torch.Tensor, view: TensorView, param: torch.Tensor | None
@@ -132,9 +151,28 @@ class DDPLayout(PlainLayout):
         super().__init__(model.module, group if group is not None else model.process_group)
 
     def _writes(self, view: TensorView) -> tuple[bool, bool]:
-        from shardkit.checkpoint.universal.tensor_views import writes_replica
-
-        return writes_replica(view), True
+        return writes_replica(view, self.holders), True
 
 
 register_layout(DistributedDataParallel, lambda model, optimizer: DDPLayout(model))
+
+
+def layout_of(model: Any, optimizer: Any = None, *, group: Any = None) -> LayoutAdapter:
+    """The adapter registered for ``optimizer``'s type (OSS: ownership decides who
+    writes), else for the most specific registered type ``model`` is an instance of
+    (nearest in ``type(model).__mro__``); a :class:`PlainLayout` (every rank holds
+    everything; with a process group ``group`` of N ranks, rank r writes the r-th 1/N
+    of each tensor's elements) when none matches.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` and no adapter is registered for it.
+    """
+    factory = factory_of(model, optimizer)
+    if factory is not None:
+        return factory(model, optimizer)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"no universal-checkpoint layout for {type(model).__name__}: pass an "
+            "nn.Module, or register_layout(type, factory) for it"
+        )
+    return PlainLayout(model, group=group)

@@ -12,53 +12,24 @@ Pipe, OffloadModel) register an adapter that lists this rank's pieces; the forma
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import torch
 
+from shardkit.distributed.shard_descriptor import TensorView
+
 __all__ = [
     "LayoutAdapter",
     "ParamEntry",
     "Purpose",
-    "TensorView",
     "aliases_of",
-    "layout_of",
+    "factory_of",
     "register_layout",
     "session_of",
+    "strategy_name",
 ]
-
-
-@dataclass(frozen=True)
-class TensorView:
-    """How a rank's local tensor relates to the original (global) tensor.
-
-    ``split_dim is None``: the local tensor *is* the global tensor (shape ``global_shape``).
-    Otherwise it is the tensor-parallel shard
-    ``shardkit.nn.tensor_parallel.partition.shard(global, split_dim, part, parts, stride)``:
-    dim ``split_dim`` cut into ``stride * parts`` equal blocks, part ``p`` keeps blocks
-    ``p, p + parts, ...`` (stride 3 for a fused ``[q | k | v]``), concatenated.
-    """
-
-    global_shape: tuple[int, ...]
-    split_dim: int | None = None
-    part: int = 0
-    parts: int = 1
-    stride: int = 1
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        if self.split_dim is None:
-            return self.global_shape
-        shape = list(self.global_shape)
-        shape[self.split_dim] //= self.parts
-        return tuple(shape)
-
-    @property
-    def local_numel(self) -> int:
-        return math.prod(self.local_shape)
 
 
 @dataclass(frozen=True)
@@ -67,7 +38,8 @@ class ParamEntry:
 
     Attributes:
         key: the unwrapped model's state-dict key (a tied weight: its first key).
-        view: local tensor vs global tensor.
+        view: the shard descriptor of the local tensor (whole, or a tensor-parallel
+            part; :class:`~shardkit.distributed.shard_descriptor.TensorView`).
         start, stop: the piece is elements ``[start, stop)`` of the row-major flattened
             local tensor.
         tensor: the piece's storage on this rank, ``stop - start`` elements (any shape
@@ -174,28 +146,22 @@ def register_layout(model_type: type, factory: LayoutFactory) -> None:
     _REGISTRY[model_type] = factory
 
 
-def layout_of(model: Any, optimizer: Any = None, *, group: Any = None) -> LayoutAdapter:
-    """The adapter registered for ``optimizer``'s type (OSS: ownership decides who
+def factory_of(model: Any, optimizer: Any = None) -> LayoutFactory | None:
+    """The factory registered for ``optimizer``'s type (OSS: ownership decides who
     writes), else for the most specific registered type ``model`` is an instance of
-    (nearest in ``type(model).__mro__``); a plain ``nn.Module`` adapter (every rank
-    holds everything; with a process group ``group`` of N ranks, rank r writes the
-    r-th 1/N of each tensor's elements) when none matches.
-
-    Raises:
-        TypeError: ``model`` is not an ``nn.Module`` and no adapter is registered for it.
-    """
+    (nearest in ``type(model).__mro__``); None when none matches."""
     owners = (
         type(model).__mro__ if optimizer is None else type(optimizer).__mro__ + type(model).__mro__
     )
     for cls in owners:  # an optimizer's adapter (OSS: it decides the writers) comes first
         factory = _REGISTRY.get(cls)
         if factory is not None:
-            return factory(model, optimizer)
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"no universal-checkpoint layout for {type(model).__name__}: pass an "
-            "nn.Module, or register_layout(type, factory) for it"
-        )
-    from shardkit.checkpoint.universal.adapters import PlainLayout
+            return factory
+    return None
 
-    return PlainLayout(model, group=group)
+
+def strategy_name(base: str, views: Iterable[TensorView]) -> str:
+    """``base`` (``"fsdp"``, ``"oss"``, ...), with ``"+tp<T>"`` when some view is a
+    tensor-parallel part of ``T``: the ``strategy`` an adapter reports."""
+    degrees = sorted({v.parts for v in views if v.split_dim is not None})
+    return f"{base}+tp{degrees[-1]}" if degrees else base

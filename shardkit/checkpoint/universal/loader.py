@@ -55,7 +55,8 @@ from shardkit.checkpoint.manifest import (
     read_manifest,
     verify_checkpoint,
 )
-from shardkit.checkpoint.universal.layout import ParamEntry, layout_of, session_of
+from shardkit.checkpoint.universal.adapters import layout_of
+from shardkit.checkpoint.universal.layout import ParamEntry, session_of
 from shardkit.checkpoint.universal.meta import FORMAT, extra_file_name
 from shardkit.checkpoint.universal.optim_state import (
     entry_offset,

@@ -28,9 +28,9 @@ from typing import Protocol
 
 import torch
 
-from shardkit.checkpoint.universal.layout import TensorView
 from shardkit.checkpoint.universal.shardfile import SavedPiece, dtype_from_name
-from shardkit.checkpoint.universal.views import local_rows, read_range, write_range
+from shardkit.distributed.shard_descriptor import TensorView
+from shardkit.distributed.shard_elements import local_rows, read_range, write_range
 
 __all__ = [
     "Copy",

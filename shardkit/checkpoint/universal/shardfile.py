@@ -21,8 +21,8 @@ from typing import IO, Any
 
 import torch
 
-from shardkit.checkpoint.universal.layout import TensorView
-from shardkit.checkpoint.universal.views import check_view
+from shardkit.distributed.shard_descriptor import TensorView
+from shardkit.distributed.shard_elements import check_view
 
 __all__ = [
     "INDEX_KEY",

@@ -7,13 +7,13 @@ lists a module's tensors that way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Collection, Container, Iterator
 
 import torch
 
 from shardkit.checkpoint.universal.adapters import model_tensors
 from shardkit.checkpoint.universal.layout import ParamEntry
-from shardkit.checkpoint.universal.tensor_views import view_of, writes_replica
+from shardkit.distributed.shard_descriptor import view_of, writes_replica
 
 __all__ = ["whole_entries"]
 
@@ -23,6 +23,7 @@ def whole_entries(
     held: Container[int],
     writes: Callable[[torch.Tensor, bool], bool],
     rename: Callable[[str], str] | None = None,
+    holders: Collection[int] | None = None,
 ) -> Iterator[ParamEntry]:
     """One entry per tensor of ``module.state_dict()`` (a tied tensor once), whole: for
     wrappers whose ranks hold whole tensors (or tensor-parallel parts of them).
@@ -31,10 +32,13 @@ def whole_entries(
         held: ids of the parameters the optimizer holds on this rank (``param`` of the
             entry; None for the others and for buffers).
         writes: ``writes(tensor, is_parameter)``: this rank writes the tensor, as far as
-            the wrapper goes; a tensor held whole by every tensor-parallel rank is also
-            left to tensor-parallel rank 0 (:func:`writes_replica`).
+            the wrapper goes; a tensor whose shard descriptor records a replica group
+            (one every tensor-parallel rank holds whole) is also left to the holders
+            of the replica group's lowest rank (:func:`writes_replica`).
         rename: maps the module's state-dict key to the unwrapped model's; default None:
             the key as it is.
+        holders: the global ranks among which ``writes`` picks one writer (the
+            wrapper's process group); default None: this rank alone.
     """
     for key, tensor, is_param in model_tensors(module):
         view = view_of(tensor)
@@ -45,5 +49,5 @@ def whole_entries(
             stop=tensor.numel(),
             tensor=tensor.detach(),
             param=tensor if id(tensor) in held else None,
-            write=writes(tensor, is_param) and writes_replica(view),
+            write=writes(tensor, is_param) and writes_replica(view, holders),
         )

@@ -39,7 +39,8 @@ from shardkit.checkpoint.manifest import (
     load_tensors_only,
     save_checkpoint,
 )
-from shardkit.checkpoint.universal.layout import ParamEntry, aliases_of, layout_of, session_of
+from shardkit.checkpoint.universal.adapters import layout_of
+from shardkit.checkpoint.universal.layout import ParamEntry, aliases_of, session_of
 from shardkit.checkpoint.universal.meta import KeyMeta, build_layout, extra_file_name
 from shardkit.checkpoint.universal.optim_state import (
     group_keys,
@@ -54,7 +55,7 @@ from shardkit.checkpoint.universal.shardfile import (
     dtype_name,
     shard_file_name,
 )
-from shardkit.checkpoint.universal.views import check_view
+from shardkit.distributed.shard_elements import check_view
 
 __all__ = ["check_entry", "save_universal"]
 
@@ -240,7 +241,7 @@ def save_universal(
                 f"{world_size} of every tensor, so the checkpoint would mix them): "
                 + "; ".join(problems[:5])
                 + ". Save a model the ranks hold differently through its wrapper (DDP, FSDP, "
-                "...), mark tensor-parallel parts (tensor_views.set_view), or save each "
+                "...), mark tensor-parallel parts (shardkit.distributed.shard_descriptor.set_view), or save each "
                 "rank's model with a process group of its own (group=)"
             )
         layout = build_layout(summaries, adapter.strategy, world_size, hyper, optimizer_name)

@@ -29,10 +29,15 @@ from typing import Any
 import torch.distributed as dist
 
 from shardkit.checkpoint.universal.adapters import tied_aliases
-from shardkit.checkpoint.universal.layout import ParamEntry, Purpose, register_layout
+from shardkit.checkpoint.universal.layout import (
+    ParamEntry,
+    Purpose,
+    register_layout,
+    strategy_name,
+)
 from shardkit.checkpoint.universal.optim_state import optimizer_params
-from shardkit.checkpoint.universal.tensor_views import strategy_name, view_of
 from shardkit.checkpoint.universal.whole import whole_entries
+from shardkit.distributed.shard_descriptor import ranks_of, view_of
 from shardkit.nn.offload.api import OffloadModel
 from shardkit.nn.offload.disk import DiskTier
 from shardkit.nn.offload.disk_universal import DiskSession, disk_session
@@ -118,7 +123,9 @@ class OffloadLayout:
                 "only (save_universal / load_universal enter it)"
             )
         writer = self.writer
-        return whole_entries(self.model, self.held, lambda t, p: writer, self._rename)
+        return whole_entries(
+            self.model, self.held, lambda t, p: writer, self._rename, holders=ranks_of(None)
+        )
 
     def aliases(self) -> dict[str, str]:
         """Tied keys, ``{other key: first key}``, under the plain model's keys."""

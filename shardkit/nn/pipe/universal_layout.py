@@ -22,17 +22,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardkit.checkpoint.universal.adapters import PlainLayout, tied_aliases
+from shardkit.checkpoint.universal.adapters import PlainLayout, layout_of, tied_aliases
 from shardkit.checkpoint.universal.layout import (
     LayoutAdapter,
     ParamEntry,
     aliases_of,
-    layout_of,
     register_layout,
+    strategy_name,
 )
 from shardkit.checkpoint.universal.optim_state import optimizer_params
-from shardkit.checkpoint.universal.tensor_views import strategy_name, view_of
 from shardkit.checkpoint.universal.whole import whole_entries
+from shardkit.distributed.shard_descriptor import ranks_of, view_of
 from shardkit.nn.pipe.pipe import Pipe
 from shardkit.nn.pipe.stage import PipelineStage
 
@@ -96,7 +96,9 @@ class PipeLayout:
     def entries(self) -> Iterable[ParamEntry]:
         """Every tensor whole, under the original ``nn.Sequential``'s key."""
         writer = self.writer
-        return whole_entries(self.pipe, self.held, lambda t, p: writer, _original_key)
+        return whole_entries(
+            self.pipe, self.held, lambda t, p: writer, _original_key, holders=ranks_of(None)
+        )
 
     def aliases(self) -> dict[str, str]:
         """Tied keys, ``{other key: first key}``, under the original keys."""

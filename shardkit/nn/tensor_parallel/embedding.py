@@ -88,7 +88,7 @@ class VocabParallelEmbedding(nn.Module):
                 w[padding_idx].zero_()
 
         self.weight, _ = _master_shard(
-            (num_embeddings, embedding_dim), init, 0, rank, world, 1, dtype, device
+            (num_embeddings, embedding_dim), init, 0, self.process_group, 1, dtype, device
         )
 
     @classmethod
@@ -181,7 +181,7 @@ class ParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.process_group = resolve_group(process_group)
-        rank, world = rank_and_size(self.process_group)
+        world = rank_and_size(self.process_group)[1]
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.embedding_dim_per_partition = divide(
             embedding_dim, world, f"ParallelEmbedding embedding_dim {embedding_dim}"
@@ -190,7 +190,7 @@ class ParallelEmbedding(nn.Module):
         self.max_norm, self.norm_type = max_norm, norm_type
         self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
         self.weight, master = _master_shard(
-            (num_embeddings, embedding_dim), init_method, 1, rank, world, 1, dtype, device
+            (num_embeddings, embedding_dim), init_method, 1, self.process_group, 1, dtype, device
         )
         if keep_master_weight_for_test:
             self.master_weight = master

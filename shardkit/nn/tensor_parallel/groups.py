@@ -1,4 +1,13 @@
-"""Which process group a tensor-parallel layer splits over, and this rank's place in it."""
+"""Which process group a tensor-parallel layer splits over, and this rank's place in it.
+
+[Note: the one read of the registered mesh]
+:func:`resolve_group` falls back to the process-wide mesh registered with
+:mod:`shardkit.distributed.mpu` (``initialize_model_parallel`` / ``set_mesh``) when a
+layer is given no group: FairScale and Megatron-LM scripts build their layers that way.
+It is the only place in the library, outside ``mpu`` itself, that reads the registered
+mesh; everything else (the checkpoint included) takes groups explicitly or reads the
+shard descriptor the layer recorded (with the group resolved here).
+"""
 
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.distributed.shard_descriptor import ranks_of
 from shardkit.nn.tensor_parallel.groups import TPGroup, rank_and_size, resolve_group
 from shardkit.nn.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
@@ -38,6 +39,7 @@ from shardkit.nn.tensor_parallel.mappings import (
     scatter_to_tensor_parallel_region,
 )
 from shardkit.nn.tensor_parallel.partition import divide, mark_tensor_parallel, shard
+from shardkit.nn.tensor_parallel.universal_layout import record_replica
 
 __all__ = ["ColumnParallelLinear", "InitMethod", "RowParallelLinear"]
 
@@ -49,13 +51,14 @@ def _master_shard(
     shape: tuple[int, int],
     init_method: InitMethod,
     dim: int,
-    rank: int,
-    world: int,
+    group: TPGroup,
     stride: int,
     dtype: torch.dtype | None,
     device: torch.device | str | None,
 ) -> tuple[nn.Parameter, torch.Tensor]:
-    """Initialise the full fp32 master weight and return (this rank's shard, master)."""
+    """Initialise the full fp32 master weight and return (this rank's shard, master),
+    the shard marked tensor-parallel over ``group`` along ``dim``."""
+    rank, world = rank_and_size(group)
     master = torch.empty(shape, dtype=torch.float32)
     with torch.no_grad():
         init_method(master)
@@ -63,7 +66,7 @@ def _master_shard(
         dtype=dtype or torch.get_default_dtype(), device=device
     )
     param = nn.Parameter(local)
-    mark_tensor_parallel(param, dim, stride, rank=rank, world_size=world)
+    mark_tensor_parallel(param, dim, stride, group=group)
     return param, master
 
 
@@ -119,7 +122,7 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.process_group = resolve_group(process_group)
-        rank, world = rank_and_size(self.process_group)
+        world = rank_and_size(self.process_group)[1]
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.stride, self.world_size = gather_output, stride, world
         self.output_size_per_partition = (
@@ -129,13 +132,13 @@ class ColumnParallelLinear(nn.Module):
             * stride
         )
         self.weight, master = _master_shard(
-            (out_features, in_features), init_method, 0, rank, world, stride, dtype, device
+            (out_features, in_features), init_method, 0, self.process_group, stride, dtype, device
         )
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(
                 torch.zeros(self.output_size_per_partition, dtype=self.weight.dtype, device=device)
             )
-            mark_tensor_parallel(self.bias, 0, stride, rank=rank, world_size=world)
+            mark_tensor_parallel(self.bias, 0, stride, group=self.process_group)
         else:
             self.register_parameter("bias", None)
         if keep_master_weight_for_test:
@@ -208,7 +211,8 @@ class RowParallelLinear(nn.Module):
 
     Shapes: input ``(..., in_features / tp)`` or ``(..., in_features)``; output
     ``(..., out_features)``. Parameters: ``weight`` ``(out_features, in_features / tp)``
-    marked tensor-parallel along dim 1, ``bias`` ``(out_features,)`` a replica.
+    marked tensor-parallel along dim 1, ``bias`` ``(out_features,)`` a replica
+    (its shard descriptor's replica group is the tensor-parallel group).
 
     Raises:
         ValueError: ``in_features`` not divisible by ``tp x stride`` (sizes named).
@@ -232,7 +236,7 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.process_group = resolve_group(process_group)
-        rank, world = rank_and_size(self.process_group)
+        world = rank_and_size(self.process_group)[1]
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.stride, self.world_size = input_is_parallel, stride, world
         self.input_size_per_partition = (
@@ -240,12 +244,14 @@ class RowParallelLinear(nn.Module):
             * stride
         )
         self.weight, master = _master_shard(
-            (out_features, in_features), init_method, 1, rank, world, stride, dtype, device
+            (out_features, in_features), init_method, 1, self.process_group, stride, dtype, device
         )
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(
                 torch.zeros(out_features, dtype=self.weight.dtype, device=device)
             )
+            # every tensor-parallel rank holds it whole: a replica across the group
+            record_replica(self.bias, ranks_of(self.process_group))
         else:
             self.register_parameter("bias", None)
         if keep_master_weight_for_test:

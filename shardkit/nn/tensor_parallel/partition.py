@@ -1,7 +1,11 @@
 """Splitting a full (master) tensor into tensor-parallel shards, and gathering it back.
 
-A tensor-parallel parameter carries three attributes (Megatron-LM's names), which is
-all another wrapper or a checkpoint needs to know about it:
+A tensor-parallel parameter carries one description of its split, its shard
+descriptor (:class:`shardkit.distributed.shard_descriptor.TensorView`: full shape,
+split dimension, part, parts, stride, the group it is split over), which is all
+another wrapper or a checkpoint needs to know about it; :func:`mark_tensor_parallel`
+records it. Megatron-LM's attributes, for Megatron and DeepSpeed code, are derived
+from it at the same place (:func:`~.universal_layout.record_view`):
 
 - ``tensor_model_parallel`` (bool): this tensor is one rank's shard, not a replica;
 - ``partition_dim`` (int): the dimension split across the tensor-parallel ranks;
@@ -13,7 +17,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardkit.nn.tensor_parallel.universal_layout import record_view
+from shardkit.distributed.shard_descriptor import TensorView, ranks_of, view_of
+from shardkit.nn.tensor_parallel.groups import rank_and_size
+from shardkit.nn.tensor_parallel.universal_layout import record_view, tensor_parallel_view
 
 __all__ = [
     "divide",
@@ -22,6 +28,7 @@ __all__ = [
     "mark_tensor_parallel",
     "merge_shards",
     "shard",
+    "split_of",
 ]
 
 
@@ -97,20 +104,58 @@ def mark_tensor_parallel(
     *,
     rank: int | None = None,
     world_size: int | None = None,
-) -> None:
-    """Set the three tensor-parallel attributes on ``param`` (see the module docstring).
+    group: dist.ProcessGroup | None = None,
+) -> TensorView:
+    """Record on ``param`` that it is this rank's part of a tensor split along ``dim``
+    with ``stride`` interleaved blocks: its shard descriptor, and Megatron's three
+    attributes derived from it (see the module docstring).
 
-    With ``rank`` and ``world_size`` (this rank's place in the tensor-parallel group),
-    also record the part's view for the universal checkpoint
-    (:func:`~shardkit.nn.tensor_parallel.universal_layout.record_view`).
+    Args:
+        param: the local part, shape ``full.shape`` with ``dim`` divided by the degree.
+        dim: the split dimension (``partition_dim``).
+        stride: interleaved blocks per part (``partition_stride``). Default 1.
+        rank: this rank's index in the tensor-parallel group. Default None: from
+            ``group``.
+        world_size: the tensor-parallel degree. Default None: from ``group``.
+        group: the tensor-parallel process group (its global ranks are recorded as the
+            descriptor's split group). Default None: not recorded; ``rank`` and
+            ``world_size`` default to 0 and 1.
+
+    Returns:
+        The descriptor recorded.
+
+    Raises:
+        ValueError: ``dim``, ``rank`` or ``stride`` do not fit ``param``'s shape (see
+            :func:`~.universal_layout.tensor_parallel_view`).
     """
-    param.tensor_model_parallel = True  # type: ignore[attr-defined]
-    param.partition_dim = dim  # type: ignore[attr-defined]
-    param.partition_stride = stride  # type: ignore[attr-defined]
-    if rank is not None and world_size is not None:
-        record_view(param, rank, world_size)
+    own_rank, own_size = rank_and_size(group)
+    view = tensor_parallel_view(
+        tuple(param.shape),
+        dim,
+        stride,
+        own_rank if rank is None else rank,
+        own_size if world_size is None else world_size,
+        split_group=ranks_of(group) if group is not None else None,
+    )
+    return record_view(param, view)
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
-    """Whether ``param`` is a tensor-parallel shard (False for a replica on every rank)."""
-    return bool(getattr(param, "tensor_model_parallel", False))
+    """Whether ``param`` is a tensor-parallel shard (False for a replica on every rank),
+    from its shard descriptor."""
+    return view_of(param).split_dim is not None
+
+
+def split_of(param: torch.Tensor) -> tuple[int, int]:
+    """``(split dimension, stride)`` of a tensor-parallel part, from its shard descriptor.
+
+    Raises:
+        ValueError: ``param`` is not a tensor-parallel part (its shape named).
+    """
+    view = view_of(param)
+    if view.split_dim is None:
+        raise ValueError(
+            f"a tensor of shape {tuple(param.shape)} is not a tensor-parallel part: mark "
+            "it with mark_tensor_parallel first"
+        )
+    return view.split_dim, view.stride

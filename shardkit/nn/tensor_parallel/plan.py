@@ -19,22 +19,29 @@ MLP column-then-row, the token embedding vocabulary-parallel with the tied LM he
 column-parallel over the vocabulary. Per block: one all-reduce after attention and one
 after the MLP in forward, one at each block input in backward. LayerNorms, the position
 embedding and the row-parallel biases are replicas (identical gradients on every
-tensor-parallel rank).
+tensor-parallel rank): :func:`parallelize` records the tensor-parallel group as the
+replica group of every tensor it does not split (its shard descriptor, see
+:mod:`~shardkit.nn.tensor_parallel.universal_layout`), so a checkpoint writes each
+once, whatever data-parallel wrapper is put around the model.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from shardkit.distributed.shard_descriptor import ranks_of
 from shardkit.nn.tensor_parallel.embedding import VocabParallelEmbedding
 from shardkit.nn.tensor_parallel.groups import TPGroup, rank_and_size, resolve_group
 from shardkit.nn.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from shardkit.nn.tensor_parallel.partition import is_tensor_parallel
 from shardkit.nn.tensor_parallel.random import get_rng_tracker
+from shardkit.nn.tensor_parallel.universal_layout import record_replica
 
 __all__ = [
     "ColumnParallel",
@@ -224,6 +231,9 @@ def parallelize(
     Modules are visited in ``named_modules`` order; the first pattern that matches a
     module's qualified name decides its style. ``model`` must be the same on every rank
     (same seed, or loaded weights): each rank keeps its shard of the existing weights.
+    Every parameter and buffer left whole is recorded as a replica across the
+    tensor-parallel group (its shard descriptor's replica group), so that a checkpoint
+    writes it once.
 
     Args:
         model: the model; its matched modules are replaced.
@@ -254,6 +264,11 @@ def parallelize(
     unused = [p for p in plan if p not in used]
     if unused:
         raise ValueError(f"plan patterns matched no module: {unused}")
+    if group is not None:
+        replicas = ranks_of(group)
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            if not is_tensor_parallel(tensor):
+                record_replica(tensor, replicas)
     return model
 
 

@@ -28,6 +28,7 @@ from shardkit.nn.tensor_parallel.partition import (
     is_tensor_parallel,
     merge_shards,
     shard,
+    split_of,
 )
 
 __all__ = [
@@ -55,7 +56,8 @@ def consolidated_state_dict(
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if is_tensor_parallel(t):
-            out[name] = full_tensor(t, t.partition_dim, group, t.partition_stride)
+            dim, stride = split_of(t)
+            out[name] = full_tensor(t, dim, group, stride)
         else:
             out[name] = t.detach().clone()
     return out
@@ -76,7 +78,8 @@ def _load_full(
                 continue
             value = full[name]
             if is_tensor_parallel(t):
-                value = shard(value, t.partition_dim, rank, world, t.partition_stride)
+                dim, stride = split_of(t)
+                value = shard(value, dim, rank, world, stride)
             if value.shape != t.shape:
                 raise ValueError(
                     f"{name}: the checkpoint's shard has shape {tuple(value.shape)}, the "
@@ -114,7 +117,7 @@ def save_sharded(model: nn.Module, directory: str | Path, process_group: TPGroup
     for name, t in model.state_dict(keep_vars=True).items():
         tensors[name] = t.detach().clone()
         if is_tensor_parallel(t):
-            layout[name] = (int(t.partition_dim), int(t.partition_stride))
+            layout[name] = split_of(t)
     path = Path(directory) / f"tp-{rank}-of-{world}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_save({"tensors": tensors, "layout": layout}, path)

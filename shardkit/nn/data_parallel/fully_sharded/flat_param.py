@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardkit.checkpoint.universal.layout import TensorView
+from shardkit.distributed.shard_descriptor import TensorView
 from shardkit.nn.data_parallel.fully_sharded.placement import Placement
 from shardkit.nn.data_parallel.fully_sharded.unit_buffers import GRADIENTS, PARAMETERS, UnitBuffer
 
@@ -123,7 +123,7 @@ class ParamInfo:
     """One unique original parameter of a unit (tied parameters have several locations).
 
     ``view``: what the original parameter is a part of, for the universal checkpoint
-    (a tensor-parallel part: :func:`shardkit.checkpoint.universal.tensor_views.view_of`
+    (a tensor-parallel part: :func:`shardkit.distributed.shard_descriptor.view_of`
     of the original, taken at wrap time, since the sharded parameters replace it).
     """
 

@@ -15,8 +15,8 @@ from typing import Any
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardkit.checkpoint.universal.tensor_views import view_of
 from shardkit.distributed.optim_guard import mark_replaced
+from shardkit.distributed.shard_descriptor import view_of
 from shardkit.nn.data_parallel.fully_sharded.flat_param import ParamInfo, ParamLocation
 from shardkit.nn.module_tree import walk_unit
 

@@ -11,7 +11,8 @@ parameter is a tensor-parallel part when its original carried a view
 
 Writers: with hybrid sharding the replicas (same shard on each shard group) are
 written by replica 0 only; a tensor held whole by every tensor-parallel rank by
-tensor-parallel rank 0 only (:func:`~shardkit.checkpoint.universal.tensor_views.writes_replica`);
+the shard group holding the lowest rank of its shard descriptor's replica group
+(:func:`~shardkit.distributed.shard_descriptor.writes_replica`; no process-wide mesh);
 buffers (whole on every rank) by rank 0 of the shard group. Every rank loads its
 pieces, replicas included, so nothing is re-synchronised after loading.
 
@@ -33,9 +34,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.checkpoint.universal.layout import ParamEntry, TensorView
+from shardkit.checkpoint.universal.layout import ParamEntry, strategy_name
 from shardkit.checkpoint.universal.optim_state import optimizer_params
-from shardkit.checkpoint.universal.tensor_views import strategy_name, writes_replica
+from shardkit.distributed.shard_descriptor import TensorView, ranks_of, view_of, writes_replica
 from shardkit.nn.data_parallel.fully_sharded.sharded_checkpoint import _state_dict_keys
 from shardkit.nn.data_parallel.fully_sharded.unit import UnitRuntime, named_units
 
@@ -72,6 +73,7 @@ class FSDPLayout:
         self.held = optimizer_params(optimizer) if optimizer is not None else {}
         replicas = self.root.replicate_group
         self.replica_writer = replicas is None or dist.get_rank(replicas) == 0
+        self.holders = ranks_of(self.root.process_group)
         self.strategy = strategy_name(
             "hsdp" if replicas is not None else "fsdp",
             [i.view for u in self.units.values() for i in u.handle.infos if i.view is not None],
@@ -87,8 +89,10 @@ class FSDPLayout:
             key = buffer_keys.get(id(buf))
             if key is None:  # non-persistent: not in the state dict
                 continue
-            view = TensorView(tuple(buf.shape))
-            write = self.root.rank == 0 and self.replica_writer and writes_replica(view)
+            view = view_of(buf)
+            write = (
+                self.root.rank == 0 and self.replica_writer and writes_replica(view, self.holders)
+            )
             yield ParamEntry(key, view, 0, buf.numel(), buf.detach(), None, write)
 
     def _unit_entries(
@@ -114,7 +118,7 @@ class FSDPLayout:
                 stop=start + max(b - a, 0),
                 tensor=sharded.detach(),
                 param=sharded if id(sharded) in self.held else None,
-                write=holds and self.replica_writer and writes_replica(view),
+                write=holds and self.replica_writer and writes_replica(view, self.holders),
             )
 
     def aliases(self) -> dict[str, str]:

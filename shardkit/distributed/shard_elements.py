@@ -1,7 +1,8 @@
-"""Element arithmetic of tensor views: where a local tensor's elements sit in the global one.
+"""Element arithmetic of shard descriptors: where a local tensor's elements sit in the
+global one.
 
 [Note: a view as rows of the global tensor]
-A :class:`~shardkit.checkpoint.universal.layout.TensorView` with ``split_dim`` d,
+A :class:`~shardkit.distributed.shard_descriptor.TensorView` with ``split_dim`` d,
 ``parts`` P, ``part`` p and ``stride`` s cuts dim d of the global tensor into s x P
 blocks of ``b`` rows and keeps blocks ``p, p + P, ...``. Write the global shape as
 ``(pre, s, P, b, post)``: the local tensor is ``global[:, :, p]`` of shape
@@ -18,7 +19,7 @@ import math
 
 import torch
 
-from shardkit.checkpoint.universal.layout import TensorView
+from shardkit.distributed.shard_descriptor import TensorView
 
 __all__ = ["check_view", "local_rows", "read_range", "run_length", "write_range"]
 

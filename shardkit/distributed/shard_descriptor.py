@@ -1,0 +1,197 @@
+"""The shard descriptor: which piece of an original tensor a rank's local tensor is.
+
+Every producer of split or replicated tensors (tensor-parallel layers and plans today;
+any new parallelism tomorrow) describes a local tensor with one :class:`TensorView`,
+recorded on the tensor itself (:func:`set_view`, attribute ``universal_view``), and
+every consumer (the universal checkpoint's adapters, FSDP's flattening, gradient-norm
+and state-dict helpers) reads it back with :func:`view_of`. An attribute, not a table:
+it survives ``copy.deepcopy`` and travels with the parameter object. This module knows
+no wrapper and reads no global (no registered mesh); the element arithmetic of a view
+is :mod:`shardkit.distributed.shard_elements`.
+
+[Note: who writes a replicated tensor]
+A checkpoint needs exactly one writer per element. Two kinds of copies exist:
+
+- the copies a data-parallel wrapper keeps (DDP, OSS, FSDP's shard and replica groups):
+  the wrapper's checkpoint adapter knows its own process group and picks one writer
+  per piece itself (DDP spreads a tensor over its group, FSDP writes each shard once);
+- the copies the producer of the descriptor made, which no wrapper knows about: a
+  tensor every tensor-parallel rank holds whole (a LayerNorm weight, a row-parallel
+  bias) is recorded with ``replicate_group`` = the tensor-parallel group.
+
+:func:`writes_replica` combines the two from the descriptor alone: the adapter passes
+the global ranks it de-duplicates over (``holders``), and this rank writes its copy
+when the lowest rank of the replica group is among them. For a tensor-parallel rank
+``t`` under DDP over its data-parallel group ``D_t``, the lowest rank of the
+tensor-parallel group is in ``D_t`` exactly when ``t = 0``: tensor-parallel rank 0's
+data-parallel group writes it, spread over its ranks as DDP does. The same test is
+right for every wrapper whose group holds copies of the same piece (DDP, OSS, SDP,
+FSDP's shard group, a pipeline stage alone with ``holders`` None), and it holds when
+the replica group also lists the data-parallel holders (a mesh given to
+``parallelize``).
+
+A plain module (no data-parallel wrapper) saved over a group ``W`` is the one case
+where the group's ranks hold whole *model* copies rather than copies of one piece: the
+holders of part ``p`` are rank ``p`` of every tensor-parallel group in ``W``.
+:func:`writes_part` picks the tensor-parallel group (``split_group``) holding the
+lowest rank of ``W``, which needs no global and no collective; a replica group given
+explicitly (the part's data-parallel holders) decides instead.
+
+[Note: groups as rank tuples]
+``split_group`` and ``replicate_group`` are sorted tuples of *global* ranks, not
+``ProcessGroup`` objects: a descriptor is pickled (``all_gather_object`` in the save's
+agreement) and deep-copied with the model, and a ``ProcessGroup`` is neither
+picklable nor meaningful in another process. They are ``compare=False`` and
+``repr=False``: two descriptors of the same piece of data compare (and hash) equal
+whichever ranks hold them, which is what the checkpoint planner matches on; the
+checkpoint serialises the data fields only (``SavedPiece.to_json``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from shardkit.distributed.collectives import group_ranks
+
+__all__ = [
+    "VIEW_ATTRIBUTE",
+    "Ranks",
+    "TensorView",
+    "ranks_of",
+    "set_view",
+    "view_of",
+    "writes_part",
+    "writes_replica",
+]
+
+#: A process group as the sorted global ranks of its members.
+Ranks = tuple[int, ...]
+
+#: The tensor attribute holding a local tensor's :class:`TensorView`.
+VIEW_ATTRIBUTE = "universal_view"
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """How a rank's local tensor relates to the original (global) tensor.
+
+    ``split_dim is None``: the local tensor *is* the global tensor (shape
+    ``global_shape``). Otherwise it is the tensor-parallel shard
+    ``shardkit.nn.tensor_parallel.partition.shard(global, split_dim, part, parts,
+    stride)``: dim ``split_dim`` cut into ``stride * parts`` equal blocks, part ``p``
+    keeps blocks ``p, p + parts, ...`` (stride 3 for a fused ``[q | k | v]``),
+    concatenated.
+
+    Attributes:
+        global_shape: the original tensor's shape.
+        split_dim: the dimension split across ``split_group``, or None (held whole).
+        part: this rank's part, in ``[0, parts)``. Default 0.
+        parts: the number of parts (the tensor-parallel degree). Default 1.
+        stride: interleaved blocks per part. Default 1.
+        split_group: the global ranks the tensor is split over, part ``i`` on the
+            ``i``-th of them (sorted); None when not known (a view made by hand).
+        replicate_group: the global ranks holding copies identical to this local
+            tensor that no wrapper de-duplicates (see ``[Note: who writes a replicated
+            tensor]``), sorted; None: no such copies are known.
+
+    The two groups are left out of equality, hashing and ``repr`` (see ``[Note:
+    groups as rank tuples]``).
+    """
+
+    global_shape: tuple[int, ...]
+    split_dim: int | None = None
+    part: int = 0
+    parts: int = 1
+    stride: int = 1
+    split_group: Ranks | None = field(default=None, compare=False, repr=False)
+    replicate_group: Ranks | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of the local tensor: ``global_shape`` with ``split_dim`` divided
+        by ``parts``."""
+        if self.split_dim is None:
+            return self.global_shape
+        shape = list(self.global_shape)
+        shape[self.split_dim] //= self.parts
+        return tuple(shape)
+
+    @property
+    def local_numel(self) -> int:
+        """The number of elements of the local tensor."""
+        return math.prod(self.local_shape)
+
+
+def ranks_of(group: dist.ProcessGroup | None) -> Ranks | None:
+    """``group``'s global ranks, sorted (the world's for None); None when
+    ``torch.distributed`` is not initialised (one process: nothing to record)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return tuple(sorted(group_ranks(group)))
+
+
+def set_view(tensor: torch.Tensor, view: TensorView) -> None:
+    """Record that ``tensor`` is the local tensor ``view`` describes.
+
+    Raises:
+        ValueError: ``tensor``'s shape is not ``view.local_shape`` (both named).
+    """
+    if tuple(tensor.shape) != view.local_shape:
+        raise ValueError(
+            f"a tensor of shape {tuple(tensor.shape)} cannot be the local part {view} "
+            f"(local shape {view.local_shape})"
+        )
+    setattr(tensor, VIEW_ATTRIBUTE, view)
+
+
+def view_of(tensor: torch.Tensor) -> TensorView:
+    """The view recorded on ``tensor`` by :func:`set_view`; else the whole tensor
+    (``TensorView(tuple(tensor.shape))``, no replica group)."""
+    view = getattr(tensor, VIEW_ATTRIBUTE, None)
+    if isinstance(view, TensorView):
+        return view
+    return TensorView(tuple(tensor.shape))
+
+
+def _this_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def writes_replica(view: TensorView, holders: Collection[int] | None = None) -> bool:
+    """Whether this rank writes its copy of the tensor ``view`` describes, as far as
+    the copies recorded in the descriptor go (see ``[Note: who writes a replicated
+    tensor]``): True when ``view.replicate_group`` is None or empty, else whether its
+    lowest rank is in ``holders``.
+
+    Args:
+        view: the tensor's descriptor.
+        holders: the global ranks among which the caller (a checkpoint adapter) picks
+            one writer per piece itself: its process group's ranks (DDP, OSS, FSDP's
+            shard group). Default None: this rank alone (the caller writes every piece
+            it holds).
+    """
+    replicas = view.replicate_group
+    if not replicas:
+        return True
+    return min(replicas) in (holders if holders is not None else (_this_rank(),))
+
+
+def writes_part(view: TensorView, model_holders: Collection[int]) -> bool:
+    """Whether this rank writes its tensor-parallel part (``view.split_dim`` set) in a
+    plain module, every rank of ``model_holders`` holding a whole copy of the model
+    (see ``[Note: who writes a replicated tensor]``).
+
+    The replica group decides when recorded (its lowest rank writes); else the split
+    group holding the lowest of ``model_holders`` writes (every part when the split
+    group is not known, or ``model_holders`` is empty).
+    """
+    if view.replicate_group:
+        return writes_replica(view)
+    if view.split_group is None or not model_holders:
+        return True
+    return min(model_holders) in view.split_group
