@@ -13,6 +13,10 @@
   x tp) and :class:`ProcessMesh` (rank coordinates, groups created on demand).
 - :mod:`shardkit.distributed.mpu`: :class:`ModelParallelUnit` (Megatron-LM / DeepSpeed's
   ``mpu``) and FairScale's ``initialize_model_parallel`` family.
+- :mod:`shardkit.distributed.shard_descriptor`: ``TensorView``, the one shard
+  descriptor (full shape, the piece a rank holds, its split and replica groups) and who
+  writes a replicated piece; :mod:`shardkit.distributed.shard_elements`: its element
+  arithmetic.
 
 Nothing here knows about optimizers or modules; it moves lists of tensors.
 """
