@@ -3,7 +3,8 @@
 The tiny GPT split tensor-parallel 2 over explicit process groups (``parallelize(...,
 process_group=tp)``; ``shardkit.distributed.mpu`` never initialised), alone (a plain
 module over 4 ranks: two tensor-parallel groups, each a whole copy of the model) or
-under DDP, OSS or FSDP over the data-parallel group, saves and loads at another
+under DDP, OSS, ShardedDDP or FSDP over the data-parallel group, or hybrid FSDP (shard
+groups of one rank replicated over the data-parallel group), saves and loads at another
 tensor-parallel degree (1, or 2 from 1) and another wrapper. Who writes a tensor every
 tensor-parallel rank holds whole, or a part several data-parallel ranks hold, comes
 from the shard descriptors alone. Checked as in ``test_universal_strategies``: every
@@ -27,6 +28,8 @@ PAIRS = {
     "tp2xfsdp2 -> tp2 plain over 4 ranks": (("gpt", "tpg_fsdp", 4), ("tpg", 4)),
     "tp2xoss2 -> tp2xddp2": (("gpt", "tpg_oss", 4), ("tpg_ddp", 4)),
     "ddp4 -> tp2xfsdp2": (("gpt", "ddp", 4), ("tpg_fsdp", 4)),
+    "tp2xsdp2 -> plain2": (("gpt", "tpg_sdp", 4), ("plain", 2)),
+    "tp2 x hybrid 1x2 -> tp2xsdp2": (("gpt", "tpg_hsdp", 4), ("tpg_sdp", 4)),
 }
 
 

@@ -139,11 +139,15 @@ def wrap_twice(base: nn.Module, kind: str, g: Any) -> FSDP:
     return FSDP(inner, process_group=g)
 
 
-def tp_dp_groups(world: int) -> tuple[Any, Any]:
-    """(tensor-parallel group, data-parallel group) of this rank for tensor parallel 2
-    over consecutive ranks of ``world`` (every rank creates every group)."""
+_SOLO: dict[int, list[Any]] = {}  # world -> one group per rank, made by every rank
+
+
+def tp_dp_groups(world: int) -> tuple[Any, Any, Any]:
+    """(tensor-parallel group, data-parallel group, a group of this rank alone) for
+    tensor parallel 2 over consecutive ranks of ``world`` (every rank creates every
+    group)."""
     rank = dist.get_rank()
-    mine: list[Any] = [None, None]
+    mine: list[Any] = [None, None, None]
     for start in range(0, world, 2):
         g = group([start, start + 1])
         if rank in (start, start + 1):
@@ -152,7 +156,10 @@ def tp_dp_groups(world: int) -> tuple[Any, Any]:
         g = group(list(range(offset, world, 2)))
         if rank % 2 == offset:
             mine[1] = g
-    return mine[0], mine[1]
+    if world not in _SOLO:  # not group([r]): others create those on one rank only
+        _SOLO[world] = [dist.new_group([r]) for r in range(world)]
+    mine[2] = _SOLO[world][rank]
+    return mine[0], mine[1], mine[2]
 
 
 # layouts -------------------------------------------------------------------------------
@@ -236,9 +243,10 @@ class Run:
     def _build_tp_groups(self, base: nn.Module) -> tuple[Any, Any]:
         """Tensor parallel 2 over explicit groups, no mesh registered: ``tpg`` alone (a
         plain module, every tensor-parallel group a whole copy of the model), or under
-        DDP, OSS or FSDP over the data-parallel group."""
+        DDP, OSS, ShardedDDP, FSDP over the data-parallel group, or hybrid FSDP (shard
+        groups of one rank, replicated over the data-parallel group)."""
         assert not mpu.model_parallel_is_initialized(), "these layouts register no mesh"
-        tp, dp = self.tp_dp
+        tp, dp = self.tp_dp[:2]
         parallelize(base, gpt_plan(), process_group=tp)
         if self.kind == "tpg":
             self.dp_rank, self.dp_size = 0, 1  # every rank steps the global batch
@@ -246,7 +254,7 @@ class Run:
         self.dp_rank, self.dp_size = dist.get_rank(dp), dist.get_world_size(dp)
         if self.kind == "tpg_ddp":
             return DistributedDataParallel(base, process_group=dp), adamw(base.parameters())
-        if self.kind == "tpg_oss":
+        if self.kind in ("tpg_oss", "tpg_sdp"):
             oss = OSS(
                 base.parameters(),
                 torch.optim.AdamW,
@@ -255,7 +263,13 @@ class Run:
                 weight_decay=0.01,
                 process_group=dp,
             )
+            if self.kind == "tpg_sdp":
+                return ShardedDataParallel(base, oss, process_group=dp), oss
             return DistributedDataParallel(base, process_group=dp), oss
+        if self.kind == "tpg_hsdp":  # shard groups of one rank, replicated over dp
+            pair = (self.tp_dp[2], dp)
+            model = FSDP(base, process_group=pair, sharding_strategy="HYBRID_SHARD")
+            return model, adamw(model.parameters())
         if self.kind == "tpg_fsdp":
             model = FSDP(base, process_group=dp)
             return model, adamw(model.parameters())
