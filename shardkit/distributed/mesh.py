@@ -1,8 +1,10 @@
-"""The process mesh: how the world is split into pipeline, data- and tensor-parallel ranks.
+"""The process mesh: how the world is split into pipeline, data-, expert- and
+tensor-parallel ranks.
 
 :class:`ParallelDims` describes the split (four degrees whose product is the world
-size); :class:`ProcessMesh` gives this rank's coordinates and creates the process
-groups of any set of dimensions on demand.
+size, and the expert-parallel degree ``ep`` that splits ``dp_shard``);
+:class:`ProcessMesh` gives this rank's coordinates and creates the process groups of
+any set of dimensions on demand.
 
 [Note: the order of the dimensions]
 Ranks are numbered row-major over ``(pp, dp_replicate, dp_shard, tp)``: ``tp`` varies
@@ -20,6 +22,20 @@ per unit) comes next, replication (one gradient all-reduce per step) after it, a
 pipeline, which only sends activations between neighbouring stages, is outermost and
 may cross the slowest links. This is Megatron-LM's and torchtitan's order.
 
+[Note: expert parallelism splits dp_shard]
+Expert parallelism does not multiply the world size (torchtitan's way): the ``ep``
+ranks of an expert-parallel group are ``ep`` consecutive coordinates of one
+``dp_shard`` group, so ``dp_shard = dp_shard_mod_ep x ep`` with ``ep`` the faster::
+
+    dps_i = dps_mod_ep_i * ep + ep_i
+
+The two derived groups are ``"ep"`` (the ranks that exchange tokens by all-to-all and
+each hold ``1/ep`` of the experts) and ``"edp"``, expert data parallel: the ranks that
+hold the *same* experts, ``dp_replicate x dp_shard_mod_ep`` of them, over which the
+experts' gradients are reduced. ``ep`` and ``edp`` together are the data-parallel
+ranks (``"dp"``). With ``ep = 1`` (the default) ``"ep"`` is every rank alone and
+``"edp"`` is ``"dp"``; every other group is unchanged by ``ep``.
+
 [Note: creating groups]
 ``torch.distributed.new_group`` is a collective: every rank of the world must call it
 for every group, in the same order, even for groups it is not part of (gloo and NCCL
@@ -33,39 +49,51 @@ rank, in the same order as the other ranks' first calls.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["MESH_DIMS", "ParallelDims", "ProcessMesh"]
+__all__ = ["GROUP_NAMES", "MESH_DIMS", "ParallelDims", "ProcessMesh"]
 
 #: The mesh dimensions, outermost first (``tp`` is innermost: adjacent ranks).
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
 
-#: Short names for sets of dimensions.
-_ALIASES: dict[str, tuple[str, ...]] = {"dp": ("dp_replicate", "dp_shard")}
+#: The finest split of the ranks: ``dp_shard`` cut into ``dp_shard_mod_ep x ep`` (see
+#: ``[Note: expert parallelism splits dp_shard]``); row-major over these is the same
+#: rank order as over :data:`MESH_DIMS`.
+_FINE_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+
+#: Every name :meth:`ParallelDims.group_ranks` and :class:`ProcessMesh` accept.
+GROUP_NAMES: tuple[str, ...] = (*MESH_DIMS, "ep", "dp", "edp")
+
+#: What each accepted name is made of, in :data:`_FINE_DIMS`.
+_TO_FINE: dict[str, tuple[str, ...]] = {
+    "pp": ("pp",),
+    "dp_replicate": ("dp_replicate",),
+    "dp_shard": ("dp_shard_mod_ep", "ep"),
+    "tp": ("tp",),
+    "ep": ("ep",),
+    "dp": ("dp_replicate", "dp_shard_mod_ep", "ep"),
+    "edp": ("dp_replicate", "dp_shard_mod_ep"),
+}
 
 
-def canonical_dims(dims: Iterable[str]) -> tuple[str, ...]:
-    """``dims`` (aliases expanded: ``"dp"`` is ``dp_replicate`` and ``dp_shard``) in mesh
-    order, without repeats.
+def fine_dims(dims: Iterable[str]) -> tuple[str, ...]:
+    """``dims`` (any of :data:`GROUP_NAMES`, ``"ep"`` and ``"edp"`` included) as the
+    finest dimensions they vary over, in mesh order, without repeats.
 
     Raises:
         ValueError: an unknown dimension name, listing the known ones.
     """
     names: set[str] = set()
     for d in dims:
-        expanded = _ALIASES.get(d, (d,))
-        for e in expanded:
-            if e not in MESH_DIMS:
-                raise ValueError(
-                    f"unknown mesh dimension {d!r}; choose from {list(MESH_DIMS)} or "
-                    f"{sorted(_ALIASES)}"
-                )
-            names.add(e)
-    return tuple(d for d in MESH_DIMS if d in names)
+        if d not in _TO_FINE:
+            raise ValueError(f"unknown mesh dimension {d!r}; choose from {list(GROUP_NAMES)}")
+        names.update(_TO_FINE[d])
+    return tuple(d for d in _FINE_DIMS if d in names)
 
 
 @dataclass(frozen=True)
@@ -85,10 +113,16 @@ class ParallelDims:
             state (FSDP, OSS, ShardedDDP). Default -1: whatever is left,
             ``world_size / (pp x dp_replicate x tp)``.
         tp: tensor-parallel degree (Megatron-LM's column / row split). Default 1.
+        ep: expert-parallel degree: the ranks of a ``dp_shard`` group are cut into
+            groups of ``ep`` consecutive ones, each holding all the experts between
+            them (``1/ep`` each); not a factor of the world size (see ``[Note:
+            expert parallelism splits dp_shard]``). Default 1 (no expert
+            parallelism).
 
     Raises:
-        ValueError: a degree below 1 (other than ``dp_shard=-1``), or degrees whose
-            product is not the world size; the message spells out the equation.
+        ValueError: a degree below 1 (other than ``dp_shard=-1``), degrees whose
+            product is not the world size, or ``ep`` not dividing ``dp_shard``; the
+            message spells out the equation.
     """
 
     world_size: int
@@ -96,9 +130,10 @@ class ParallelDims:
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "pp", "dp_replicate", "tp"):
+        for name in ("world_size", "pp", "dp_replicate", "tp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         others = self.pp * self.dp_replicate * self.tp
@@ -119,6 +154,12 @@ class ParallelDims:
                 f"({self.dp_shard}) x tp ({self.tp}) = {product}, but the world size is "
                 f"{self.world_size}; choose degrees whose product is {self.world_size}"
             )
+        if self.dp_shard % self.ep != 0:
+            raise ValueError(
+                f"ep ({self.ep}) must divide dp_shard ({self.dp_shard}): expert parallelism "
+                f"splits the data-parallel sharding ranks (dp_shard = dp_shard_mod_ep x ep); "
+                f"choose ep among the divisors of {self.dp_shard}"
+            )
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -129,6 +170,26 @@ class ParallelDims:
     def dp(self) -> int:
         """The data-parallel degree ``dp_replicate x dp_shard`` (ranks seeing different data)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def edp(self) -> int:
+        """The expert-data-parallel degree ``dp_replicate x dp_shard / ep``: ranks
+        holding the same experts."""
+        return self.dp_replicate * (self.dp_shard // self.ep)
+
+    def degree(self, *names: str) -> int:
+        """The number of ranks in a group of ``names`` (any of :data:`GROUP_NAMES`;
+        a dimension named twice, e.g. by ``"dp"`` and ``"ep"``, counts once).
+
+        Raises:
+            ValueError: an unknown name.
+        """
+        return math.prod(self._fine_degree(d) for d in fine_dims(names))
+
+    def _fine_degree(self, fine: str) -> int:
+        if fine == "dp_shard_mod_ep":
+            return self.dp_shard // self.ep
+        return int(getattr(self, fine))
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """The coordinate of ``rank`` along every dimension (``tp`` varies fastest).
@@ -160,21 +221,27 @@ class ParallelDims:
         return rank
 
     def group_ranks(self, dims: Iterable[str]) -> list[list[int]]:
-        """Every group of ``dims``: the ranks that differ only along ``dims``.
+        """Every group of ``dims``: the ranks that differ only along ``dims`` (any of
+        :data:`GROUP_NAMES`; ``"ep"`` and ``"edp"`` as in ``[Note: expert parallelism
+        splits dp_shard]``).
 
         Groups are listed in ascending order of their lowest rank; inside a group the
         ranks ascend, so a rank's index in its group is its coordinate along ``dims``
         (row-major when ``dims`` has several dimensions).
         """
-        varying = canonical_dims(dims)
-        fixed = [d for d in MESH_DIMS if d not in varying]
+        varying = fine_dims(dims)
+        fixed = [d for d in _FINE_DIMS if d not in varying]
+        degrees = [self._fine_degree(d) for d in _FINE_DIMS]
         groups = []
-        for fixed_coords in itertools.product(*(range(getattr(self, d)) for d in fixed)):
+        for fixed_coords in itertools.product(*(range(self._fine_degree(d)) for d in fixed)):
             base = dict(zip(fixed, fixed_coords, strict=True))
-            ranks = [
-                self.rank_of({**base, **dict(zip(varying, vc, strict=True))})
-                for vc in itertools.product(*(range(getattr(self, d)) for d in varying))
-            ]
+            ranks = []
+            for vc in itertools.product(*(range(self._fine_degree(d)) for d in varying)):
+                coords = {**base, **dict(zip(varying, vc, strict=True))}
+                rank = 0
+                for name, degree in zip(_FINE_DIMS, degrees, strict=True):
+                    rank = rank * degree + coords[name]
+                ranks.append(rank)
             groups.append(sorted(ranks))
         return sorted(groups)
 
@@ -230,10 +297,10 @@ class ProcessMesh:
     def _entry(
         self, dims: tuple[str, ...], backend: str | None
     ) -> tuple[dist.ProcessGroup, list[int]]:
-        key = canonical_dims(dims)
+        key = fine_dims(dims)
         if key not in self._groups:
             mine: tuple[dist.ProcessGroup, list[int]] | None = None
-            for ranks in self.dims.group_ranks(key):  # every rank, every group, same order
+            for ranks in self.dims.group_ranks(dims):  # every rank, every group, same order
                 if len(ranks) == self.dims.world_size:
                     pg = dist.group.WORLD
                     assert pg is not None
@@ -250,37 +317,48 @@ class ProcessMesh:
 
     def group(self, *dims: str, backend: str | None = None) -> dist.ProcessGroup:
         """The process group of the ranks that differ from this one only along ``dims``
-        (``"dp"`` means ``dp_replicate`` and ``dp_shard``).
+                (``"dp"`` means ``dp_replicate`` and ``dp_shard``).
 
-        A collective the first time a set of dimensions is asked for (see
-        ``[Note: creating groups]``); cached afterwards. The whole world is returned as
-        ``torch.distributed.group.WORLD``.
+                A collective the first time a set of dimensions is asked for (see
+                ``[Note: expert parallelism splits dp_shard]
+        Expert parallelism does not multiply the world size (torchtitan's way): the ``ep``
+        ranks of an expert-parallel group are ``ep`` consecutive coordinates of one
+        ``dp_shard`` group, so ``dp_shard = dp_shard_mod_ep x ep`` with ``ep`` the faster::
 
-        Args:
-            dims: dimension names, in any order.
-            backend: backend for this set's groups when they are created; default None
-                (the mesh's).
+            dps_i = dps_mod_ep_i * ep + ep_i
 
-        Raises:
-            ValueError: an unknown dimension, or no dimension.
+        The two derived groups are ``"ep"`` (the ranks that exchange tokens by all-to-all and
+        each hold ``1/ep`` of the experts) and ``"edp"``, expert data parallel: the ranks that
+        hold the *same* experts, ``dp_replicate x dp_shard_mod_ep`` of them, over which the
+        experts' gradients are reduced. ``ep`` and ``edp`` together are the data-parallel
+        ranks (``"dp"``). With ``ep = 1`` (the default) ``"ep"`` is every rank alone and
+        ``"edp"`` is ``"dp"``; every other group is unchanged by ``ep``.
+
+        [Note: creating groups]``); cached afterwards. The whole world is returned as
+                ``torch.distributed.group.WORLD``.
+
+                Args:
+                    dims: dimension names, in any order.
+                    backend: backend for this set's groups when they are created; default None
+                        (the mesh's).
+
+                Raises:
+                    ValueError: an unknown dimension, or no dimension.
         """
         if not dims:
-            raise ValueError(f"name at least one dimension of {list(MESH_DIMS)}")
+            raise ValueError(f"name at least one dimension of {list(GROUP_NAMES)}")
         return self._entry(dims, backend)[0]
 
     def ranks(self, *dims: str) -> list[int]:
         """The global ranks of this rank's group of ``dims``, ascending (no collective)."""
-        key = canonical_dims(dims)
+        key = fine_dims(dims)
         if key in self._groups:
             return list(self._groups[key][1])
-        return next(r for r in self.dims.group_ranks(key) if self.rank in r)
+        return next(r for r in self.dims.group_ranks(dims) if self.rank in r)
 
     def size(self, *dims: str) -> int:
-        """The product of the degrees of ``dims``."""
-        size = 1
-        for d in canonical_dims(dims):
-            size *= getattr(self.dims, d)
-        return size
+        """The product of the degrees of ``dims`` (the size of their group)."""
+        return self.dims.degree(*dims)
 
     def local_rank(self, *dims: str) -> int:
         """This rank's index in its group of ``dims`` (row-major over them)."""
@@ -294,5 +372,6 @@ class ProcessMesh:
         self._groups.clear()
 
     def __repr__(self) -> str:
-        degrees = ", ".join(f"{d}={getattr(self.dims, d)}" for d in MESH_DIMS)
+        names = MESH_DIMS if self.dims.ep == 1 else (*MESH_DIMS, "ep")
+        degrees = ", ".join(f"{d}={getattr(self.dims, d)}" for d in names)
         return f"ProcessMesh({degrees}; rank {self.rank} at {self.coordinates})"

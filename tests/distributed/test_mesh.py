@@ -277,3 +277,103 @@ def test_mpu_takes_fairscales_full_signature_with_trivial_context_parallel(
         assert res["cp"] == (1, 0, [rank], float(rank + 1))
         assert res["dp_ranks"] == [rank % 2, rank % 2 + 2]
         assert res["mp"] == [rank - rank % 2, rank - rank % 2 + 1]
+
+
+# expert parallelism: ep splits dp_shard -----------------------------------------------------
+def test_ep_groups_for_a_few_shapes() -> None:
+    # 8 ranks, dp_shard 8, ep 4: ep groups of 4 consecutive ranks, edp across them
+    dims = ParallelDims(world_size=8, ep=4)
+    assert dims.dp_shard == 8 and dims.edp == 2 and dims.degree("ep") == 4
+    assert dims.group_ranks(["ep"]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dims.group_ranks(["edp"]) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # tp innermost: ep groups step over the tensor-parallel ranks
+    dims = ParallelDims(world_size=8, tp=2, ep=2)
+    assert dims.group_ranks(["ep"]) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.group_ranks(["edp"]) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.group_ranks(["dp_shard"]) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # hybrid: edp spans the replicas and the dp_shard / ep blocks
+    dims = ParallelDims(world_size=8, dp_replicate=2, dp_shard=4, ep=2)
+    assert dims.group_ranks(["ep"]) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.group_ranks(["edp"]) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert dims.degree("edp") == dims.edp == 4
+    # ep = dp_shard: edp is the replica group
+    dims = ParallelDims(world_size=4, dp_replicate=2, ep=2)
+    assert dims.group_ranks(["edp"]) == dims.group_ranks(["dp_replicate"]) == [[0, 2], [1, 3]]
+
+
+def test_ep_one_changes_nothing() -> None:
+    dims = ParallelDims(world_size=8, tp=2, pp=2)
+    assert dims.group_ranks(["ep"]) == [[r] for r in range(8)]
+    assert dims.group_ranks(["edp"]) == dims.group_ranks(["dp"])
+    assert tuple(dims.coordinates(5)) == MESH_DIMS
+
+
+def test_ep_bad_inputs_name_the_values() -> None:
+    with pytest.raises(ValueError, match=r"ep \(3\) must divide dp_shard \(4\)"):
+        ParallelDims(world_size=8, tp=2, ep=3)
+    with pytest.raises(ValueError, match=r"ep \(8\) must divide dp_shard \(2\).*divisors of 2"):
+        ParallelDims(world_size=4, tp=2, ep=8)
+    with pytest.raises(ValueError, match="ep must be >= 1; got 0"):
+        ParallelDims(world_size=4, ep=0)
+    with pytest.raises(ValueError, match="unknown mesh dimension 'expert'"):
+        ParallelDims(world_size=4, ep=2).group_ranks(["expert"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(pp=degree, dpr=degree, mod=degree, ep=st.sampled_from([1, 2, 4]), tp=degree)
+def test_ep_and_edp_partition_the_data_parallel_ranks(
+    pp: int, dpr: int, mod: int, ep: int, tp: int
+) -> None:
+    world = pp * dpr * mod * ep * tp
+    dims = ParallelDims(world_size=world, pp=pp, dp_replicate=dpr, dp_shard=mod * ep, tp=tp, ep=ep)
+    shard_of = {r: g for g in dims.group_ranks(["dp_shard"]) for r in g}
+    ep_of = {r: g for g in dims.group_ranks(["ep"]) for r in g}
+    edp_of = {r: g for g in dims.group_ranks(["edp"]) for r in g}
+    for dp_group in dims.group_ranks(["dp"]):
+        for rank in dp_group:
+            eg, edg = ep_of[rank], edp_of[rank]
+            assert len(eg) == ep and len(edg) == dpr * mod
+            # ep: consecutive coordinates inside this rank's dp_shard group
+            shard = shard_of[rank]
+            idx = [shard.index(r) for r in eg]
+            assert idx == list(range(idx[0], idx[0] + ep)) and idx[0] % ep == 0
+            # edp: the ranks at the same place of every ep group of the dp group
+            assert edg == sorted(g[eg.index(rank)] for g in {tuple(ep_of[r]) for r in dp_group})
+            assert set(eg) & set(edg) == {rank}
+        # ep x edp covers the dp group exactly once
+        pairs = {(tuple(ep_of[r]), tuple(edp_of[r])) for r in dp_group}
+        assert len(pairs) == len(dp_group) == dims.dp
+
+
+def run_ep_groups(configs: list[dict[str, int]]) -> list[dict[str, Any]]:
+    world = dist.get_world_size()
+    out = []
+    for degrees in configs:
+        mesh = ProcessMesh(ParallelDims(world_size=world, **degrees))
+        result = {}
+        for name in ("ep", "edp", "dp"):
+            group = mesh.group(name)
+            result[name] = (
+                _members(group, world),
+                mesh.ranks(name),
+                dist.get_rank(group),
+                mesh.local_rank(name),
+                mesh.size(name),
+            )
+        mesh.destroy()
+        out.append(result)
+    return out
+
+
+def test_ep_groups_on_ranks(rank_pool: Any) -> None:
+    configs = [{"ep": 2}, {"ep": 4}, {"dp_replicate": 2, "ep": 2}, {"tp": 2, "ep": 2}]
+    per_rank = rank_pool(4).run(run_ep_groups, configs)
+    for i, degrees in enumerate(configs):
+        dims = ParallelDims(world_size=4, **degrees)
+        for rank in range(4):
+            for name in ("ep", "edp", "dp"):
+                want = next(g for g in dims.group_ranks([name]) if rank in g)
+                members, ranks, group_rank, local_rank, size = per_rank[rank][i][name]
+                assert members == ranks == want, (degrees, rank, name)
+                assert group_rank == local_rank == want.index(rank)
+                assert size == len(want) == dims.degree(name)
