@@ -1,0 +1,116 @@
+"""Experts stored stacked: one ``(E, d_in, d_out)`` weight per projection.
+
+torchtitan's ``GroupedExperts`` layout: expert ``e``'s feed-forward network is
+``act(x @ w1[e]) @ w2[e]``. A rank of an expert-parallel group of ``ep`` ranks holds
+experts ``[r * E/ep, (r+1) * E/ep)``: a dim-0 slice of the global tensors, recorded on
+each weight with the shard descriptor (``TensorView(split_dim=0, part=r, parts=ep)``),
+so the universal checkpoint saves and loads the experts at any ``ep`` with nothing
+expert-specific in :mod:`shardkit.checkpoint`.
+
+[Note: initialisation]
+As the tensor-parallel layers do: every rank draws the *global* ``(E, d_in, d_out)``
+weights from the same generator state and keeps its slice, so with one seed the experts
+of all ranks together are exactly the single-process layer's (the master weight is
+transient: one global weight of memory during construction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardkit.distributed.shard_descriptor import TensorView, ranks_of, set_view
+
+__all__ = ["GroupedExperts", "expert_parallel_rank_and_size"]
+
+
+def expert_parallel_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This rank's index in the expert-parallel ``group`` and its size; ``(0, 1)`` when
+    ``group`` is None (no expert parallelism)."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` two-layer feed-forward networks, this rank's slice of them held.
+
+    Args:
+        num_experts: the experts ``E`` of all ranks together.
+        dim: the token size ``M`` (input and output features).
+        hidden_dim: each expert's hidden size ``F``.
+        activation: the nonlinearity between the projections. Default
+            ``torch.nn.functional.gelu``.
+        group: the expert-parallel process group; None (default): every expert here.
+
+    Attributes:
+        w1: ``(E / ep, M, F)``, this rank's part of the global ``(E, M, F)``.
+        w2: ``(E / ep, F, M)``, this rank's part of the global ``(E, F, M)``.
+        first_expert: the global index of local expert 0, ``ep_rank * E / ep``.
+
+    Raises:
+        ValueError: ``num_experts`` is not a multiple of the group's size.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden_dim: int,
+        activation: Callable[[torch.Tensor], torch.Tensor] = F.gelu,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        ep_rank, ep = expert_parallel_rank_and_size(group)
+        if num_experts % ep != 0:
+            raise ValueError(
+                f"num_experts ({num_experts}) must be a multiple of the expert-parallel "
+                f"size ({ep}); choose ep among the divisors of {num_experts}"
+            )
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep
+        self.first_expert = ep_rank * self.num_local_experts
+        self.activation = activation
+        split_group = ranks_of(group) if group is not None else None
+        self.w1 = self._slice_of((num_experts, dim, hidden_dim), dim, ep_rank, ep, split_group)
+        self.w2 = self._slice_of(
+            (num_experts, hidden_dim, dim), hidden_dim, ep_rank, ep, split_group
+        )
+        for p in (self.w1, self.w2):
+            p.expert = True  # type: ignore[attr-defined]
+
+    def _slice_of(
+        self,
+        shape: tuple[int, int, int],
+        fan_in: int,
+        part: int,
+        parts: int,
+        split_group: tuple[int, ...] | None,
+    ) -> nn.Parameter:
+        bound = fan_in**-0.5
+        master = torch.empty(shape).uniform_(-bound, bound)
+        n = self.num_local_experts
+        param = nn.Parameter(master[part * n : (part + 1) * n].clone())
+        if parts > 1:
+            set_view(param, TensorView(shape, 0, part, parts, split_group=split_group))
+        return param
+
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Tokens ``(N, M)`` sorted by local expert, ``counts[j]`` of them for local
+        expert ``j`` (``sum(counts) = N``). Returns ``(N, M)`` in the same order."""
+        outputs = []
+        for j, part in enumerate(tokens.split(counts)):
+            outputs.append(self.activation(part @ self.w1[j]) @ self.w2[j])
+        if not outputs:
+            return tokens.new_zeros(tokens.shape)
+        return torch.cat(outputs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} "
+            f"of {self.num_experts}, w1 {tuple(self.w1.shape)}, w2 {tuple(self.w2.shape)}"
+        )

@@ -1,0 +1,81 @@
+"""Expert gradients reduced over the expert-data-parallel group only.
+
+[Note: why experts are not data parallel over dp]
+Under expert parallelism the ranks of a data-parallel group hold *different* experts, so
+averaging every gradient over ``dp`` (what DDP does) would mix the gradients of
+different experts. The dense parameters (attention, the gate, shared experts) stay data
+parallel over ``dp``; the experts are data parallel over ``edp`` (the ranks holding the
+same experts, ``ProcessMesh.group("edp")``).
+
+After the backward, expert ``e`` on a rank already holds the gradient of the losses of
+every rank of its expert-parallel group (the combine all-to-all's backward brought it
+back). Summing over ``edp`` adds the other expert-parallel groups, giving the gradient
+of all ``dp`` ranks' losses; dividing by the ``dp`` size makes it DDP's mean, so the
+step equals the single-process step on the global batch.
+
+With torch DDP::
+
+    ignore_experts_in_ddp(model)                     # before wrapping
+    ddp = DistributedDataParallel(model, process_group=mesh.group("dp"))
+    loss.backward()                                  # DDP averages the dense grads
+    all_reduce_expert_gradients(model, mesh.group("edp"), dp_size=mesh.size("dp"))
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["all_reduce_expert_gradients", "expert_parameters", "ignore_experts_in_ddp"]
+
+
+def expert_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters of ``module`` marked ``expert = True`` (the experts of every
+    :class:`~shardkit.nn.moe.MoE` and :class:`~shardkit.nn.moe.MOELayer` in it), by
+    name."""
+    return {n: p for n, p in module.named_parameters() if getattr(p, "expert", False)}
+
+
+def ignore_experts_in_ddp(module: nn.Module) -> list[str]:
+    """Make torch ``DistributedDataParallel`` leave the expert parameters of ``module``
+    alone (neither broadcast at wrap time nor all-reduced); call before wrapping.
+
+    Returns:
+        The names of the parameters DDP will ignore.
+    """
+    names = sorted(expert_parameters(module))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+    return names
+
+
+@torch.no_grad()
+def all_reduce_expert_gradients(
+    module: nn.Module, group: dist.ProcessGroup | None, dp_size: int
+) -> int:
+    """Sum the expert gradients of ``module`` over ``group`` (the expert-data-parallel
+    group) and divide by ``dp_size``: DDP's mean over the data-parallel ranks (see
+    ``[Note: why experts are not data parallel over dp]``). Call after the backward, on
+    every rank of ``group``.
+
+    Args:
+        module: the model (or the unwrapped model under DDP).
+        group: the ``edp`` process group; None: the world.
+        dp_size: the data-parallel degree (``mesh.size("dp")``); the ranks whose losses
+            the gradients are averaged over.
+
+    Returns:
+        The number of gradients reduced (parameters without a gradient are skipped).
+
+    Raises:
+        ValueError: ``dp_size < 1``.
+    """
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1; got {dp_size}")
+    grads = [p.grad for p in expert_parameters(module).values() if p.grad is not None]
+    for grad in grads:
+        dist.all_reduce(grad, group=group)
+        grad.div_(dp_size)
+    return len(grads)

@@ -1,0 +1,180 @@
+"""The general mixture-of-experts layer (DeepSpeed's ``MoE`` shape) with expert parallelism.
+
+[Note: dispatch and combine]
+One forward on a rank with ``T`` tokens, ``k`` choices each, over an expert-parallel
+group of ``ep`` ranks holding ``E / ep`` experts each:
+
+1. the gate (:class:`~shardkit.nn.moe.gate.TopKGate`) picks the experts, the kept
+   choices and their weights;
+2. the kept choices are sorted by expert; ``counts`` (``E`` integers) go to every rank
+   by one small all-to-all, so each rank knows how many tokens it receives per expert;
+3. **dispatch**: one ``all_to_all_single`` with variable splits sends each kept
+   choice's token to the rank holding its expert (``N_kept x M`` elements);
+4. each rank runs its experts on the tokens it received, grouped by expert;
+5. **combine**: the same all-to-all with the splits swapped sends the outputs back;
+   each token's output is the sum of its kept choices' outputs times their weights.
+
+Bytes per layer and per forward, each way (dispatch and combine), on each rank::
+
+    N_kept x M x dtype bytes  <=  T x k x M x dtype bytes   (equal when dropless)
+
+plus ``E x 8`` bytes of counts; the backward moves the same again. A token whose
+choice goes to this rank's own experts is counted too (it is part of the buffer
+handed to ``all_to_all_single``). Unlike GShard's ``(E, C, M)`` buffer
+(:class:`~shardkit.nn.moe.MOELayer`), no empty slot is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardkit.nn.moe.all_to_all import all_to_all
+from shardkit.nn.moe.experts import GroupedExperts, expert_parallel_rank_and_size
+from shardkit.nn.moe.gate import Routing, TopKGate
+
+__all__ = ["MoE"]
+
+
+class MoE(nn.Module):
+    """Mixture of experts with top-k routing, capacity, dropless dispatch and expert
+    parallelism (DeepSpeed's ``deepspeed.moe.layer.MoE``, experts stored stacked).
+
+    Example:
+        >>> moe = MoE(hidden_size=64, ffn_hidden_size=256, num_experts=8, k=2)
+        >>> out, l_aux, counts = moe(torch.randn(4, 16, 64))
+        >>> out.shape, counts.shape
+        (torch.Size([4, 16, 64]), torch.Size([8]))
+
+    ``l_aux`` is the gate's load-balancing loss plus ``z_loss_coef`` times the router
+    z-loss (:class:`~shardkit.nn.moe.gate.TopKGate` gives both formulas and sources);
+    add ``coef * l_aux`` (Switch uses 1e-2) to the task loss.
+
+    Args:
+        hidden_size: the token size ``M``.
+        ffn_hidden_size: each expert's hidden size ``F``.
+        num_experts: the experts ``E`` of all ranks together.
+        k: experts per token. Default 1.
+        capacity_factor: training capacity factor. Default 1.0.
+        eval_capacity_factor: eval-mode capacity factor. Default 1.0.
+        min_capacity: least capacity per expert, in tokens. Default 4.
+        drop_tokens: default True (capacity); False: dropless.
+        noisy_gate_policy: None, ``"Jitter"`` or ``"RSample"``. Default None.
+        normalize_weights: default None: True for k > 1.
+        z_loss_coef: weight of the router z-loss in ``l_aux``. Default 0.0.
+        num_shared_experts: dense experts every token goes through (DeepSeekMoE's shared
+            experts), as one feed-forward network of hidden size ``num_shared_experts x
+            F``, added to the routed output. Default 0.
+        activation: the experts' nonlinearity. Default gelu.
+        ep_group: the expert-parallel process group (``ProcessMesh.group("ep")``); the
+            experts are split over it. Default None: every expert on this rank.
+
+    Attributes:
+        gate, experts (:class:`~shardkit.nn.moe.experts.GroupedExperts`),
+        shared_experts (``nn.Sequential`` or None), last_routing (the
+        :class:`~shardkit.nn.moe.gate.Routing` of the last forward),
+        last_all_to_all_bytes (``{"counts", "dispatch", "combine"}``: bytes this rank
+        handed to the all-to-alls in the last forward; zeros without expert
+        parallelism).
+
+    Raises:
+        ValueError: ``num_experts`` not a multiple of the ep group's size, ``k`` outside
+            ``[1, num_experts]``, a capacity factor ``<= 0``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 4,
+        drop_tokens: bool = True,
+        noisy_gate_policy: str | None = None,
+        normalize_weights: bool | None = None,
+        z_loss_coef: float = 0.0,
+        num_shared_experts: int = 0,
+        activation: Callable[[torch.Tensor], torch.Tensor] = F.gelu,
+        ep_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.gate = TopKGate(
+            hidden_size,
+            num_experts,
+            k,
+            capacity_factor,
+            eval_capacity_factor,
+            min_capacity,
+            drop_tokens,
+            noisy_gate_policy,
+            normalize_weights,
+        )
+        self.experts = GroupedExperts(
+            num_experts, hidden_size, ffn_hidden_size, activation, ep_group
+        )
+        self.ep_group = ep_group
+        self.ep_rank, self.ep_size = expert_parallel_rank_and_size(ep_group)
+        self.z_loss_coef = z_loss_coef
+        self.shared_experts: nn.Sequential | None = None
+        if num_shared_experts > 0:
+            shared = num_shared_experts * ffn_hidden_size
+            self.shared_experts = nn.Sequential(
+                nn.Linear(hidden_size, shared), nn.GELU(), nn.Linear(shared, hidden_size)
+            )
+        self.last_routing: Routing | None = None
+        self.last_all_to_all_bytes = {"counts": 0, "dispatch": 0, "combine": 0}
+
+    def forward(
+        self, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``hidden_states``: ``(..., M)``. Returns ``(output, l_aux, exp_counts)``:
+        ``output`` shaped like the input, ``l_aux`` a scalar, ``exp_counts`` ``(E,)``
+        the kept choices per expert on this rank (DeepSpeed's return values)."""
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, shape[-1])
+        routing = self.gate(tokens)
+        self.last_routing = routing
+        flat_experts = routing.experts.reshape(-1)
+        kept = routing.kept.reshape(-1).nonzero().squeeze(1)
+        order = kept[torch.argsort(flat_experts[kept], stable=True)]
+        source_token = order // self.gate.k
+        routed = self._run_experts(tokens[source_token], routing.counts)
+        weighted = routed * routing.weights.reshape(-1)[order].unsqueeze(1).to(routed.dtype)
+        output = torch.zeros_like(tokens).index_add(0, source_token, weighted)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(tokens)
+        l_aux = routing.aux_loss + self.z_loss_coef * routing.z_loss
+        return output.reshape(shape), l_aux, routing.counts
+
+    def _run_experts(self, sorted_tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Kept tokens sorted by global expert (``counts[e]`` each) through their experts
+        and back, in the same order (see ``[Note: dispatch and combine]``)."""
+        if self.ep_size == 1:
+            return self.experts(sorted_tokens, counts.tolist())
+        n_local = self.experts.num_local_experts
+        send_counts = counts.reshape(self.ep_size, n_local)
+        recv_counts = all_to_all(send_counts.contiguous(), self.ep_group)  # [source, expert]
+        send_splits = send_counts.sum(dim=1).tolist()
+        recv_splits = recv_counts.sum(dim=1).tolist()
+        received = all_to_all(sorted_tokens, self.ep_group, recv_splits, send_splits)
+        # received is ordered by source rank, then local expert: regroup by expert
+        local_expert = torch.repeat_interleave(
+            torch.arange(n_local).repeat(self.ep_size), recv_counts.reshape(-1)
+        )
+        by_expert = torch.argsort(local_expert, stable=True)
+        out = self.experts(received[by_expert], recv_counts.sum(dim=0).tolist())
+        restored = torch.empty_like(out).index_copy(0, by_expert, out)
+        returned = all_to_all(restored, self.ep_group, send_splits, recv_splits)
+        size = sorted_tokens.element_size() * sorted_tokens.shape[1]
+        self.last_all_to_all_bytes = {
+            "counts": send_counts.numel() * send_counts.element_size(),
+            "dispatch": sorted_tokens.shape[0] * size,
+            "combine": restored.shape[0] * size,
+        }
+        return returned

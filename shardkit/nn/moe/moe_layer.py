@@ -1,0 +1,99 @@
+"""FairScale's ``MOELayer``: GShard's mixture of experts over a capacity buffer.
+
+Lepikhin et al. 2020, GShard, Algorithm 2: the gate gives each token's combine weights
+over ``(expert, slot)``; tokens are scattered into an ``(E, C, M)`` buffer, the buffer
+is exchanged by one all-to-all (expert ``e`` lives on rank ``e // local_experts``), each
+rank runs its experts on the slots of every rank, a second all-to-all returns the
+outputs and the combine weights sum them per token. The arguments, return values and
+``l_aux`` are FairScale 0.4.13's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.nn.moe.all_to_all import all_to_all
+
+__all__ = ["MOELayer"]
+
+
+class MOELayer(nn.Module):
+    """GShard's mixture-of-experts layer, FairScale's ``fairscale.nn.MOELayer``.
+
+    Example:
+        >>> gate = Top2Gate(model_dim, num_experts)          # doctest: +SKIP
+        >>> moe = MOELayer(gate, experts)
+        >>> output = moe(input)                              # (S, T, M) -> (S, T, M)
+        >>> loss = task_loss(output) + 0.01 * moe.l_aux
+
+    Args:
+        gate: a module mapping ``(S*T, M)`` tokens to ``(l_aux, combine_weights,
+            dispatch_mask)`` as :class:`~shardkit.nn.moe.Top2Gate` does.
+        experts: this rank's experts: one module, or an ``nn.ModuleList`` of them (each
+            maps ``(..., M)`` to ``(..., M)``). Every rank of ``group`` holds the same
+            number; global expert ``e`` is local expert ``e % n`` of rank ``e // n``.
+        group: the expert-parallel process group the all-to-all runs over. Default
+            None: the world group, or this process alone when ``torch.distributed`` is
+            not initialised (FairScale requires it initialised).
+
+    Attributes:
+        l_aux: the gate's auxiliary loss of the last forward (a scalar tensor).
+
+    Every expert parameter gets the attribute ``expert = True`` (FairScale's marker).
+    The all-to-all moves ``E x C x M`` elements each way per forward (``C = 2S/E`` for
+    :class:`~shardkit.nn.moe.Top2Gate`), whatever the routing.
+    """
+
+    def __init__(
+        self, gate: nn.Module, experts: nn.Module | nn.ModuleList, group: Any | None = None
+    ) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts if isinstance(experts, nn.ModuleList) else nn.ModuleList([experts])
+        for p in self.experts.parameters():
+            p.expert = True  # type: ignore[attr-defined]
+        distributed = dist.is_available() and dist.is_initialized()
+        self.group = group if group is not None or not distributed else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group) if distributed else 1
+        self.num_local_experts = len(self.experts)
+        self.l_aux: torch.Tensor | None = None
+
+    def forward(self, *input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``input``: one tensor ``(S, T, M)`` (sequences, tokens, model dim), ``S*T``
+        a multiple of the experts. Returns ``(S, T, M)``; sets ``self.l_aux``.
+
+        Raises:
+            ValueError: not exactly one input, not 3-dimensional, or ``S`` not a
+                multiple of the local experts.
+        """
+        if len(input) != 1 or input[0].dim() != 3:
+            shapes = [tuple(t.shape) for t in input]
+            raise ValueError(
+                f"MOELayer takes one (sequence, token, model) tensor; got shapes {shapes}"
+            )
+        x = input[0]
+        if x.shape[0] % self.num_local_experts != 0:
+            raise ValueError(
+                f"the first dimension ({x.shape[0]}) must be a multiple of the local "
+                f"experts ({self.num_local_experts})"
+            )
+        d_model = x.shape[2]
+        tokens = x.reshape(-1, d_model)
+        self.l_aux, combine_weights, dispatch_mask = self.gate(tokens)
+        dispatched = torch.einsum("sec,sm->ecm", dispatch_mask.to(tokens.dtype), tokens)
+        if self.world_size > 1:
+            dispatched = all_to_all(dispatched, self.group)
+        dispatched = dispatched.reshape(self.world_size, self.num_local_experts, -1, d_model)
+        chunks = dispatched.chunk(self.num_local_experts, dim=1)
+        expert_output = torch.cat(
+            [expert(c) for c, expert in zip(chunks, self.experts, strict=True)], dim=1
+        )
+        if self.world_size > 1:
+            expert_output = all_to_all(expert_output, self.group)
+        expert_output = expert_output.reshape(self.world_size * self.num_local_experts, -1, d_model)
+        combined = torch.einsum("sec,ecm->sm", combine_weights, expert_output)
+        return combined.reshape(x.shape)
