@@ -14,12 +14,14 @@ group of ``ep`` ranks holding ``E / ep`` experts each:
 5. **combine**: the same all-to-all with the splits swapped sends the outputs back;
    each token's output is the sum of its kept choices' outputs times their weights.
 
-Bytes per layer and per forward, each way (dispatch and combine), on each rank::
+Bytes per layer and per forward, each way, for a rank's own tokens (what dispatch
+sends out of the rank's buffer, and what combine brings back into it)::
 
     N_kept x M x dtype bytes  <=  T x k x M x dtype bytes   (equal when dropless)
 
-plus ``E x 8`` bytes of counts; the backward moves the same again. A token whose
-choice goes to this rank's own experts is counted too (it is part of the buffer
+plus ``E x 8`` bytes of counts; the backward moves the same again. Summed over the
+group, what the ranks send in the combine equals what they sent in the dispatch. A
+choice routed to this rank's own experts is counted too (it is part of the buffer
 handed to ``all_to_all_single``). Unlike GShard's ``(E, C, M)`` buffer
 (:class:`~shardkit.nn.moe.MOELayer`), no empty slot is sent.
 """
@@ -77,9 +79,10 @@ class MoE(nn.Module):
         gate, experts (:class:`~shardkit.nn.moe.experts.GroupedExperts`),
         shared_experts (``nn.Sequential`` or None), last_routing (the
         :class:`~shardkit.nn.moe.gate.Routing` of the last forward),
-        last_all_to_all_bytes (``{"counts", "dispatch", "combine"}``: bytes this rank
-        handed to the all-to-alls in the last forward; zeros without expert
-        parallelism).
+        last_all_to_all_bytes (``{"counts", "dispatch", "combine"}``, last forward:
+        the counts this rank sent, its tokens' bytes sent in the dispatch and
+        received back in the combine (see ``[Note: dispatch and combine]``); zeros
+        without expert parallelism).
 
     Raises:
         ValueError: ``num_experts`` not a multiple of the ep group's size, ``k`` outside
@@ -175,6 +178,6 @@ class MoE(nn.Module):
         self.last_all_to_all_bytes = {
             "counts": send_counts.numel() * send_counts.element_size(),
             "dispatch": sorted_tokens.shape[0] * size,
-            "combine": restored.shape[0] * size,
+            "combine": returned.shape[0] * size,
         }
         return returned

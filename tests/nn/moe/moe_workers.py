@@ -1,0 +1,209 @@
+"""Rank functions for the expert-parallel tests: each runs on every rank of a spawned
+group (``shardkit.testing.RankPool``) and returns errors against a single-process
+reference computed on the same rank, for every rank's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from shardkit.checkpoint.universal import load_universal, save_universal
+from shardkit.distributed.mesh import ParallelDims, ProcessMesh
+from shardkit.nn.moe import (
+    MoE,
+    MOELayer,
+    Top2Gate,
+    all_reduce_expert_gradients,
+    ignore_experts_in_ddp,
+)
+
+M, F_HIDDEN, E = 6, 10, 8
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def _tokens(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s tokens (a different count on each rank) and loss weights."""
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(2, 5 + 3 * rank, M, generator=g)
+    return x, torch.randn(x.shape, generator=g)
+
+
+def _moe(cfg: dict[str, Any], group: dist.ProcessGroup | None) -> MoE:
+    torch.manual_seed(0)
+    return MoE(
+        M,
+        F_HIDDEN,
+        E,
+        k=cfg["k"],
+        capacity_factor=cfg["factor"],
+        min_capacity=0,
+        drop_tokens=cfg["drop"],
+        ep_group=group,
+    )
+
+
+def _reference_grads(ref: MoE, world: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Outputs and ``[gate, w1, w2]`` gradients of the single-process layer, per rank."""
+    outs, grads = [], []
+    for r in range(world):
+        ref.zero_grad()
+        x, target = _tokens(r)
+        out, _, _ = ref(x)
+        (out * target).sum().backward()
+        outs.append(out.detach())
+        grads.append([p.grad.clone() for p in (ref.gate.wg.weight, ref.experts.w1, ref.experts.w2)])  # type: ignore[union-attr]
+    return outs, grads
+
+
+def run_parity(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for cfg in configs:
+        mesh = ProcessMesh(ParallelDims(world_size=world, ep=cfg["ep"]))
+        group = mesh.group("ep") if cfg["ep"] > 1 else None
+        moe, ref = _moe(cfg, group), _moe(cfg, None)
+        lo = moe.experts.first_expert
+        hi = lo + moe.experts.num_local_experts
+        ep_ranks = mesh.ranks("ep")
+        ref_outs, ref_grads = _reference_grads(ref, world)
+        x, target = _tokens(rank)
+        out, _, _ = moe(x)
+        (out * target).sum().backward()
+        routing = moe.last_routing
+        assert routing is not None
+        res: dict[str, Any] = {
+            "init": _err(moe.experts.w1.detach(), ref.experts.w1.detach()[lo:hi]),
+            "out": _err(out.detach(), ref_outs[rank]),
+            "gate": _err(moe.gate.wg.weight.grad, ref_grads[rank][0]),  # type: ignore[arg-type]
+            "dropped": int((~routing.kept).sum()),
+            "tokens": x.shape[0] * x.shape[1],
+            "bytes": dict(moe.last_all_to_all_bytes),
+            "kept": int(routing.kept.sum()),
+        }
+        for i, p in ((1, moe.experts.w1), (2, moe.experts.w2)):
+            want = sum(ref_grads[r][i] for r in ep_ranks)[lo:hi]
+            res[f"expert{i}"] = _err(p.grad, want)  # type: ignore[arg-type]
+        all_reduce_expert_gradients(moe, mesh.group("edp"), dp_size=mesh.size("dp"))
+        for i, p in ((1, moe.experts.w1), (2, moe.experts.w2)):
+            want = (sum(g[i] for g in ref_grads) / world)[lo:hi]
+            res[f"edp{i}"] = _err(p.grad, want)  # type: ignore[arg-type]
+        mesh.destroy()
+        results.append(res)
+    return results
+
+
+class _Block(nn.Module):
+    def __init__(self, moe: MoE) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _, _ = self.moe(x)
+        return x + out
+
+
+def run_ddp(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DDP over dp for the dense part (the gate), experts over edp, one SGD step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = ProcessMesh(ParallelDims(world_size=world, ep=cfg["ep"]))
+    block = _Block(_moe(cfg, mesh.group("ep")))
+    ignored = ignore_experts_in_ddp(block)
+    ddp = DistributedDataParallel(block, process_group=mesh.group("dp"))
+    ref = _moe(cfg, None)
+    _, ref_grads = _reference_grads(ref, world)
+    x, target = _tokens(rank)
+    (ddp(x) * target).sum().backward()
+    reduced = all_reduce_expert_gradients(block, mesh.group("edp"), dp_size=mesh.size("dp"))
+    lo = block.moe.experts.first_expert
+    hi = lo + block.moe.experts.num_local_experts
+    mean = [sum(g[i] for g in ref_grads) / world for i in range(3)]
+    grads = [block.moe.gate.wg.weight.grad, block.moe.experts.w1.grad, block.moe.experts.w2.grad]
+    errors = [
+        _err(grads[0], mean[0]),
+        _err(grads[1], mean[1][lo:hi]),
+        _err(grads[2], mean[2][lo:hi]),
+    ]  # type: ignore[arg-type]
+    mesh.destroy()
+    return {"ignored": ignored, "reduced": reduced, "errors": errors}
+
+
+def run_moelayer(ep: int) -> dict[str, Any]:
+    """FairScale's MOELayer over an ep group against the same layer in one process."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = ProcessMesh(ParallelDims(world_size=world, ep=ep))
+    alone = ProcessMesh(ParallelDims(world_size=world))  # ep=1: groups of one rank
+    torch.manual_seed(0)
+    gate = Top2Gate(M, E)
+    experts = [nn.Linear(M, M) for _ in range(E)]
+    ref = MOELayer(gate, nn.ModuleList(experts), group=alone.group("ep"))
+    n = E // ep
+    q = mesh.local_rank("ep")
+    local_gate = Top2Gate(M, E)
+    local_gate.load_state_dict(gate.state_dict())
+    local = nn.ModuleList([nn.Linear(M, M) for _ in range(n)])
+    local.load_state_dict(nn.ModuleList(experts[q * n : (q + 1) * n]).state_dict())
+    layer = MOELayer(local_gate, local, group=mesh.group("ep"))
+    outs, grads = [], []
+    for r in range(world):
+        ref.zero_grad()
+        g = torch.Generator().manual_seed(200 + r)
+        xr = torch.randn(8, 2, M, generator=g)
+        torch.manual_seed(1000 + r)
+        out = ref(xr)
+        out.square().sum().backward()
+        outs.append(out.detach())
+        grads.append(
+            [gate.wg.weight.grad.clone()]
+            + [
+                e.weight.grad.clone() if e.weight.grad is not None else torch.zeros(M, M)
+                for e in experts
+            ]
+        )  # type: ignore[union-attr]
+    g = torch.Generator().manual_seed(200 + rank)
+    x = torch.randn(8, 2, M, generator=g)
+    torch.manual_seed(1000 + rank)
+    out = layer(x)
+    out.square().sum().backward()
+    ep_ranks = mesh.ranks("ep")
+    expert_err = max(
+        _err(
+            local[j].weight.grad if local[j].weight.grad is not None else torch.zeros(M, M),
+            sum(grads[r][1 + q * n + j] for r in ep_ranks),  # type: ignore[arg-type]
+        )
+        for j in range(n)
+    )
+    res = {
+        "out": _err(out.detach(), outs[rank]),
+        "gate": _err(local_gate.wg.weight.grad, grads[rank][0]),  # type: ignore[arg-type]
+        "experts": expert_err,
+        "world": (ref.world_size, layer.world_size),
+    }
+    mesh.destroy()
+    alone.destroy()
+    return res
+
+
+def run_checkpoint(root: str, ep: int, save: bool) -> dict[str, Any]:
+    """Save a model holding 8 experts at ``ep`` (seed 0), or load one into a model at
+    ``ep`` built from seed 1; returns the output on fixed tokens."""
+    world = dist.get_world_size()
+    mesh = ProcessMesh(ParallelDims(world_size=world, ep=ep))
+    torch.manual_seed(0 if save else 1)
+    block = _Block(MoE(M, F_HIDDEN, E, k=2, drop_tokens=False, ep_group=mesh.group("ep")))
+    if save:
+        save_universal(Path(root), 1, block)
+    else:
+        load_universal(Path(root), block)
+    x, _ = _tokens(0)
+    with torch.no_grad():
+        out = block(x)
+    mesh.destroy()
+    return {"out": out, "w1": block.moe.experts.w1.detach().clone()}

@@ -1,0 +1,79 @@
+"""Expert parallelism on 4 spawned gloo ranks: MoE at ep = 1, 2, 4 against the
+single-process layer (outputs, gate and expert gradients, the edp reduction), the
+all-to-all bytes against the formula, DDP with experts over edp, FairScale's MOELayer
+over an ep group, and a universal checkpoint of 8 experts across ep degrees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardkit.checkpoint.universal import load_universal
+from tests.nn.moe import moe_workers as w
+
+WORLD = 4
+ATOL = 1e-5
+
+PARITY = [
+    {"ep": ep, "k": k, "drop": drop, "factor": factor}
+    for ep in (1, 2, 4)
+    for k, drop, factor in ((1, True, 0.5), (2, True, 0.75), (1, False, 1.0), (2, False, 1.0))
+]
+
+
+def test_moe_parity_at_ep_1_2_4(rank_pool: Any) -> None:
+    per_rank = rank_pool(WORLD).run(w.run_parity, PARITY, timeout_s=240)
+    for i, cfg in enumerate(PARITY):
+        dropped = sum(per_rank[r][i]["dropped"] for r in range(WORLD))
+        assert (dropped > 0) == cfg["drop"], (cfg, dropped)  # capacity binds when on
+        for rank in range(WORLD):
+            res = per_rank[rank][i]
+            for key in ("init", "out", "gate", "expert1", "expert2", "edp1", "edp2"):
+                assert res[key] < ATOL, (cfg, rank, key, res[key])
+            # bytes handed to all_to_all_single per direction: kept choices x M x 4 bytes,
+            # = tokens x k x M x 4 when dropless; E x 8 bytes of counts
+            sent = res["bytes"]
+            if cfg["ep"] == 1:
+                assert sent == {"counts": 0, "dispatch": 0, "combine": 0}
+                continue
+            want = res["kept"] * w.M * 4
+            assert sent == {"counts": w.E * 8, "dispatch": want, "combine": want}, (cfg, rank)
+            if not cfg["drop"]:
+                assert want == res["tokens"] * cfg["k"] * w.M * 4
+
+
+def test_ddp_dense_over_dp_experts_over_edp(rank_pool: Any) -> None:
+    cfg = {"ep": 2, "k": 2, "drop": True, "factor": 1.0}
+    for res in rank_pool(WORLD).run(w.run_ddp, cfg, timeout_s=120):
+        assert res["ignored"] == ["moe.experts.w1", "moe.experts.w2"]
+        assert res["reduced"] == 2
+        assert max(res["errors"]) < ATOL, res["errors"]
+
+
+def test_moelayer_over_an_ep_group(rank_pool: Any) -> None:
+    for ep in (2, 4):
+        for res in rank_pool(WORLD).run(w.run_moelayer, ep, timeout_s=120):
+            assert res["world"] == (1, ep)
+            assert max(res["out"], res["gate"], res["experts"]) < ATOL, (ep, res)
+
+
+def test_checkpoint_of_8_experts_saved_at_ep4_loads_at_ep2_and_in_one_process(
+    rank_pool: Any, tmp_path: Path
+) -> None:
+    pool = rank_pool(WORLD)
+    saved = pool.run(w.run_checkpoint, str(tmp_path), 4, True, timeout_s=120)
+    loaded = pool.run(w.run_checkpoint, str(tmp_path), 2, False, timeout_s=120)
+    for rank in range(WORLD):
+        torch.testing.assert_close(loaded[rank]["out"], saved[0]["out"], atol=1e-6, rtol=1e-5)
+        q = rank % 2  # ep=2 groups (0, 1), (2, 3): experts 4q .. 4q+3
+        full = torch.cat([saved[r]["w1"] for r in range(WORLD)])
+        assert torch.equal(loaded[rank]["w1"], full[4 * q : 4 * q + 4])
+    torch.manual_seed(1)
+    plain = w._Block(w.MoE(w.M, w.F_HIDDEN, w.E, k=2, drop_tokens=False))
+    load_universal(tmp_path, plain)
+    assert torch.equal(plain.moe.experts.w1.detach(), full)
+    x, _ = w._tokens(0)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), saved[0]["out"], atol=1e-6, rtol=1e-5)
