@@ -2,7 +2,8 @@
 
 Tensor parallelism (column / row / vocabulary-parallel layers, the plan that applies
 them) is the subpackage :mod:`shardkit.nn.tensor_parallel`; its layer classes are
-re-exported here.
+re-exported here. Mixture of experts is :mod:`shardkit.nn.moe`; FairScale's
+``MOELayer`` and ``Top2Gate`` are re-exported here (FairScale's ``fairscale.nn`` path).
 
 Each wrapper is imported here as it lands; ``__all__`` lists the public names.
 """
@@ -14,6 +15,7 @@ from shardkit.nn.data_parallel import (
     ShardedDataParallel,
     ShardedDDP,
 )
+from shardkit.nn.moe import MOELayer, Top2Gate
 from shardkit.nn.offload import OffloadModel
 from shardkit.nn.pipe import Pipe, PipelineStage, Schedule1F1B, ScheduleGPipe
 from shardkit.nn.tensor_parallel import (
@@ -36,6 +38,7 @@ __all__ = [
     "FSDP",
     "ColumnParallelLinear",
     "FullyShardedDataParallel",
+    "MOELayer",
     "OffloadModel",
     "ParallelEmbedding",
     "Pipe",
@@ -45,6 +48,7 @@ __all__ = [
     "ScheduleGPipe",
     "ShardedDDP",
     "ShardedDataParallel",
+    "Top2Gate",
     "VocabParallelEmbedding",
     "auto_wrap",
     "checkpoint_wrapper",

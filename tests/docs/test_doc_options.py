@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from shardkit.nn import FullyShardedDataParallel, OffloadModel, Pipe, ShardedDataParallel
+from shardkit.nn.moe import MoE
 from shardkit.optim import OSS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,6 +27,7 @@ PAGES: list[tuple[str, Callable[..., Any], set[str]]] = [
     ("docs/sharded_ddp.md", ShardedDataParallel, {"module"}),
     ("docs/offload.md", OffloadModel, set()),
     ("docs/pipe.md", Pipe, set()),
+    ("docs/moe.md", MoE, set()),
 ]
 _HEADER = re.compile(r"^\| (?:option|argument) \|", re.MULTILINE)
 _ROW_NAME = re.compile(r"^\| `(\*\*)?(\w+)` \|")

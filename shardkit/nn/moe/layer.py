@@ -76,13 +76,14 @@ class MoE(nn.Module):
             experts are split over it. Default None: every expert on this rank.
 
     Attributes:
-        gate, experts (:class:`~shardkit.nn.moe.experts.GroupedExperts`),
-        shared_experts (``nn.Sequential`` or None), last_routing (the
-        :class:`~shardkit.nn.moe.gate.Routing` of the last forward),
-        last_all_to_all_bytes (``{"counts", "dispatch", "combine"}``, last forward:
-        the counts this rank sent, its tokens' bytes sent in the dispatch and
-        received back in the combine (see ``[Note: dispatch and combine]``); zeros
-        without expert parallelism).
+        gate: the router, a :class:`~shardkit.nn.moe.gate.TopKGate`.
+        experts: this rank's experts, a :class:`~shardkit.nn.moe.experts.GroupedExperts`.
+        shared_experts: the shared experts' ``nn.Sequential``, or None.
+        last_routing: the :class:`~shardkit.nn.moe.gate.Routing` of the last forward.
+        last_all_to_all_bytes: ``{"counts", "dispatch", "combine"}`` of the last
+            forward: the counts this rank sent, its tokens' bytes sent in the dispatch
+            and received back in the combine (see ``[Note: dispatch and combine]``);
+            zeros without expert parallelism.
 
     Raises:
         ValueError: ``num_experts`` not a multiple of the ep group's size, ``k`` outside
