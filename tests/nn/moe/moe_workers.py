@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.checkpoint.universal import load_universal, save_universal
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
+from shardkit.nn.checkpoint import checkpoint_wrapper
 from shardkit.nn.moe import (
     MoE,
     MOELayer,
@@ -207,3 +208,33 @@ def run_checkpoint(root: str, ep: int, save: bool) -> dict[str, Any]:
         out = block(x)
     mesh.destroy()
     return {"out": out, "w1": block.moe.experts.w1.detach().clone()}
+
+
+def run_activation_checkpointing(eps: list[int]) -> list[dict[str, Any]]:
+    """``checkpoint_wrapper`` around a block holding an expert-parallel MoE: the
+    recompute runs the dispatch and combine again in backward; outputs and gradients
+    still equal the single-process layer's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for ep in eps:
+        cfg = {"ep": ep, "k": 2, "drop": True, "factor": 0.75}
+        mesh = ProcessMesh(ParallelDims(world_size=world, ep=ep))
+        block = checkpoint_wrapper(_Block(_moe(cfg, mesh.group("ep"))))
+        moe = block.module.moe  # type: ignore[union-attr]
+        _, ref_grads = _reference_grads(_moe(cfg, None), world)
+        x, target = _tokens(rank)
+        x = x.requires_grad_()
+        out = block(x)
+        forward_bytes = dict(moe.last_all_to_all_bytes)
+        (out * target).sum().backward()
+        lo, n = moe.experts.first_expert, moe.experts.num_local_experts
+        want1 = sum(ref_grads[r][1] for r in mesh.ranks("ep"))[lo : lo + n]
+        results.append(
+            {
+                "gate": _err(moe.gate.wg.weight.grad, ref_grads[rank][0]),
+                "w1": _err(moe.experts.w1.grad, want1),  # type: ignore[arg-type]
+                "dispatch": forward_bytes["dispatch"],
+            }
+        )
+        mesh.destroy()
+    return results

@@ -77,3 +77,10 @@ def test_checkpoint_of_8_experts_saved_at_ep4_loads_at_ep2_and_in_one_process(
     x, _ = w._tokens(0)
     with torch.no_grad():
         torch.testing.assert_close(plain(x), saved[0]["out"], atol=1e-6, rtol=1e-5)
+
+
+def test_activation_checkpointing_around_expert_parallel_moe(rank_pool: Any) -> None:
+    for rank_results in rank_pool(WORLD).run(w.run_activation_checkpointing, [2, 4], timeout_s=120):
+        for res in rank_results:
+            assert max(res["gate"], res["w1"]) < ATOL, res
+            assert res["dispatch"] > 0  # the all-to-all ran
