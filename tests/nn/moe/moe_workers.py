@@ -238,3 +238,24 @@ def run_activation_checkpointing(eps: list[int]) -> list[dict[str, Any]]:
         )
         mesh.destroy()
     return results
+
+
+def run_bf16(ep: int) -> dict[str, Any]:
+    """The layer in bf16 (parameters and tokens) at ``ep``: the all-to-all carries bf16
+    (2 bytes an element) and the output stays within bf16 rounding of the fp32 layer."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {"ep": ep, "k": 2, "drop": False, "factor": 1.0}
+    mesh = ProcessMesh(ParallelDims(world_size=world, ep=ep))
+    moe = _moe(cfg, mesh.group("ep")).to(torch.bfloat16)
+    ref = _moe(cfg, None)
+    x, _ = _tokens(rank)
+    out, _, _ = moe(x.to(torch.bfloat16))
+    want, _, _ = ref(x.to(torch.bfloat16).float())
+    res = {
+        "dtype": str(out.dtype),
+        "rel": float((out.float() - want).norm() / want.norm()),
+        "dispatch": moe.last_all_to_all_bytes["dispatch"],
+        "tokens": x.shape[0] * x.shape[1],
+    }
+    mesh.destroy()
+    return res

@@ -84,3 +84,10 @@ def test_activation_checkpointing_around_expert_parallel_moe(rank_pool: Any) -> 
         for res in rank_results:
             assert max(res["gate"], res["w1"]) < ATOL, res
             assert res["dispatch"] > 0  # the all-to-all ran
+
+
+def test_bf16_expert_parallel_bytes_and_rounding(rank_pool: Any) -> None:
+    for res in rank_pool(WORLD).run(w.run_bf16, 2, timeout_s=120):
+        assert res["dtype"] == "torch.bfloat16"
+        assert res["dispatch"] == res["tokens"] * 2 * w.M * 2  # T x k x M x 2 bytes
+        assert res["rel"] < 2e-2, res  # bf16 keeps 8 bits of mantissa
