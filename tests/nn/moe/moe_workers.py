@@ -259,3 +259,15 @@ def run_bf16(ep: int) -> dict[str, Any]:
     }
     mesh.destroy()
     return res
+
+
+def run_bad_expert_count(ep: int, num_experts: int) -> str:
+    """The error of an MoE whose experts do not split evenly over the ep group."""
+    mesh = ProcessMesh(ParallelDims(world_size=dist.get_world_size(), ep=ep))
+    try:
+        MoE(M, F_HIDDEN, num_experts, ep_group=mesh.group("ep"))
+    except ValueError as err:
+        return str(err)
+    finally:
+        mesh.destroy()
+    return "no error"

@@ -91,3 +91,11 @@ def test_bf16_expert_parallel_bytes_and_rounding(rank_pool: Any) -> None:
         assert res["dtype"] == "torch.bfloat16"
         assert res["dispatch"] == res["tokens"] * 2 * w.M * 2  # T x k x M x 2 bytes
         assert res["rel"] < 2e-2, res  # bf16 keeps 8 bits of mantissa
+
+
+def test_experts_not_divisible_by_ep_is_refused_at_construction(rank_pool: Any) -> None:
+    for message in rank_pool(WORLD).run(w.run_bad_expert_count, 4, 6, timeout_s=60):
+        assert message == (
+            "num_experts (6) must be a multiple of the expert-parallel size (4); "
+            "choose ep among the divisors of 6"
+        )
