@@ -7,6 +7,16 @@ each weight with the shard descriptor (``TensorView(split_dim=0, part=r, parts=e
 so the universal checkpoint saves and loads the experts at any ``ep`` with nothing
 expert-specific in :mod:`shardkit.checkpoint`.
 
+[Note: expert gradients are means over the ep group]
+Expert ``e`` on a rank processes the tokens of every rank of its expert-parallel group,
+so its backward accumulates the gradients of ``ep`` ranks' losses. The forward scales
+the gradient reaching ``w1`` and ``w2`` by ``1 / ep`` (the values are untouched), so a
+rank's expert gradient is the *mean* over the ep group's losses, on the same footing as
+a dense gradient (one rank's loss). Averaging it over the expert-data-parallel group
+(``edp``: ``dp / ep`` ranks) then gives exactly DDP's mean over all ``dp`` ranks, with
+any averaging reducer: :func:`~shardkit.nn.moe.all_reduce_expert_gradients`, or an
+FSDP unit over the ``edp`` group.
+
 [Note: initialisation]
 As the tensor-parallel layers do: every rank draws the *global* ``(E, d_in, d_out)``
 weights from the same generator state and keeps its slice, so with one seed the experts
@@ -17,6 +27,7 @@ transient: one global weight of memory during construction).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +37,19 @@ from torch import nn
 from shardkit.distributed.shard_descriptor import TensorView, ranks_of, set_view
 
 __all__ = ["GroupedExperts", "expert_parallel_rank_and_size"]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; the gradient times ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
 
 
 def expert_parallel_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -51,6 +75,8 @@ class GroupedExperts(nn.Module):
         w1: ``(E / ep, M, F)``, this rank's part of the global ``(E, M, F)``.
         w2: ``(E / ep, F, M)``, this rank's part of the global ``(E, F, M)``.
         first_expert: the global index of local expert 0, ``ep_rank * E / ep``.
+        grad_scale: ``1 / ep``, applied to the experts' gradients in backward (see
+            ``[Note: expert gradients are means over the ep group]``).
 
     Raises:
         ValueError: ``num_experts`` is not a multiple of the group's size.
@@ -74,6 +100,7 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep
         self.first_expert = ep_rank * self.num_local_experts
+        self.grad_scale = 1.0 / ep
         self.activation = activation
         split_group = ranks_of(group) if group is not None else None
         self.w1 = self._slice_of((num_experts, dim, hidden_dim), dim, ep_rank, ep, split_group)
@@ -102,9 +129,12 @@ class GroupedExperts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Tokens ``(N, M)`` sorted by local expert, ``counts[j]`` of them for local
         expert ``j`` (``sum(counts) = N``). Returns ``(N, M)`` in the same order."""
+        w1, w2 = self.w1, self.w2
+        if self.grad_scale != 1.0:  # see [Note: expert gradients are means over the ep group]
+            w1, w2 = _ScaleGrad.apply(w1, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
         outputs = []
         for j, part in enumerate(tokens.split(counts)):
-            outputs.append(self.activation(part @ self.w1[j]) @ self.w2[j])
+            outputs.append(self.activation(part @ w1[j]) @ w2[j])
         if not outputs:
             return tokens.new_zeros(tokens.shape)
         return torch.cat(outputs)

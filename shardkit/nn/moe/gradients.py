@@ -7,18 +7,20 @@ different experts. The dense parameters (attention, the gate, shared experts) st
 parallel over ``dp``; the experts are data parallel over ``edp`` (the ranks holding the
 same experts, ``ProcessMesh.group("edp")``).
 
-After the backward, expert ``e`` on a rank already holds the gradient of the losses of
-every rank of its expert-parallel group (the combine all-to-all's backward brought it
-back). Summing over ``edp`` adds the other expert-parallel groups, giving the gradient
-of all ``dp`` ranks' losses; dividing by the ``dp`` size makes it DDP's mean, so the
-step equals the single-process step on the global batch.
+After the backward, expert ``e`` on a rank holds the mean gradient of the losses of
+the ranks of its expert-parallel group (the combine all-to-all's backward brought them
+back; ``GroupedExperts`` scales by ``1 / ep``, see its ``[Note: expert gradients are
+means over the ep group]``). Averaging over ``edp`` (``dp / ep`` ranks) gives the mean
+over all ``dp`` ranks' losses, DDP's mean, so the step equals the single-process step on
+the global batch. :class:`~shardkit.nn.moe.MOELayer` (FairScale's semantics) does not
+scale: its expert gradients are sums over the ep group, as in FairScale.
 
 With torch DDP::
 
     ignore_experts_in_ddp(model)                     # before wrapping
     ddp = DistributedDataParallel(model, process_group=mesh.group("dp"))
     loss.backward()                                  # DDP averages the dense grads
-    all_reduce_expert_gradients(model, mesh.group("edp"), dp_size=mesh.size("dp"))
+    all_reduce_expert_gradients(model, mesh.group("edp"))
     optimizer.step()
 """
 
@@ -52,30 +54,21 @@ def ignore_experts_in_ddp(module: nn.Module) -> list[str]:
 
 
 @torch.no_grad()
-def all_reduce_expert_gradients(
-    module: nn.Module, group: dist.ProcessGroup | None, dp_size: int
-) -> int:
-    """Sum the expert gradients of ``module`` over ``group`` (the expert-data-parallel
-    group) and divide by ``dp_size``: DDP's mean over the data-parallel ranks (see
-    ``[Note: why experts are not data parallel over dp]``). Call after the backward, on
-    every rank of ``group``.
+def all_reduce_expert_gradients(module: nn.Module, group: dist.ProcessGroup | None) -> int:
+    """Average the expert gradients of ``module`` over ``group``, the expert-data-parallel
+    group (see ``[Note: why experts are not data parallel over dp]``). Call after the
+    backward, on every rank of ``group``.
 
     Args:
         module: the model (or the unwrapped model under DDP).
-        group: the ``edp`` process group; None: the world.
-        dp_size: the data-parallel degree (``mesh.size("dp")``); the ranks whose losses
-            the gradients are averaged over.
+        group: the ``edp`` process group (``mesh.group("edp")``); None: the world.
 
     Returns:
         The number of gradients reduced (parameters without a gradient are skipped).
-
-    Raises:
-        ValueError: ``dp_size < 1``.
     """
-    if dp_size < 1:
-        raise ValueError(f"dp_size must be >= 1; got {dp_size}")
+    size = dist.get_world_size(group)
     grads = [p.grad for p in expert_parameters(module).values() if p.grad is not None]
     for grad in grads:
         dist.all_reduce(grad, group=group)
-        grad.div_(dp_size)
+        grad.div_(size)
     return len(grads)
