@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.checkpoint.universal import load_universal, save_universal
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
+from shardkit.nn import FullyShardedDataParallel as FSDP
 from shardkit.nn.checkpoint import checkpoint_wrapper
 from shardkit.nn.moe import (
     MoE,
@@ -271,3 +272,38 @@ def run_bad_expert_count(ep: int, num_experts: int) -> str:
     finally:
         mesh.destroy()
     return "no error"
+
+
+def run_fsdp(cfg: dict[str, Any]) -> dict[str, Any]:
+    """FSDP over dp for the dense part (or hybrid sharding: shard over dp_shard,
+    replicas over dp_replicate), a nested FSDP unit over edp for the experts, one SGD
+    step (lr 1): the parameters equal the single-process step on the global batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dpr = cfg.get("dp_replicate", 1)
+    mesh = ProcessMesh(ParallelDims(world_size=world, dp_replicate=dpr, ep=cfg["ep"]))
+    block = _Block(_moe(cfg, mesh.group("ep")))
+    lo = block.moe.experts.first_expert
+    hi = lo + block.moe.experts.num_local_experts
+    block.moe.experts = FSDP(block.moe.experts, process_group=mesh.group("edp"))  # type: ignore[assignment]
+    if dpr > 1:
+        groups = (mesh.group("dp_shard"), mesh.group("dp_replicate"))
+        model = FSDP(block, process_group=groups, sharding_strategy="HYBRID_SHARD")
+    else:
+        model = FSDP(block, process_group=mesh.group("dp"))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ref = _moe(cfg, None)
+    _, ref_grads = _reference_grads(ref, world)
+    x, target = _tokens(rank)
+    (model(x) * target).sum().backward()
+    opt.step()
+    mean = [sum(g[i] for g in ref_grads) / world for i in range(3)]
+    want = [
+        ref.gate.wg.weight.detach() - mean[0],
+        (ref.experts.w1.detach() - mean[1])[lo:hi],
+        (ref.experts.w2.detach() - mean[2])[lo:hi],
+    ]
+    with model.summon_full_params():
+        got = [block.moe.gate.wg.weight, block.moe.experts.w1, block.moe.experts.w2]
+        errors = [_err(g.detach(), w) for g, w in zip(got, want, strict=True)]
+    mesh.destroy()
+    return {"errors": errors}

@@ -99,3 +99,17 @@ def test_experts_not_divisible_by_ep_is_refused_at_construction(rank_pool: Any) 
             "num_experts (6) must be a multiple of the expert-parallel size (4); "
             "choose ep among the divisors of 6"
         )
+
+
+FSDP_CONFIGS = [
+    {"ep": 2, "k": 2, "drop": True, "factor": 1.0},
+    {"ep": 4, "k": 1, "drop": False, "factor": 1.0},
+    {"ep": 2, "k": 2, "drop": False, "factor": 1.0, "dp_replicate": 2},
+]
+
+
+def test_fsdp_dense_over_dp_experts_in_a_unit_over_edp(rank_pool: Any) -> None:
+    pool = rank_pool(WORLD)
+    for cfg in FSDP_CONFIGS:
+        for res in pool.run(w.run_fsdp, cfg, timeout_s=120):
+            assert max(res["errors"]) < ATOL, (cfg, res["errors"])
