@@ -307,3 +307,20 @@ def run_fsdp(cfg: dict[str, Any]) -> dict[str, Any]:
         errors = [_err(g.detach(), w) for g, w in zip(got, want, strict=True)]
     mesh.destroy()
     return {"errors": errors}
+
+
+def run_fsdp_checkpoint(root: str, ep: int) -> dict[str, Any]:
+    """Save the FSDP-wrapped expert-parallel model (experts in a unit over edp) with
+    save_universal; return this rank's experts and the gate for the caller to compare."""
+    world = dist.get_world_size()
+    mesh = ProcessMesh(ParallelDims(world_size=world, ep=ep))
+    torch.manual_seed(0)
+    block = _Block(MoE(M, F_HIDDEN, E, k=2, drop_tokens=False, ep_group=mesh.group("ep")))
+    block.moe.experts = FSDP(block.moe.experts, process_group=mesh.group("edp"))  # type: ignore[assignment]
+    model = FSDP(block, process_group=mesh.group("dp"))
+    save_universal(Path(root), 1, model)
+    x, _ = _tokens(0)
+    with torch.no_grad():
+        out = model(x)
+    mesh.destroy()
+    return {"out": out}

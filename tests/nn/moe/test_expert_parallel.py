@@ -113,3 +113,19 @@ def test_fsdp_dense_over_dp_experts_in_a_unit_over_edp(rank_pool: Any) -> None:
     for cfg in FSDP_CONFIGS:
         for res in pool.run(w.run_fsdp, cfg, timeout_s=120):
             assert max(res["errors"]) < ATOL, (cfg, res["errors"])
+
+
+def test_fsdp_wrapped_experts_save_under_their_names_and_load_in_one_process(
+    rank_pool: Any, tmp_path: Path
+) -> None:
+    saved = rank_pool(WORLD).run(w.run_fsdp_checkpoint, str(tmp_path), 2, timeout_s=120)
+    torch.manual_seed(0)
+    want = w._Block(w.MoE(w.M, w.F_HIDDEN, w.E, k=2, drop_tokens=False))
+    torch.manual_seed(1)
+    plain = w._Block(w.MoE(w.M, w.F_HIDDEN, w.E, k=2, drop_tokens=False))
+    load_universal(tmp_path, plain)  # strict: the keys are the unwrapped names
+    for name, value in want.state_dict().items():
+        assert torch.equal(plain.state_dict()[name], value), name
+    x, _ = w._tokens(0)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), saved[0]["out"], atol=1e-6, rtol=1e-5)
