@@ -16,6 +16,7 @@ from shardkit.checkpoint.universal import load_universal, save_universal
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
 from shardkit.nn import FullyShardedDataParallel as FSDP
 from shardkit.nn.checkpoint import checkpoint_wrapper
+from shardkit.nn.data_parallel.fully_sharded import MixedPrecision
 from shardkit.nn.moe import (
     MoE,
     MOELayer,
@@ -276,25 +277,31 @@ def run_bad_expert_count(ep: int, num_experts: int) -> str:
 
 def run_fsdp(cfg: dict[str, Any]) -> dict[str, Any]:
     """FSDP over dp for the dense part (or hybrid sharding: shard over dp_shard,
-    replicas over dp_replicate), a nested FSDP unit over edp for the experts, one SGD
-    step (lr 1): the parameters equal the single-process step on the global batch."""
+    replicas over dp_replicate), a nested FSDP unit over edp for the experts, optionally
+    both in bf16 mixed precision (fp32 reduce), one SGD step (lr 1): the parameters equal
+    the single-process fp32 step on the global batch."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dpr = cfg.get("dp_replicate", 1)
     mesh = ProcessMesh(ParallelDims(world_size=world, dp_replicate=dpr, ep=cfg["ep"]))
     block = _Block(_moe(cfg, mesh.group("ep")))
     lo = block.moe.experts.first_expert
     hi = lo + block.moe.experts.num_local_experts
-    block.moe.experts = FSDP(block.moe.experts, process_group=mesh.group("edp"))  # type: ignore[assignment]
+    mp = MixedPrecision(torch.bfloat16, torch.float32) if cfg.get("bf16") else None
+    block.moe.experts = FSDP(  # type: ignore[assignment]
+        block.moe.experts, process_group=mesh.group("edp"), mixed_precision=mp
+    )
     if dpr > 1:
         groups = (mesh.group("dp_shard"), mesh.group("dp_replicate"))
-        model = FSDP(block, process_group=groups, sharding_strategy="HYBRID_SHARD")
+        model = FSDP(
+            block, process_group=groups, sharding_strategy="HYBRID_SHARD", mixed_precision=mp
+        )
     else:
-        model = FSDP(block, process_group=mesh.group("dp"))
+        model = FSDP(block, process_group=mesh.group("dp"), mixed_precision=mp)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     ref = _moe(cfg, None)
     _, ref_grads = _reference_grads(ref, world)
     x, target = _tokens(rank)
-    (model(x) * target).sum().backward()
+    (model(x).float() * target).sum().backward()
     opt.step()
     mean = [sum(g[i] for g in ref_grads) / world for i in range(3)]
     want = [
@@ -305,8 +312,9 @@ def run_fsdp(cfg: dict[str, Any]) -> dict[str, Any]:
     with model.summon_full_params():
         got = [block.moe.gate.wg.weight, block.moe.experts.w1, block.moe.experts.w2]
         errors = [_err(g.detach(), w) for g, w in zip(got, want, strict=True)]
+        moved = [float(m.abs().max()) for m in mean]
     mesh.destroy()
-    return {"errors": errors}
+    return {"errors": errors, "moved": moved}
 
 
 def run_fsdp_checkpoint(root: str, ep: int) -> dict[str, Any]:

@@ -105,6 +105,7 @@ FSDP_CONFIGS = [
     {"ep": 2, "k": 2, "drop": True, "factor": 1.0},
     {"ep": 4, "k": 1, "drop": False, "factor": 1.0},
     {"ep": 2, "k": 2, "drop": False, "factor": 1.0, "dp_replicate": 2},
+    {"ep": 2, "k": 2, "drop": False, "factor": 1.0, "bf16": True},
 ]
 
 
@@ -112,7 +113,12 @@ def test_fsdp_dense_over_dp_experts_in_a_unit_over_edp(rank_pool: Any) -> None:
     pool = rank_pool(WORLD)
     for cfg in FSDP_CONFIGS:
         for res in pool.run(w.run_fsdp, cfg, timeout_s=120):
-            assert max(res["errors"]) < ATOL, (cfg, res["errors"])
+            if not cfg.get("bf16"):
+                assert max(res["errors"]) < ATOL, (cfg, res["errors"])
+                continue
+            # bf16 compute (8-bit mantissa): within 2% of the step, and not exact
+            for err, moved in zip(res["errors"], res["moved"], strict=True):
+                assert 0 < err < 2e-2 * moved, (cfg, res)
 
 
 def test_fsdp_wrapped_experts_save_under_their_names_and_load_in_one_process(
