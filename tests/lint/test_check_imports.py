@@ -1,0 +1,109 @@
+"""tools/check_imports.py: the import-cycle check finds the cycles it must (function-local,
+TYPE_CHECKING, relative, through a package ``__init__``), lets a package ``__init__``
+import its own submodules, and keeps its allowlist exact."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import check_imports  # noqa: E402
+from import_graph import build_graph, collect_modules  # noqa: E402
+
+
+def make_tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return collect_modules(tmp_path, ["pkg"])
+
+
+def cycles(tmp_path: Path, files: dict[str, str], allowed=()) -> list[str]:
+    modules = make_tree(tmp_path, files)
+    return check_imports.cycle_problems(modules, build_graph(modules), allowed, tmp_path)
+
+
+def test_function_local_import_closing_a_cycle_is_reported(tmp_path: Path) -> None:
+    problems = cycles(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from pkg.b import helper\n",
+            "pkg/b.py": "def helper():\n    from pkg import a\n    return a\n",
+        },
+    )
+    assert len(problems) == 1
+    assert "import cycle between 2 modules: pkg.a, pkg.b" in problems[0]
+    assert "pkg/a.py:1: from pkg.b import helper" in problems[0]
+    assert "pkg/b.py:2: from pkg import a" in problems[0]
+
+
+def test_type_checking_and_relative_imports_count(tmp_path: Path) -> None:
+    problems = cycles(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/a.py": "from ..c import C\n",
+            "pkg/c.py": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n"
+                "    from .sub.a import A\n"
+                "C = 1\n"
+            ),
+        },
+    )
+    assert len(problems) == 1
+    assert "pkg.c, pkg.sub.a" in problems[0]
+    assert "pkg/c.py:3: from .sub.a import A" in problems[0]
+
+
+def test_init_importing_its_submodules_is_no_cycle(tmp_path: Path) -> None:
+    files = {
+        "pkg/__init__.py": "from pkg.a import A\nfrom pkg.b import B\n",
+        "pkg/a.py": "from pkg.b import B\nA = B\n",
+        "pkg/b.py": "B = 1\n",
+    }
+    assert cycles(tmp_path, files) == []
+
+
+def test_submodule_importing_its_package_init_that_reexports_a_sibling(tmp_path: Path) -> None:
+    # b takes A from the package, whose __init__ imports a, which imports b back
+    problems = cycles(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from pkg.a import A\n",
+            "pkg/a.py": "from pkg.b import B\nA = B\n",
+            "pkg/b.py": "def f():\n    from pkg import A\n    return A\nB = 1\n",
+        },
+    )
+    assert len(problems) == 1
+    assert "3 modules: pkg, pkg.a, pkg.b" in problems[0]
+
+
+CYCLE = {
+    "pkg/__init__.py": "",
+    "pkg/a.py": "import pkg.b\n",
+    "pkg/b.py": "def f():\n    import pkg.a\n",
+}
+
+
+def test_allowed_cycle_passes_and_a_grown_or_stale_one_fails(tmp_path: Path) -> None:
+    entry = check_imports.AllowedCycle(frozenset({"pkg.a", "pkg.b"}), "someone", "why")
+    assert cycles(tmp_path, CYCLE, (entry,)) == []
+    grown = {**CYCLE, "pkg/b.py": "import pkg.c\n", "pkg/c.py": "import pkg.a\n"}
+    problems = cycles(tmp_path, grown, (entry,))
+    assert len(problems) == 2
+    assert "3 modules: pkg.a, pkg.b, pkg.c" in problems[0]
+    assert "ALLOWED_CYCLES entry (someone) matches no cycle today" in problems[1]
+
+
+def test_the_repository_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert check_imports.main([]) == 0, capsys.readouterr().err
