@@ -107,3 +107,54 @@ def test_allowed_cycle_passes_and_a_grown_or_stale_one_fails(tmp_path: Path) -> 
 
 def test_the_repository_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert check_imports.main([]) == 0, capsys.readouterr().err
+
+
+SCRIPT = """\
+from shardkit.nn import FSDP, tensor_parallel
+from shardkit.optim import OSS
+from shardkit.nn.data_parallel.fully_sharded.sharded_checkpoint import save_fsdp_sharded
+from shardkit.nn.data_parallel.fully_sharded.api import FullyShardedDataParallel
+import shardkit.checkpoint.manifest
+
+
+def run():
+    from shardkit.memory import _count_new, model_state_bytes
+    return _count_new, model_state_bytes
+"""
+
+
+def script_problems(tmp_path: Path, allowed: dict[tuple[str, str], str]) -> list[str]:
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "bench.py").write_text(SCRIPT)
+    api = check_imports.public_api(collect_modules(ROOT, ["shardkit"]), ROOT / "docs" / "api")
+    scripts = collect_modules(tmp_path, ["scripts"])
+    return check_imports.public_api_problems(scripts, api, allowed, tmp_path)
+
+
+def test_scripts_importing_internals_are_reported(tmp_path: Path) -> None:
+    problems = script_problems(tmp_path, {})
+    assert len(problems) == 3, problems
+    assert problems[0].startswith(
+        "scripts/bench.py:4: from shardkit.nn.data_parallel.fully_sharded.api import"
+    )
+    assert (
+        "shardkit.nn.data_parallel.fully_sharded.api.FullyShardedDataParallel: not" in problems[0]
+    )
+    assert problems[1].startswith("scripts/bench.py:5: import shardkit.checkpoint.manifest")
+    # function-local, and only the private name of the statement
+    assert problems[2].startswith("scripts/bench.py:9: from shardkit.memory import _count_new")
+    assert "shardkit.memory._count_new: not" in problems[2]
+    assert "model_state_bytes:" not in problems[2]
+
+
+def test_allowed_internal_passes_and_a_stale_entry_fails(tmp_path: Path) -> None:
+    allowed = {
+        ("scripts/bench.py", "shardkit.nn.data_parallel.fully_sharded.api"): "why",
+        ("scripts/bench.py", "shardkit.checkpoint.manifest"): "why",
+        ("scripts/bench.py", "shardkit.memory"): "why",
+        ("scripts/other.py", "shardkit.memory"): "why",
+    }
+    assert script_problems(tmp_path, allowed) == [
+        "ALLOWED_INTERNAL entry ('scripts/other.py', 'shardkit.memory') matches no import "
+        "today: delete it from tools/check_imports.py"
+    ]
