@@ -14,14 +14,21 @@ check; it reads source files only and imports nothing, well under a second). It 
   ``shardkit`` import they make (function-local ones too) names a public module or a
   public name of one (the definition: ``tools/public_api.py``). ``ALLOWED_INTERNAL``
   lists the exceptions, each with its owner and reason.
+- **Nothing imports through a shim.** A shim is a deprecated import path kept for
+  users: a module whose ``__getattr__`` is ``shardkit.deprecation.moved_names(...)``
+  (it warns once per process). No module of the three trees imports one; and a module
+  whose docstring calls it a deprecated alias / location / old import path must be such
+  a shim (so it warns).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from import_graph import Edge, build_graph, collect_modules, strongly_connected
@@ -93,9 +100,15 @@ def cycle_problems(
     return problems
 
 
-def check_cycles() -> list[str]:
+@cache
+def repository_graph() -> tuple[dict[str, Path], list[Edge]]:
+    """The modules of ``TREES`` and their import edges, read once per run."""
     modules = collect_modules(ROOT, TREES)
-    return cycle_problems(modules, build_graph(modules))
+    return modules, build_graph(modules)
+
+
+def check_cycles() -> list[str]:
+    return cycle_problems(*repository_graph())
 
 
 # (script file, internal module) pairs allowed, with the owner and the reason. An entry
@@ -192,9 +205,53 @@ def check_public_api() -> list[str]:
     return public_api_problems(collect_modules(ROOT, SCRIPTS), api, ALLOWED_INTERNAL)
 
 
+_SHIM_DOC = re.compile(r"deprecated (?:alias|location|import path)|old import path", re.IGNORECASE)
+
+
+def is_shim(path: Path) -> bool:
+    """The module sets ``__getattr__ = moved_names(...)`` at top level."""
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "__getattr__" for t in node.targets)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name)
+            and node.value.func.id == "moved_names"
+        ):
+            return True
+    return False
+
+
+def shim_problems(modules: dict[str, Path], edges: list[Edge], root: Path = ROOT) -> list[str]:
+    """Imports of a shim, and modules documented as deprecated paths that are no shim."""
+    shims = {name for name, path in modules.items() if is_shim(path)}
+    problems = [
+        f"{edge.where(root)}\n  {edge.dst} is a deprecated shim (it warns users): import "
+        "the name from the canonical path its docstring names (docs/api/index.md)"
+        for edge in edges
+        if edge.dst in shims
+    ]
+    for name, path in sorted(modules.items()):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        first = doc.split("\n\n")[0]
+        if name not in shims and _SHIM_DOC.search(first):
+            problems.append(
+                f"{path.relative_to(root)}: its docstring calls it a deprecated path, but "
+                "it is no shim: make its names resolve through "
+                "`__getattr__ = shardkit.deprecation.moved_names(__name__, {...})`, so "
+                "users are warned once"
+            )
+    return problems
+
+
+def check_shims() -> list[str]:
+    return shim_problems(*repository_graph())
+
+
 CHECKS: dict[str, Callable[[], list[str]]] = {
     "cycles": check_cycles,
     "public-api": check_public_api,
+    "shims": check_shims,
 }
 
 

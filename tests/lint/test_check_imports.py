@@ -158,3 +158,27 @@ def test_allowed_internal_passes_and_a_stale_entry_fails(tmp_path: Path) -> None
         "ALLOWED_INTERNAL entry ('scripts/other.py', 'shardkit.memory') matches no import "
         "today: delete it from tools/check_imports.py"
     ]
+
+
+def test_imports_of_a_shim_and_an_unwarned_deprecated_module_are_reported(
+    tmp_path: Path,
+) -> None:
+    modules = make_tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/new.py": "X = 1\n",
+            "pkg/old.py": (
+                '"""Deprecated location of X."""\n'
+                "from shardkit.deprecation import moved_names\n"
+                "__getattr__ = moved_names(__name__, {'X': 'pkg.new'})\n"
+            ),
+            "pkg/user.py": "def f():\n    from pkg.old import X\n    return X\n",
+            "pkg/quiet.py": '"""Deprecated alias of pkg.new: import X from there."""\n'
+            "from pkg.new import X\n",
+        },
+    )
+    problems = check_imports.shim_problems(modules, build_graph(modules), tmp_path)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("pkg/user.py:2: from pkg.old import X\n  pkg.old is a")
+    assert problems[1].startswith("pkg/quiet.py: its docstring calls it a deprecated path")
