@@ -19,6 +19,8 @@ check; it reads source files only and imports nothing, well under a second). It 
   (it warns once per process). No module of the three trees imports one; and a module
   whose docstring calls it a deprecated alias / location / old import path must be such
   a shim (so it warns).
+- **Long modules say why.** A module of ``shardkit/`` over ``LONG_MODULE_LINES`` lines
+  has a line starting ``Why this module is long:`` in its docstring, with the reason.
 """
 
 from __future__ import annotations
@@ -248,10 +250,38 @@ def check_shims() -> list[str]:
     return shim_problems(*repository_graph())
 
 
+LONG_MODULE_LINES = 500
+_LONG_REASON = re.compile(r"^Why this module is long: \S", re.MULTILINE)
+
+
+def long_module_problems(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """Modules over ``LONG_MODULE_LINES`` lines whose docstring gives no reason."""
+    problems: list[str] = []
+    for _, path in sorted(modules.items()):
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines <= LONG_MODULE_LINES:
+            continue
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if not _LONG_REASON.search(doc):
+            problems.append(
+                f"{path.relative_to(root)}: {lines} lines (over {LONG_MODULE_LINES}) and its "
+                "docstring gives no reason: split it by concept, or add a line "
+                "`Why this module is long: <the reason>` to the module docstring"
+            )
+    return problems
+
+
+def check_long_modules() -> list[str]:
+    modules, _ = repository_graph()
+    return long_module_problems({n: p for n, p in modules.items() if n.startswith("shardkit")})
+
+
 CHECKS: dict[str, Callable[[], list[str]]] = {
     "cycles": check_cycles,
     "public-api": check_public_api,
     "shims": check_shims,
+    "long-modules": check_long_modules,
 }
 
 

@@ -182,3 +182,20 @@ def test_imports_of_a_shim_and_an_unwarned_deprecated_module_are_reported(
     assert len(problems) == 2, problems
     assert problems[0].startswith("pkg/user.py:2: from pkg.old import X\n  pkg.old is a")
     assert problems[1].startswith("pkg/quiet.py: its docstring calls it a deprecated path")
+
+
+def test_long_module_without_a_reason_is_reported(tmp_path: Path) -> None:
+    body = "x = 1\n" * 500
+    modules = make_tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/short.py": '"""Short."""\n' + "x = 1\n" * 499,  # 500 lines: at the limit
+            "pkg/long.py": '"""Long, no reason."""\n' + body,
+            "pkg/said.py": '"""Long.\n\nWhy this module is long: one protocol.\n"""\n' + body,
+            "pkg/empty.py": '"""Long.\n\nWhy this module is long:\n"""\n' + body,
+        },
+    )
+    problems = check_imports.long_module_problems(modules, tmp_path)
+    assert [p.split(":")[0] for p in problems] == ["pkg/empty.py", "pkg/long.py"]
+    assert "pkg/long.py: 501 lines (over 500)" in problems[1]
