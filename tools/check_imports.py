@@ -202,9 +202,26 @@ def public_api_problems(
     return problems
 
 
+def library_import_problems(
+    library: set[str], scripts: set[str], edges: list[Edge], root: Path = ROOT
+) -> list[str]:
+    """Imports of a script module (``scripts``) by a library module (``library``)."""
+    return [
+        f"{edge.where(root)}\n  the library imports the script module {edge.dst}: scripts "
+        "use shardkit, never the reverse; move what both need into shardkit"
+        for edge in edges
+        if edge.src in library and edge.dst in scripts
+    ]
+
+
 def check_public_api() -> list[str]:
-    api = public_api(collect_modules(ROOT, ["shardkit"]), ROOT / "docs" / "api")
-    return public_api_problems(collect_modules(ROOT, SCRIPTS), api, ALLOWED_INTERNAL)
+    modules, edges = repository_graph()
+    library = {name for name in modules if name.split(".")[0] == "shardkit"}
+    scripts = collect_modules(ROOT, SCRIPTS)
+    api = public_api({name: modules[name] for name in library}, ROOT / "docs" / "api")
+    return public_api_problems(scripts, api, ALLOWED_INTERNAL) + library_import_problems(
+        library, set(scripts), edges
+    )
 
 
 _SHIM_DOC = re.compile(r"deprecated (?:alias|location|import path)|old import path", re.IGNORECASE)

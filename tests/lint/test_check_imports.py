@@ -199,3 +199,18 @@ def test_long_module_without_a_reason_is_reported(tmp_path: Path) -> None:
     problems = check_imports.long_module_problems(modules, tmp_path)
     assert [p.split(":")[0] for p in problems] == ["pkg/empty.py", "pkg/long.py"]
     assert "pkg/long.py: 501 lines (over 500)" in problems[1]
+
+
+def test_the_library_importing_a_script_is_reported(tmp_path: Path) -> None:
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/core.py": "def f():\n    from train_gpt import main\n    return main\n",
+        "scripts/train_gpt.py": "import pkg.core\nmain = 1\n",
+    }
+    make_tree(tmp_path, files)
+    modules = collect_modules(tmp_path, ["pkg", "scripts"])
+    problems = check_imports.library_import_problems(
+        {"pkg", "pkg.core"}, {"train_gpt"}, build_graph(modules), tmp_path
+    )
+    assert len(problems) == 1
+    assert problems[0].startswith("pkg/core.py:2: from train_gpt import main\n  the library")
