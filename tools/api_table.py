@@ -2,7 +2,8 @@
 
 ``python tools/api_table.py`` rewrites the table between the markers of
 ``docs/api/index.md``; ``python tools/api_table.py --check`` exits 1 when the page is not
-current (run by ``make lint`` through ``tests/lint/test_api_table.py``).
+current (run by ``make lint`` through ``tests/lint/test_api_table.py``);
+``--aliases`` prints only the names reachable at more than one path.
 
 Public names and modules as in ``tools/public_api.py``. The same object exported by
 several public modules (or under several names) is one row:
@@ -117,7 +118,16 @@ def render(page: str) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if the page is stale")
+    parser.add_argument(
+        "--aliases", action="store_true", help="print the names with aliases, write nothing"
+    )
     args = parser.parse_args(argv)
+    if args.aliases:
+        for row in rows():
+            if row.aliases():
+                module, name = row.canonical()
+                print(f"{module}.{name}: {', '.join(row.aliases())}")
+        return 0
     current = PAGE.read_text()
     wanted = render(current)
     if args.check:
