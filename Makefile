@@ -49,7 +49,7 @@ lint: $(STAMP) docs
 	$(VENV)/bin/mypy tools
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) tools/check_imports.py
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests/lint
+	$(VENV)/bin/pytest -q -p no:cacheprovider --noconftest tests/lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/docs/test_wording.py  # docs speak to users
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/docs/test_doc_names.py tests/docs/test_doc_options.py  # docs name real code
 

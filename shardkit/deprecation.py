@@ -19,18 +19,9 @@ import importlib
 import warnings
 from collections.abc import Callable, Mapping
 
-__all__ = ["deprecated_paths", "moved_names"]
+__all__ = ["moved_names"]
 
 _warned: set[str] = set()
-_moved: dict[str, dict[str, str]] = {}
-
-
-def deprecated_paths() -> dict[str, dict[str, str]]:
-    """Every shim module imported so far -> its names -> their canonical modules (a copy).
-
-    The API docs' table of aliases reads it (``tools/api_table.py``).
-    """
-    return {old: dict(targets) for old, targets in _moved.items()}
 
 
 def moved_names(old_module: str, targets: Mapping[str, str]) -> Callable[[str], object]:
@@ -59,7 +50,6 @@ def moved_names(old_module: str, targets: Mapping[str, str]) -> Callable[[str], 
             naming the module and listing the names it serves.
     """
     served = dict(targets)
-    _moved[old_module] = served
 
     def __getattr__(name: str) -> object:
         target = served.get(name)

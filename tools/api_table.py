@@ -6,10 +6,11 @@ current (run by ``make lint`` through ``tests/lint/test_api_table.py``);
 ``--aliases`` prints only the names reachable at more than one path.
 
 Public names and modules as in ``tools/public_api.py``. The same object exported by
-several public modules (or under several names) is one row:
+several public modules (or under several names) is one row; which paths reach the same
+object is read from the source, nothing is imported (``public_api.Resolver``):
 
 - **import it from**: the canonical path. Among the paths exporting the object under
-  its own name (``__name__``; for a constant, any), the shallowest module wins, ties by
+  the name it is defined with, the shallowest module wins, ties by
   name: ``shardkit.nn.Pipe``, not ``shardkit.nn.pipe.Pipe``. That is FairScale's path
   wherever FairScale has the name (``shardkit.nn.FullyShardedDataParallel``,
   ``shardkit.optim.OSS``, ``shardkit.optim.grad_scaler.ShardedGradScaler``).
@@ -22,18 +23,12 @@ several public modules (or under several names) is one row:
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from check_imports import is_shim
 from import_graph import collect_modules
-from public_api import public_api
-
-from shardkit.deprecation import deprecated_paths
+from public_api import Origin, Resolver, public_api, shim_targets
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "api" / "index.md"
@@ -60,35 +55,26 @@ class Row:
         return shown
 
 
-def _key(name: str, obj: object) -> tuple[object, ...]:
-    if inspect.isclass(obj) or inspect.isroutine(obj):
-        return (id(obj),)
-    return (name, id(obj))  # a constant: the same object under the same name
-
-
 def rows() -> list[Row]:
-    """Every public object (not modules), sorted by canonical path."""
+    """Every public object (not modules), sorted by canonical path. Paths reach the
+    same object when their names have the same origin (``public_api.Resolver``)."""
     modules = collect_modules(ROOT, ["shardkit"])
     api = public_api(modules, ROOT / "docs" / "api")
-    found: dict[tuple[object, ...], Row] = {}
-    for module_name in sorted(api.names):
-        module = importlib.import_module(module_name)
-        for name in sorted(api.names[module_name]):
-            obj = getattr(module, name)
-            if inspect.ismodule(obj):
-                continue
-            row = found.setdefault(_key(name, obj), Row(own_name=getattr(obj, "__name__", None)))
-            row.paths.append((module_name, name))
-    for shim in [name for name, path in sorted(modules.items()) if is_shim(path)]:
-        importlib.import_module(shim)
-    for shim, targets in sorted(deprecated_paths().items()):
-        for name, target in sorted(targets.items()):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                obj = getattr(importlib.import_module(target), name)
+    resolver = Resolver(modules)
+    found: dict[Origin, Row] = {}
+    for module in sorted(api.names):
+        for name in sorted(api.names[module]):
+            origin = resolver.origin(module, name)
+            if origin is not None:
+                found.setdefault(origin, Row(own_name=origin[1])).paths.append((module, name))
+    for shim, path in sorted(modules.items()):
+        for name, target in sorted((shim_targets(path) or {}).items()):
+            origin = resolver.origin(target, name)
+            if origin is None:
+                raise SystemExit(f"{shim}.{name} forwards to {target}.{name}, a module")
             # a name only the shim still serves: its row shows where the shim sends users
-            row = found.setdefault(_key(name, obj), Row(paths=[(target, name)]))
-            row.deprecated.append((shim, name))
+            found.setdefault(origin, Row(paths=[(target, name)], own_name=name))
+            found[origin].deprecated.append((shim, name))
     return sorted(found.values(), key=lambda r: r.canonical())
 
 

@@ -34,7 +34,7 @@ from functools import cache
 from pathlib import Path
 
 from import_graph import Edge, build_graph, collect_modules, strongly_connected
-from public_api import PublicAPI, public_api
+from public_api import PublicAPI, public_api, shim_targets
 
 ROOT = Path(__file__).resolve().parents[1]
 TREES = ("shardkit", "benchmarks", "examples")
@@ -228,17 +228,8 @@ _SHIM_DOC = re.compile(r"deprecated (?:alias|location|import path)|old import pa
 
 
 def is_shim(path: Path) -> bool:
-    """The module sets ``__getattr__ = moved_names(...)`` at top level."""
-    for node in ast.parse(path.read_text(), filename=str(path)).body:
-        if (
-            isinstance(node, ast.Assign)
-            and any(isinstance(t, ast.Name) and t.id == "__getattr__" for t in node.targets)
-            and isinstance(node.value, ast.Call)
-            and isinstance(node.value.func, ast.Name)
-            and node.value.func.id == "moved_names"
-        ):
-            return True
-    return False
+    """The module sets ``__getattr__ = moved_names(__name__, {...})`` at top level."""
+    return shim_targets(path) is not None
 
 
 def shim_problems(modules: dict[str, Path], edges: list[Edge], root: Path = ROOT) -> list[str]:

@@ -111,3 +111,146 @@ def public_api(modules: dict[str, Path], docs_api: Path) -> PublicAPI:
             if owner in modules:
                 api.names.setdefault(owner, set()).add(name)
     return api
+
+
+# [Note: where a name comes from, statically]
+# The table of aliases groups the paths that reach the same object. Importing shardkit
+# to compare objects costs seconds (torch, transformers); following the bindings in
+# the source costs milliseconds. A module's top-level binding of a name (the last one,
+# searching into top-level ``if`` / ``try`` blocks, as Python runs them) is one of:
+# a def or class, or an assignment of anything but a bare name: the name originates
+# here; ``X = Y``: the origin of ``Y`` here (``FSDP = FullyShardedDataParallel``);
+# ``from M import Y as X``: the origin of ``Y`` in ``M`` when ``M`` binds it (a package
+# ``__init__`` rebinding ``wrap``), else the submodule ``M.Y`` (no origin: a module);
+# ``import M``: a module.
+Origin = tuple[str, str]
+
+
+def _top_level(body: list[ast.stmt]) -> list[ast.stmt]:
+    flat: list[ast.stmt] = []
+    for node in body:
+        if isinstance(node, ast.If):
+            flat += _top_level(node.body) + _top_level(node.orelse)
+        elif isinstance(node, ast.Try):
+            flat += _top_level(node.body)
+            for handler in node.handlers:
+                flat += _top_level(handler.body)
+            flat += _top_level(node.orelse) + _top_level(node.finalbody)
+        else:
+            flat.append(node)
+    return flat
+
+
+def _binding(tree: ast.Module, name: str) -> ast.stmt | ast.alias | None:
+    """The last top-level statement binding ``name`` (an ``ast.alias`` for imports)."""
+    found: ast.stmt | ast.alias | None = None
+    for node in _top_level(tree.body):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if node.name == name:
+                found = node
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                found = node
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            for alias in node.names:
+                bound = alias.asname or alias.name.split(".")[0]
+                if bound == name:
+                    found = alias
+    return found
+
+
+class Resolver:
+    """Origins of names in the modules of one tree, read from their source (cached)."""
+
+    def __init__(self, modules: dict[str, Path]) -> None:
+        self.modules = modules
+        self._trees: dict[str, ast.Module] = {}
+        self._parents: dict[int, ast.ImportFrom] = {}
+
+    def tree(self, module: str) -> ast.Module:
+        if module not in self._trees:
+            tree = ast.parse(self.modules[module].read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom):
+                    for alias in node.names:
+                        self._parents[id(alias)] = node
+            self._trees[module] = tree
+        return self._trees[module]
+
+    def _base(self, module: str, node: ast.ImportFrom) -> str:
+        if not node.level:
+            return node.module or ""
+        package = (
+            module if self.modules[module].name == "__init__.py" else module.rpartition(".")[0]
+        )
+        parts = package.split(".")
+        parts = parts[: len(parts) - (node.level - 1)]
+        return ".".join(parts + ([node.module] if node.module else []))
+
+    def origin(self, module: str, name: str, depth: int = 0) -> Origin | None:
+        """Where ``module.name`` is defined; None when it is a module. Names bound
+        outside the tree (``torch``) originate where they were imported from."""
+        if module not in self.modules or depth > 50:
+            return (module, name)
+        node = _binding(self.tree(module), name)
+        if node is None:
+            return None if f"{module}.{name}" in self.modules else (module, name)
+        if isinstance(node, ast.alias):
+            parent = self._parents.get(id(node))
+            if parent is None:  # import a.b [as c]: a module
+                return None
+            base = self._base(module, parent)
+            if base in self.modules and _binding(self.tree(base), node.name) is not None:
+                return self.origin(base, node.name, depth + 1)
+            if f"{base}.{node.name}" in self.modules:
+                return None
+            return self.origin(base, node.name, depth + 1)
+        if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Name):
+            return self.origin(module, node.value.id, depth + 1)
+        return (module, name)
+
+
+def shim_targets(path: Path) -> dict[str, str] | None:
+    """A shim's ``{name: canonical module}``: the literal dict (or the name of a
+    module-level literal dict) given to ``__getattr__ = moved_names(__name__, ...)``;
+    None when the module is no shim."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    dicts: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        target = node.targets[0]
+        if not isinstance(target, ast.Name):
+            continue
+        dicts[target.id] = node.value
+        call = node.value
+        if (
+            target.id == "__getattr__"
+            and isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Name)
+            and call.func.id == "moved_names"
+            and len(call.args) == 2
+        ):
+            arg = call.args[1]
+            value = dicts.get(arg.id) if isinstance(arg, ast.Name) else arg
+            pairs = (
+                list(zip(value.keys, value.values, strict=True))
+                if isinstance(value, ast.Dict)
+                else []
+            )
+            found = {
+                k.value: v.value
+                for k, v in pairs
+                if isinstance(k, ast.Constant)
+                and isinstance(k.value, str)
+                and isinstance(v, ast.Constant)
+                and isinstance(v.value, str)
+            }
+            if not isinstance(value, ast.Dict) or len(found) != len(pairs):
+                raise ValueError(
+                    f"{path}: moved_names' targets must be a literal dict of strings "
+                    "(or the name of one), so the tools can read them without importing"
+                )
+            return found
+    return None

@@ -12,12 +12,11 @@ universal checkpoint format.
 
 from shardkit.deprecation import moved_names
 
-_SHARDED = "shardkit.nn.data_parallel.fully_sharded.sharded_checkpoint"
-
-# each name this old path still serves -> the canonical module to import it from
+# each name this old path still serves -> the canonical module to import it from (a
+# literal dict: tools/api_table.py reads it without importing)
 _TARGETS = {
-    "FSDP_SHARD_FORMAT": _SHARDED,
-    "fsdp_shard_path": _SHARDED,
+    "FSDP_SHARD_FORMAT": "shardkit.nn.data_parallel.fully_sharded.sharded_checkpoint",
+    "fsdp_shard_path": "shardkit.nn.data_parallel.fully_sharded.sharded_checkpoint",
     "load_fsdp_sharded": "shardkit.nn.data_parallel.fully_sharded",
     "read_flat_range": "shardkit.checkpoint.flat",
     "save_fsdp_sharded": "shardkit.nn.data_parallel.fully_sharded",

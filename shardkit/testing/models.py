@@ -8,8 +8,22 @@ imports keep working; the first one read raises one ``DeprecationWarning`` per p
 """
 
 from shardkit.deprecation import moved_names
-from shardkit.models import gpt as _gpt
 
-__all__ = list(_gpt.__all__)
+# each name this old path still serves -> the canonical module (a literal dict:
+# tools/api_table.py reads it without importing)
+_TARGETS = {
+    "GPT": "shardkit.models",
+    "MODEL_SIZES": "shardkit.models",
+    "Block": "shardkit.models",
+    "GPTConfig": "shardkit.models",
+    "GPTEmbedding": "shardkit.models",
+    "GPTHead": "shardkit.models",
+    "gpt_config": "shardkit.models",
+    "gpt_init_fn": "shardkit.models",
+    "gpt_stages": "shardkit.models",
+    "gpt_unit_init_fn": "shardkit.models",
+}
 
-__getattr__ = moved_names(__name__, dict.fromkeys(_gpt.__all__, "shardkit.models"))
+__all__ = sorted(_TARGETS)
+
+__getattr__ = moved_names(__name__, _TARGETS)

@@ -21,7 +21,8 @@ def test_the_api_page_table_is_current() -> None:
 
 
 def test_canonical_paths_and_aliases() -> None:
-    by_name = {row.canonical(): row for row in api_table.rows()}
+    rows = api_table.rows()
+    by_name = {row.canonical(): row for row in rows}
     fsdp = by_name[("shardkit.nn", "FullyShardedDataParallel")]
     assert "`shardkit.nn.FSDP`" in fsdp.aliases()
     assert "`shardkit.nn.data_parallel.FullyShardedDataParallel`" in fsdp.aliases()
@@ -34,4 +35,4 @@ def test_canonical_paths_and_aliases() -> None:
         in by_name[("shardkit.models", "GPT")].aliases()
     )
     # every canonical path is unique: one row per object
-    assert len(by_name) == len(api_table.rows())
+    assert len(by_name) == len(rows)

@@ -1,14 +1,14 @@
-"""tools/check_imports.py: the import-cycle check finds the cycles it must (function-local,
-TYPE_CHECKING, relative, through a package ``__init__``), lets a package ``__init__``
-import its own submodules, and keeps its allowlist exact."""
+"""tools/check_imports.py on small trees: the import-cycle check finds the cycles it must
+(function-local, TYPE_CHECKING, relative, through a package ``__init__``) and lets a
+package ``__init__`` import its own submodules; the public-API, shim, library-imports-
+no-script and long-module checks report what they must; the allowlists stay exact.
+(``make lint`` runs the script itself on the repository.)"""
 
 from __future__ import annotations
 
 import sys
 import textwrap
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -103,10 +103,6 @@ def test_allowed_cycle_passes_and_a_grown_or_stale_one_fails(tmp_path: Path) -> 
     assert len(problems) == 2
     assert "3 modules: pkg.a, pkg.b, pkg.c" in problems[0]
     assert "ALLOWED_CYCLES entry (someone) matches no cycle today" in problems[1]
-
-
-def test_the_repository_passes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert check_imports.main([]) == 0, capsys.readouterr().err
 
 
 SCRIPT = """\
