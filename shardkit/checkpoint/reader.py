@@ -43,6 +43,10 @@ only) are read as given, with no note.
 Files are read with :func:`~shardkit.checkpoint.manifest.load_tensors_only`
 (memory-mapped, tensors and plain containers only): a parameter is read from the
 byte ranges of the shards that hold it.
+
+Why this module is long: it reads five checkpoint formats offline (manifest, FSDP
+sharded, OSS sharded, the main job's, universal), a few small functions each; reading
+only the manifest and the universal format (older ones through convert) shortens it.
 """
 
 from __future__ import annotations

@@ -21,6 +21,12 @@ made by a scheduler between steps reaches the step.
 Source: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models", section 5.1 (P_os); the public surface follows FairScale's
 ``fairscale.optim.OSS``.
+
+Why this module is long: the OSS class is FairScale's public surface on one Optimizer
+subclass (step, the two views of the param groups, full and sharded state dicts,
+consolidation, refresh_trainable, clip_grad_norm, the broadcast of updated parameters);
+the partition (partition.py) and the reduce-to-owner hook (oss_comm_hook.py) are already
+apart.
 """
 
 from __future__ import annotations

@@ -26,6 +26,10 @@
 8. The commit: in-memory copies of what was read into the model and the optimizer
    state, then the param groups' hyperparameters, then ``after_load``. The cost:
    this rank's share of the checkpoint is held once more during the load.
+
+Why this module is long: load_universal's steps (the Note above) run in order over one
+staging object, each a function under 90 lines; what stands alone is already apart
+(plan.py, shardfile.py, optim_state.py, meta.py).
 """
 
 from __future__ import annotations

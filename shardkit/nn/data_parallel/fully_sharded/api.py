@@ -5,6 +5,11 @@ unit's flat parameter and its views), ``collectives`` (all-gather, reduce-scatte
 ``unit`` (the runtime that owns a unit's state and runs its phase hooks), ``root``
 (what the units under one root share), ``state_dict`` and ``optim_state``
 (checkpoints), and this class: the thin ``nn.Module`` front.
+
+Why this module is long: FullyShardedDataParallel is FairScale's public class, and each
+of its many public methods (state dicts, summon_full_params, no_sync, clip_grad_norm_,
+...) keeps its FairScale docstring and forwards to the unit runtime in a few lines; the
+logic lives in the modules below.
 """
 
 from __future__ import annotations

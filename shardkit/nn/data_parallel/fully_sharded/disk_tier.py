@@ -37,6 +37,10 @@ OffloadModel's disk tier; at most the running unit, the prefetched one and the u
 whose gradient reduction is in flight hold their shard, plus one unit's optimizer state
 during its step. Reads and writes go through ``readinto`` / ``write`` (no memory map),
 so the page cache, not the process, holds file pages.
+
+Why this module is long: the disk tier's classes (DiskOffload the user passes, DiskUnit
+with a unit's files and prefetch, DiskOptimizer) share the file layout and generation
+rules this docstring states; it becomes the disk shard-store policy.
 """
 
 from __future__ import annotations
