@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from shardkit.checkpoint.legacy.state import LegacyState, open_records, rank_files
-from shardkit.checkpoint.universal.layout import TensorView
 from shardkit.checkpoint.universal.plan import assemble
 from shardkit.checkpoint.universal.shardfile import SavedPiece, dtype_name
+from shardkit.distributed.shard_descriptor import TensorView
 
 __all__ = ["FILE", "FORMAT", "merge_parts", "read"]
 
