@@ -7,9 +7,12 @@
    :func:`shardkit.nn.tensor_parallel.parallelize`);
 2. activation checkpointing (``checkpoint_wrapper`` around every module of the
    ``activation_checkpointing`` classes);
-3. data parallel: FSDP units over ``dp_shard`` (``fsdp_units`` auto-wrapped, then a root
-   unit), hybrid sharding over ``(dp_shard, dp_replicate)`` when both exceed 1, torch
-   ``DistributedDataParallel`` over ``dp_replicate`` when ``dp_shard`` is 1;
+3. data parallel over ``dp_replicate x dp_shard`` (``data_parallel``): ``"fsdp"``
+   makes ``fsdp_units`` FSDP units and the rest a root unit, sharded over ``dp_shard``
+   and, when ``dp_replicate > 1``, hybrid (``HYBRID_SHARD`` over ``(dp_shard,
+   dp_replicate)``; with ``dp_shard`` 1 that is DDP-style replication with FSDP's
+   features: mixed precision, the flat-parameter checkpoint layout); ``"ddp"`` wraps
+   torch ``DistributedDataParallel`` over ``dp``; ``"none"`` leaves it to the caller;
 4. the pipeline split over ``pp`` (``pipeline``): this rank keeps its stage of the
    layers, and a :class:`~shardkit.nn.pipe.PipelineStage` with its schedule runs it.
 
@@ -27,15 +30,15 @@ acts on one stage's parameters.
 [Note: what composes]
 Every product of the four degrees runs, with these rules:
 
-- ``tp > 1`` needs ``tp_plan``;
-- under a pipeline (``pp > 1``) a stage is replicated over the data-parallel ranks
-  (``DistributedDataParallel`` over ``mesh.group("dp")``, ``dp_replicate x dp_shard``
-  of them), whatever the split between the two: a weight tied across stages (a GPT's
-  token embedding and LM head) has its gradient summed between those stages after
-  each schedule, which needs whole gradients; FSDP inside a stage is refused
-  (``fsdp_units`` with ``pp > 1``);
-- ``mixed_precision`` is FSDP's policy: it needs ``dp_shard > 1`` and no pipeline;
-- ``data_parallel=False`` leaves data parallelism to the caller (torch DDP, OSS,
+- ``tp > 1`` needs ``tp_plan``; ``pp > 1`` needs ``pipeline``;
+- under a pipeline a stage is replicated over its data-parallel ranks
+  (``data_parallel="ddp"``, over ``dp_replicate x dp_shard`` of them): a weight tied
+  across stages (a GPT's token embedding and LM head) has its gradient summed between
+  those stages after each schedule, which needs whole gradients, so FSDP inside a
+  stage (``data_parallel="fsdp"`` with ``pp > 1`` and ``dp > 1``) is refused;
+- ``mixed_precision`` is FSDP's policy: it needs ``data_parallel="fsdp"`` and no
+  pipeline (use ``torch.autocast`` around the forward otherwise);
+- ``data_parallel="none"`` leaves data parallelism to the caller (torch DDP, OSS,
   ShardedDataParallel over ``mesh.group("dp")``); it refuses ``pp > 1``.
 
 Each refusal is a ``ValueError`` naming the values and what to change.
@@ -69,6 +72,7 @@ from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_polic
 
 __all__ = ["ParallelModel", "PipelineSplit", "parallelize_model"]
 
+DataParallel = Literal["fsdp", "ddp", "none"]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -171,7 +175,7 @@ def parallelize_model(
     mixed_precision: MixedPrecision | None = None,
     fsdp_kwargs: Mapping[str, Any] | None = None,
     pipeline: PipelineSplit | None = None,
-    data_parallel: bool = True,
+    data_parallel: DataParallel = "fsdp",
     device: torch.device | None = None,
 ) -> ParallelModel:
     """Apply tensor parallel, activation checkpointing, data parallel and the pipeline
@@ -193,16 +197,16 @@ def parallelize_model(
             ``tp > 1``, ignored otherwise. Default None.
         activation_checkpointing: module classes whose instances are wrapped in
             ``checkpoint_wrapper``. Default none.
-        fsdp_units: module classes that become FSDP units of their own (e.g. the
-            transformer block class; a checkpointed block is matched through its
-            wrapper); the rest of the model goes in the root unit. Default none: one
-            unit.
+        fsdp_units: ``data_parallel="fsdp"``: module classes that become FSDP units
+            of their own (e.g. the transformer block class; a checkpointed block is
+            matched through its wrapper); the rest of the model goes in the root unit.
+            Default none: one unit.
         mixed_precision: FSDP's policy. Default None (fp32).
         fsdp_kwargs: further ``FullyShardedDataParallel`` arguments (``param_init_fn``,
             ``grad_compression``, ...). Default none.
         pipeline: the split into ``pp`` stages; needed when ``pp > 1``. Default None.
-        data_parallel: False: apply no data parallelism (the caller wraps
-            ``module`` over ``mesh.group("dp")`` itself). Default True.
+        data_parallel: ``"fsdp"``, ``"ddp"`` or ``"none"`` (see the module docstring).
+            Default ``"fsdp"``.
         device: this rank's device (the pipeline stage's). Default: the parameters'.
 
     Returns:
@@ -212,7 +216,7 @@ def parallelize_model(
         ValueError: a combination that does not compose (see ``[Note: what
             composes]``); the message names the degrees and the fix.
     """
-    _check(mesh, tp_plan, fsdp_units, mixed_precision, pipeline, data_parallel)
+    _check(mesh, tp_plan, mixed_precision, pipeline, data_parallel)
     if mesh.size("tp") > 1:
         assert tp_plan is not None
         tp.parallelize(model, tp_plan, process_group=mesh.group("tp"))
@@ -221,10 +225,10 @@ def parallelize_model(
         _wrap_instances(model, tuple(activation_checkpointing))
     if pipeline is not None and mesh.size("pp") > 1:
         return _pipelined(model, mesh, pipeline, split, device)
-    if not data_parallel or mesh.size("dp") == 1:
+    if data_parallel == "none" or (data_parallel == "ddp" and mesh.size("dp") == 1):
         return ParallelModel(mesh, model, split)
-    if mesh.size("dp_shard") == 1:
-        return ParallelModel(mesh, _ddp(model, mesh.group("dp_replicate")), split)
+    if data_parallel == "ddp":
+        return ParallelModel(mesh, _ddp(model, mesh.group("dp")), split)
     units: set[type[nn.Module]] = set(fsdp_units)
     if units & set(activation_checkpointing):  # a checkpointed unit is met as its wrapper
         units.add(CheckpointWrapper)
@@ -243,10 +247,9 @@ def parallelize_model(
 def _check(
     mesh: ProcessMesh,
     tp_plan: Mapping[str, Any] | None,
-    fsdp_units: Collection[type[nn.Module]],
     mixed_precision: MixedPrecision | None,
     pipeline: PipelineSplit | None,
-    data_parallel: bool,
+    data_parallel: DataParallel,
 ) -> None:
     """Raise the ValueError of ``[Note: what composes]`` for a combination that fails."""
     d = mesh.dims
@@ -258,22 +261,22 @@ def _check(
             f"the mesh ({degrees}) has pp {d.pp} but no pipeline was given; pass "
             "pipeline=PipelineSplit(...) or build the mesh with pp=1"
         )
-    if d.pp > 1 and not data_parallel:
+    if d.pp > 1 and data_parallel == "none":
         raise ValueError(
-            f"data_parallel=False with a pipeline ({degrees}): the stages' replicas are "
-            "wrapped here; drop data_parallel=False"
+            f"data_parallel='none' with a pipeline ({degrees}): the stages' replicas are "
+            "wrapped here; pass data_parallel='ddp'"
         )
-    if d.pp > 1 and fsdp_units and d.dp > 1:
+    if d.pp > 1 and data_parallel == "fsdp" and d.dp > 1:
         raise ValueError(
-            f"fsdp_units with a pipeline ({degrees}): a stage is replicated over its "
-            f"{d.dp} data-parallel ranks (DDP), not sharded; drop fsdp_units or use pp 1"
+            f"data_parallel='fsdp' with a pipeline ({degrees}): a stage is replicated over "
+            f"its {d.dp} data-parallel ranks, not sharded (a weight tied across stages "
+            "needs whole gradients); pass data_parallel='ddp' or use pp 1"
         )
-    fsdp = data_parallel and d.pp == 1 and d.dp_shard > 1
-    if mixed_precision is not None and not fsdp:
+    if mixed_precision is not None and (data_parallel != "fsdp" or d.pp > 1):
         raise ValueError(
-            f"mixed_precision is FSDP's policy but the mesh ({degrees}, data_parallel="
-            f"{data_parallel}) builds no FSDP unit; it needs dp_shard > 1 and pp 1 (else "
-            "use torch.autocast around the forward)"
+            f"mixed_precision is FSDP's policy but data_parallel={data_parallel!r} with "
+            f"the mesh ({degrees}) builds no FSDP unit; pass data_parallel='fsdp' with pp "
+            "1, or use torch.autocast around the forward"
         )
     if pipeline is not None and d.pp > 1 and pipeline.chunks < 1:
         raise ValueError(f"pipeline chunks must be >= 1; got {pipeline.chunks}")

@@ -18,21 +18,24 @@ from shardkit.compose import ParallelModel, PipelineSplit, parallelize_model
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
 from shardkit.models import GPT, Block, GPTConfig, gpt_stages
 from shardkit.nn import tensor_parallel as tp
-from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
+from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel, MixedPrecision
 
 ROWS, SEQ, STEPS, LR = 8, 16, 2, 0.5
 CONFIG = GPTConfig(vocab_size=64, block_size=SEQ, n_layer=2, n_head=4, n_embd=32)
 
-# (pp, dp_replicate, dp_shard, tp, activation checkpointing)
-MESHES_4 = [
-    (1, 1, 4, 1, False),  # FSDP
-    (1, 2, 2, 1, True),  # hybrid sharding, checkpointed units
-    (1, 4, 1, 1, False),  # DDP
-    (1, 1, 2, 2, True),  # tp x FSDP
-    (1, 2, 1, 2, False),  # tp x DDP
-    (2, 1, 2, 1, False),  # pipeline x dp (stages replicated)
-    (2, 1, 1, 2, True),  # pipeline x tp
-    (4, 1, 1, 1, False),  # pipeline alone
+# (pp, dp_replicate, dp_shard, tp, activation checkpointing, data_parallel)
+Mesh = tuple[int, int, int, int, bool, str]
+MESHES_4: list[Mesh] = [
+    (1, 1, 4, 1, False, "fsdp"),  # FSDP
+    (1, 2, 2, 1, True, "fsdp"),  # hybrid sharding, checkpointed units
+    (1, 4, 1, 1, False, "fsdp"),  # hybrid with shard groups of 1: replication
+    (1, 2, 2, 1, False, "ddp"),  # torch DDP over dp
+    (1, 1, 2, 2, True, "fsdp"),  # tp x FSDP
+    (1, 2, 1, 2, False, "ddp"),  # tp x DDP
+    (1, 1, 1, 4, False, "fsdp"),  # tp alone, FSDP over one rank
+    (2, 1, 2, 1, False, "ddp"),  # pipeline x dp (stages replicated)
+    (2, 1, 1, 2, True, "ddp"),  # pipeline x tp
+    (4, 1, 1, 1, False, "ddp"),  # pipeline alone
 ]
 
 
@@ -111,11 +114,11 @@ def _train(pm: ParallelModel, mesh: ProcessMesh) -> float:
     return first.item() / dist.get_world_size()
 
 
-def run_meshes(meshes: list[tuple[int, int, int, int, bool]]) -> list[tuple[float, float]]:
+def run_meshes(meshes: list[Mesh]) -> list[tuple[float, float]]:
     """On each rank, per mesh: ``(first-step loss - plain's, max |param - plain's|)``."""
     plain_loss, plain_state = _plain()
     out = []
-    for pp, dpr, dps, tpd, ckpt in meshes:
+    for pp, dpr, dps, tpd, ckpt, data_parallel in meshes:
         dims = ParallelDims(dist.get_world_size(), pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tpd)
         mesh = ProcessMesh(dims)
         torch.manual_seed(0)
@@ -126,8 +129,9 @@ def run_meshes(meshes: list[tuple[int, int, int, int, bool]]) -> list[tuple[floa
             mesh,
             tp_plan=tp.gpt_plan(),
             activation_checkpointing={Block} if ckpt else (),
-            fsdp_units={Block} if pp == 1 else (),
+            fsdp_units={Block},
             pipeline=split,
+            data_parallel=data_parallel,  # type: ignore[arg-type]
         )
         first = _train(pm, mesh)
         state = _full_state(pm, model)
@@ -152,6 +156,11 @@ def run_refusals() -> list[str]:
     calls: list[dict[str, Any]] = [
         {},  # tp 2 without a plan
         {"tp_plan": tp.gpt_plan()},  # pp 2 without a pipeline
+        {
+            "tp_plan": tp.gpt_plan(),
+            "pipeline": PipelineSplit(gpt_stages, _lm_loss),
+            "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16),
+        },
     ]
     for kwargs in calls:
         with pytest.raises(ValueError) as err:
@@ -162,7 +171,8 @@ def run_refusals() -> list[str]:
 
 
 def test_refusals_name_the_degrees(rank_pool: Any) -> None:
-    (no_plan, no_pipeline), *_ = rank_pool(4).run(run_refusals, timeout_s=60)
+    (no_plan, no_pipeline, precision), *_ = rank_pool(4).run(run_refusals, timeout_s=60)
     assert "has tp 2 but no tp_plan" in no_plan, no_plan
     assert "pp 2 x dp_replicate 1 x dp_shard 1 x tp 2" in no_plan, no_plan
     assert "has pp 2 but no pipeline was given" in no_pipeline, no_pipeline
+    assert "mixed_precision is FSDP's policy but data_parallel='fsdp'" in precision, precision
