@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -70,26 +71,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.checkpoint.universal import LayoutAdapter, ParamEntry, layout_of, register_layout
 from shardkit.checkpoint.universal.layout import Purpose, session_of
+from shardkit.compose import DataParallel, ParallelModel, PipelineSplit, parallelize_model
 from shardkit.distributed import mpu
 from shardkit.distributed.compression import get_compressor, register_ddp_comm_hook
-from shardkit.distributed.hybrid import hybrid_groups
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
 from shardkit.memory import ModelStateBytes, model_state_bytes
 from shardkit.models import GPT, Block, gpt_stages, gpt_unit_init_fn
 from shardkit.nn import tensor_parallel as tp
-from shardkit.nn.checkpoint import CheckpointWrapper, checkpoint_wrapper
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel, MixedPrecision
 from shardkit.nn.offload import DiskTier, OffloadModel, remove_offloaded
-from shardkit.nn.pipe import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    balance_by_size,
-    consolidated_state_dict,
-    stage_module,
-)
-from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
+from shardkit.nn.pipe import consolidated_state_dict
 from shardkit.optim import OSS, register_reduce_to_owner_hook
 from shardkit.optim.grad_scaler import ShardedGradScaler
 
@@ -105,6 +97,7 @@ __all__ = [
     "data_parallel_group",
     "fsdp_policy",
     "option_error",
+    "parallel_dims",
     "strategy_table",
 ]
 
@@ -139,10 +132,16 @@ class StrategyConfig:
             (``bf16``, ``fp16``, ``powersgd``, ``int8``; :mod:`shardkit.distributed.compression`)
             for the gradient reduction (hsdp: the cross-node all-reduce only). Default
             None: exact.
-        tp: ddp, oss, sdp, fsdp: the tensor-parallel degree. Above 1, :func:`build_strategy`
-            splits the GPT over groups of ``tp`` consecutive ranks
-            (``tp.parallelize(model, tp.gpt_plan())``) and the strategy reduces or shards
-            over the data-parallel ranks (``world_size / tp`` of them) only. Default 1.
+        tp: ddp, oss, sdp, fsdp, hsdp, pipe: the tensor-parallel degree (the mesh's
+            ``tp``). Above 1 the GPT is split over groups of ``tp`` consecutive ranks
+            (``tp.gpt_plan()``) and the strategy reduces, shards or pipelines over the
+            other ranks only. Default 1.
+        dp_shard: fsdp, hsdp, pipe: the mesh's ``dp_shard`` (ranks sharding each FSDP
+            unit; pipe: stage replicas). None: inferred (:func:`parallel_dims`).
+            Default None.
+        dp_replicate: fsdp, hsdp, pipe: the mesh's ``dp_replicate`` (replicas of the
+            shards: hybrid sharding above 1). None: inferred. Default None.
+        pp: pipe: the mesh's ``pp`` (pipeline stages). None: inferred. Default None.
     """
 
     name: str = "ddp"
@@ -156,6 +155,9 @@ class StrategyConfig:
     shard_size: int | None = None
     grad_compression: str | None = None
     tp: int = 1
+    dp_shard: int | None = None
+    dp_replicate: int | None = None
+    pp: int | None = None
 
 
 class Strategy:
@@ -180,6 +182,9 @@ class Strategy:
         self.module = module
         self.optimizer = optimizer
         self.model = module if model is None else model
+        #: ``(partition_dim, partition_stride)`` of each tensor-parallel tensor by its
+        #: plain GPT key (``ParallelModel.split_tensors``); empty without ``--tp``
+        self.split_tensors: dict[str, tuple[int, int]] = {}
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, accumulation: int = 1) -> float:
         """One training step on this rank's batch; the loss averaged over ranks.
@@ -295,14 +300,64 @@ def adamw_kwargs(config: StrategyConfig) -> dict[str, Any]:
     return {"lr": config.lr, "betas": (0.9, 0.95), "weight_decay": 0.01}
 
 
-_DP_GROUP: ContextVar[dist.ProcessGroup | None] = ContextVar("dp_group", default=None)
+_MESH: ContextVar[ProcessMesh | None] = ContextVar("mesh", default=None)
+
+
+def parallel_dims(config: StrategyConfig, world_size: int) -> ParallelDims:
+    """The mesh of ``config`` on ``world_size`` ranks: the ``--pp``, ``--dp-replicate``,
+    ``--dp-shard``, ``--tp`` given, the others inferred as the strategy's shorthand says:
+
+    - fsdp: ``dp_shard`` is the rest (``dp_replicate`` default 1);
+    - hsdp: ``dp_shard`` is ``--shard-size`` (default ``LOCAL_WORLD_SIZE / tp``: one
+      node's data-parallel ranks), ``dp_replicate`` the rest;
+    - pipe: ``pp`` is the rest (one stage per rank by default), ``dp_shard`` is the
+      rest when ``--pp`` is given;
+    - ddp, oss, sdp, offload: ``tp`` only; the data-parallel ranks are the rest.
+
+    Raises:
+        ValueError: degrees whose product is not ``world_size`` (the equation named),
+            or ``--shard-size`` and ``--dp-shard`` both given and different.
+    """
+    tp_, pp, dpr, dps = config.tp, config.pp, config.dp_replicate, config.dp_shard
+    if config.name == "hsdp":
+        if config.shard_size is not None and dps not in (None, config.shard_size):
+            raise ValueError(
+                f"--shard-size {config.shard_size} and --dp-shard {dps} name the same "
+                "degree (ranks per shard group); give one of them"
+            )
+        if dps is None:
+            dps = config.shard_size
+        if dps is None and dpr is None:
+            dps = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) // tp_)
+        if dpr is None:
+            others = (pp or 1) * tp_ * (dps or 1)
+            dpr = world_size // others if world_size % others == 0 else -1
+            if dpr < 1:
+                raise ValueError(
+                    f"hsdp: the world size {world_size} is not a multiple of "
+                    f"dp_shard ({dps}) x tp ({tp_}) = {others}; choose a --shard-size "
+                    f"(or --dp-shard) whose product with --tp divides {world_size}"
+                )
+    elif config.name == "pipe" and pp is None:
+        others = (dpr or 1) * (dps or 1) * tp_
+        pp = world_size // others if world_size % others == 0 else world_size
+    return ParallelDims(world_size, pp=pp or 1, dp_replicate=dpr or 1, dp_shard=dps or -1, tp=tp_)
+
+
+def strategy_mesh(config: StrategyConfig) -> ProcessMesh:
+    """The mesh a factory builds on: :func:`build_strategy`'s (set while the factory
+    runs), else one built here from :func:`parallel_dims` (a collective when it
+    creates groups: call it on every rank)."""
+    mesh = _MESH.get()
+    return mesh if mesh is not None else ProcessMesh(parallel_dims(config, dist.get_world_size()))
 
 
 def data_parallel_group() -> dist.ProcessGroup | None:
-    """The group a data-parallel factory reduces or shards over: under ``--tp`` > 1 the
-    mesh's ``dp`` group (set by :func:`build_strategy` while the factory runs), else
-    None (the world)."""
-    return _DP_GROUP.get()
+    """The group a data-parallel factory (ddp, oss, sdp) reduces or shards over: under
+    ``--tp`` > 1 the mesh's ``dp`` group (set by :func:`build_strategy` while the
+    factory runs), else None (the world)."""
+    mesh = _MESH.get()
+    return mesh.group("dp") if mesh is not None and mesh.size("tp") > 1 else None
 
 
 def _ddp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
@@ -359,56 +414,51 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class PipelineGPT(nn.Module):
     """This rank's pipeline stage of the GPT: the schedule in :meth:`forward_backward`.
 
-    ``model`` may be built on the meta device (the main job does, see the spec's
-    ``meta_init``): only this rank's stage is then allocated and initialised,
-    bit-identically to the plain GPT's initialisation at the same seed
-    (:func:`gpt_stage_init.materialize_stage`).
+    Built by :func:`shardkit.compose.parallelize_model` over the mesh's ``pp`` ranks
+    (``gpt_stages``, balanced by size), after ``--tp`` and
+    ``--activation-checkpointing``; with ``dp`` > 1 each stage is replicated (torch
+    DDP) over the ranks holding the same stage. ``model`` may be built on the meta
+    device (the main job does without ``--tp``, see the spec's ``meta_init``): only
+    this rank's stage is then allocated and initialised, bit-identically to the plain
+    GPT's initialisation at the same seed (:func:`gpt_stage_init.materialize_stage`).
 
-    Every rank samples its own batch, as under DDP; the batches are all-gathered so that
-    the pipeline trains on the same global batch DDP would (``world_size * batch``
-    rows, mean loss). :meth:`forward_backward` runs the whole schedule (forwards and
-    backwards of every micro-batch); ``forward`` (``module(x, targets=y)``, as the
-    evaluation calls it) runs the forwards only, without gradients. The tied embedding /
-    LM-head weight lives on the first and the last stage; their gradients are summed
-    after each schedule so both copies stay equal.
+    Every rank samples its own batch, as under DDP; the batches of one pipeline's ranks
+    (its ``pp`` group) are all-gathered so that each pipeline trains on ``pp x batch``
+    rows and the ``dp`` pipelines together on the global batch DDP would (mean loss,
+    gradients averaged over the replicas). :meth:`forward_backward` runs the whole
+    schedule (forwards and backwards of every micro-batch); ``forward``
+    (``module(x, targets=y)``, as the evaluation calls it) runs the forwards only,
+    without gradients. The tied embedding / LM-head weight lives on the first and the
+    last stage; :meth:`ParallelModel.pipeline_step` sums their gradients.
     """
 
-    def __init__(self, model: GPT, config: StrategyConfig, device: torch.device) -> None:
+    def __init__(self, parallel: ParallelModel) -> None:
         super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        layers = gpt_stages(model)
-        self.stage_module = stage_module(layers, balance_by_size(world, layers), rank)
-        if model.wte.weight.is_meta:
-            materialize_stage(model, self.stage_module, device)
-        self.stage = PipelineStage(self.stage_module, device=device)
-        self.runner: ScheduleGPipe | Schedule1F1B
-        if config.schedule == "1f1b":
-            self.runner = Schedule1F1B(self.stage, config.chunks, loss_fn=lm_loss)
-        else:
-            self.runner = ScheduleGPipe(self.stage, config.chunks, loss_fn=lm_loss)
-        self.tied_group = dist.new_group([0, world - 1]) if world > 1 else None
-        # this stage's copy of the tied weight (a tuple: not registered as a parameter here)
-        self.tied = (model.lm_head.weight if rank == world - 1 else model.wte.weight,)
+        assert parallel.stage is not None and parallel.schedule is not None
+        self.parallel = parallel
+        self.stage, self.runner = parallel.stage, parallel.schedule
+        self.group = parallel.mesh.group("pp")
+        self.last = parallel.mesh.ranks("pp")[-1]
+        # this rank's stage, unwrapped: plain gpt_stages keys
+        inner = getattr(self.stage.module, "module", self.stage.module)
+        self.stage_module: nn.Module = inner
 
     def _global(self, t: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, t.contiguous())
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts)
 
     def _on_every_rank(self, loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         """The last stage's loss (shape ``()``), broadcast to every stage."""
         out = loss.detach().reshape(()) if loss is not None else torch.zeros((), device=device)
-        dist.broadcast(out, dist.get_world_size() - 1)
+        dist.broadcast(out, self.last, group=self.group)
         return out
 
     def forward_backward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The schedule on the global batch; the mean loss (detached, on every rank)."""
+        """The schedule on this pipeline's batch; its mean loss (detached, on every rank)."""
         x, y = self._global(x), self._global(targets)
         first, last = self.stage.is_first, self.stage.is_last
-        loss = self.runner.step(x if first else None, target=y if last else None)
-        grad = self.tied[0].grad
-        if self.tied_group is not None and (first or last) and grad is not None:
-            dist.all_reduce(grad, group=self.tied_group)
+        loss = self.parallel.pipeline_step(x if first else None, y if last else None)
         return self._on_every_rank(loss, x.device)
 
     @torch.no_grad()
@@ -448,7 +498,22 @@ class _PipeStrategy(Strategy):
         return self.forward_backward(x, y)
 
     def consolidated_model_state(self) -> dict[str, Any] | None:
-        merged = consolidated_state_dict(self.module.stage_module)
+        """The plain GPT's state dict on rank 0: each stage's tensor-parallel parts
+        gathered over ``tp``, then the stages over ``pp`` (every pipeline replica
+        gathers its own; rank 0's is kept)."""
+        parallel = self.module.parallel
+        split = parallel.split_tensors
+        group = parallel.mesh.group("tp")
+
+        def full(key: str, value: torch.Tensor) -> torch.Tensor:
+            if gpt_key(key) not in split:
+                return value
+            dim, stride = split[gpt_key(key)]
+            return tp.full_tensor(value, dim, group, stride)
+
+        merged = consolidated_state_dict(
+            self.module.stage_module, process_group=self.module.group, transform=full
+        )
         if merged is None:
             return None
         # plain GPT keys, matched to gpt_stages keys by tensor identity (rank 0 may hold
@@ -458,9 +523,14 @@ class _PipeStrategy(Strategy):
 
 
 def _pipe(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
-    """GPT blocks split over the ranks (one stage each), ``--chunks`` micro-batches,
-    ``--schedule gpipe|1f1b``; AdamW on each stage's parameters."""
-    module = PipelineGPT(model, config, device)
+    """GPT blocks split over the mesh's ``pp`` ranks (one stage each; by default every
+    rank), ``--chunks`` micro-batches, ``--schedule gpipe|1f1b``, stages replicated over
+    ``dp`` and split over ``tp``; AdamW on each stage's parameters."""
+    split = PipelineSplit(
+        gpt_stages, lm_loss, config.chunks, config.schedule, materialize=materialize_stage
+    )
+    parallel = _parallelize(model, config, strategy_mesh(config), "ddp", device, split)
+    module = PipelineGPT(parallel)
     optimizer = torch.optim.AdamW(module.stage_module.parameters(), **adamw_kwargs(config))
     return _PipeStrategy(module, optimizer, model)
 
@@ -628,40 +698,57 @@ class _FSDPStrategy(Strategy):
 
 
 def _fsdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
-    """FullyShardedDataParallel, one unit per Block + the root (ZeRO-3); AdamW with the
-    settings of every strategy (one param group: a checkpoint moves between
-    strategies, and the universal checkpoint refuses param groups whose
-    hyperparameters differ). ``--precision bf16|fp16``: FSDP's own mixed precision
-    (:func:`fsdp_policy`)."""
-    group = data_parallel_group()
-    return _fully_sharded(model, config, {} if group is None else {"process_group": group})
+    """FullyShardedDataParallel, one unit per Block + the root (ZeRO-3) over the mesh's
+    ``dp_shard`` ranks, hybrid when ``dp_replicate`` > 1; AdamW with the settings of
+    every strategy (one param group: a checkpoint moves between strategies, and the
+    universal checkpoint refuses param groups whose hyperparameters differ).
+    ``--precision bf16|fp16``: FSDP's own mixed precision (:func:`fsdp_policy`)."""
+    parallel = _parallelize(model, config, strategy_mesh(config), "fsdp", device)
+    optimizer = torch.optim.AdamW(parallel.parameters(), **adamw_kwargs(config))
+    strategy = _FSDPStrategy(module=parallel.module, optimizer=optimizer)
+    strategy.split_tensors = parallel.split_tensors
+    return strategy
 
 
 def _hsdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """As :func:`_fsdp` with hybrid sharding: full shard inside a shard group of
-    ``--shard-size`` ranks (default: one node's, ``LOCAL_WORLD_SIZE``), replicas across
-    groups; each rank all-reduces only its gradient shard across nodes."""
-    groups = hybrid_groups(config.shard_size)
-    hybrid = {
-        "sharding_strategy": "HYBRID_SHARD",
-        "process_group": (groups.shard, groups.replicate),
-    }
-    return _fully_sharded(model, config, hybrid)
+    ``--shard-size`` data-parallel ranks (default: one node's, ``LOCAL_WORLD_SIZE``),
+    replicas across groups; each rank all-reduces only its gradient shard across
+    nodes. The mesh (:func:`parallel_dims`) decides, as for fsdp."""
+    return _fsdp(model, config, device)
 
 
-def _fully_sharded(model: GPT, config: StrategyConfig, extra: dict[str, Any]) -> Strategy:
-    blocks = {CheckpointWrapper if config.activation_checkpointing else Block}
-    policy = fsdp_policy(config.precision)
-    # a GPT built on meta is materialised unit by unit (deferred initialisation)
-    init = gpt_unit_init_fn if any(p.is_meta for p in model.parameters()) else None
-    fsdp_kwargs: dict[str, Any] = {"mixed_precision": policy, "param_init_fn": init, **extra}
-    if config.grad_compression is not None:  # one compressor: its state is kept per unit
-        fsdp_kwargs["grad_compression"] = get_compressor(config.grad_compression)
-    with enable_wrap(wrapper_cls=FullyShardedDataParallel, **fsdp_kwargs):
-        wrapped = auto_wrap(model, transformer_auto_wrap_policy(blocks))
-    module = FullyShardedDataParallel(wrapped, **fsdp_kwargs)
-    optimizer = torch.optim.AdamW(module.parameters(), **adamw_kwargs(config))
-    return _FSDPStrategy(module=module, optimizer=optimizer)
+def _parallelize(
+    model: GPT,
+    config: StrategyConfig,
+    mesh: ProcessMesh,
+    data_parallel: DataParallel,
+    device: torch.device,
+    pipeline: PipelineSplit | None = None,
+) -> ParallelModel:
+    """The GPT through :func:`shardkit.compose.parallelize_model`: ``--tp``
+    (``tp.gpt_plan()``), ``--activation-checkpointing`` (every Block), then
+    ``data_parallel`` (fsdp: a unit per Block, ``--precision``, ``--grad-compression``,
+    a meta GPT initialised unit by unit) and the ``pipeline``."""
+    fsdp = data_parallel == "fsdp"
+    kwargs: dict[str, Any] = {}
+    if fsdp:  # a GPT built on meta is materialised unit by unit (deferred initialisation)
+        meta = any(p.is_meta for p in model.parameters())
+        kwargs["param_init_fn"] = gpt_unit_init_fn if meta else None
+    if fsdp and config.grad_compression is not None:  # one compressor, state per unit
+        kwargs["grad_compression"] = get_compressor(config.grad_compression)
+    return parallelize_model(
+        model,
+        mesh,
+        tp_plan=tp.gpt_plan(),
+        activation_checkpointing={Block} if config.activation_checkpointing else (),
+        fsdp_units={Block},
+        mixed_precision=fsdp_policy(config.precision) if fsdp else None,
+        fsdp_kwargs=kwargs,
+        pipeline=pipeline,
+        data_parallel=data_parallel,
+        device=device,
+    )
 
 
 # The registry ---------------------------------------------------------------------------
@@ -714,6 +801,11 @@ class StrategySpec:
             Default: the r-th 1/N of every tensor and its AdamW state.
         options: the flags only this strategy reads (:class:`StrategyConfig` field
             names); another strategy refuses them when set to other than the default.
+        composes: the factory builds the whole composition (``--tp``, checkpointing,
+            its data parallelism, the pipeline) with
+            :func:`shardkit.compose.parallelize_model`; False: :func:`build_strategy`
+            applies ``--tp`` and checkpointing first and the factory wraps the result.
+            Default False.
 
     Raises:
         ValueError: ``loss_scaler`` given without ``precision`` or the reverse.
@@ -729,6 +821,7 @@ class StrategySpec:
     activation_checkpointing: Checkpointing = "flag"
     checkpoint_layout: str = "the r-th 1/N of every tensor and its AdamW state"
     options: tuple[str, ...] = ()
+    composes: bool = False
 
     def __post_init__(self) -> None:
         if (self.precision is None) != (self.loss_scaler is None):
@@ -780,14 +873,16 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
         StrategySpec(
             "fsdp",
             _fsdp,
-            "`FullyShardedDataParallel`, one unit per Block + the root; AdamW",
+            "`FullyShardedDataParallel` over `--dp-shard` ranks (hybrid with "
+            "`--dp-replicate` > 1), one unit per Block + the root; AdamW",
             zero_stage=3,
             meta_init="optional",
             precision="native",
             loss_scaler="sharded",
             checkpoint_layout="the pieces of each parameter in its flat shard, and their "
             "AdamW state",
-            options=("grad_compression", "tp"),
+            options=("grad_compression", "tp", "dp_shard", "dp_replicate"),
+            composes=True,
         ),
         StrategySpec(
             "hsdp",
@@ -799,16 +894,20 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             precision="native",
             loss_scaler="sharded",
             checkpoint_layout="as fsdp, on the first replica (shard group) only",
-            options=("shard_size", "grad_compression"),
+            options=("shard_size", "grad_compression", "tp", "dp_shard", "dp_replicate"),
+            composes=True,
         ),
         StrategySpec(
             "pipe",
             _pipe,
-            "one pipeline stage per rank, `--chunks` micro-batches; AdamW per stage",
+            "`--pp` pipeline stages (default: one per rank), `--chunks` micro-batches, "
+            "stages replicated (torch DDP) over the other data-parallel ranks; AdamW per stage",
             zero_stage=None,
             meta_init="default",
-            checkpoint_layout="its stage, whole, with its AdamW state",
-            options=("chunks", "schedule"),
+            checkpoint_layout="its stage, whole (replicated stages: their r-th 1/N), with "
+            "its AdamW state",
+            options=("chunks", "schedule", "tp", "pp", "dp_shard", "dp_replicate"),
+            composes=True,
         ),
         StrategySpec(
             "offload",
@@ -831,6 +930,9 @@ _OPTION_ROLE = {
     "shard_size": "its shard groups",
     "grad_compression": "gradient compression",
     "tp": "tensor parallelism",
+    "pp": "pipeline stages",
+    "dp_shard": "its data-parallel ranks",
+    "dp_replicate": "its data-parallel replicas",
 }
 """What each strategy-only option is, for :func:`option_error`'s message."""
 
@@ -1033,51 +1135,41 @@ class _TensorParallel(Strategy):
         self.inner.step()
 
 
-def _tp_layout(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """``(partition_dim, partition_stride)`` of each split tensor of ``model``, by key."""
-    return {
-        name: (int(t.partition_dim), int(t.partition_stride))
-        for name, t in model.state_dict(keep_vars=True).items()
-        if tp.is_tensor_parallel(t)
-    }
-
-
 def build_strategy(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
-    """``STRATEGIES[config.name]`` with ``--tp`` (the GPT split by ``tp.gpt_plan()``
-    over groups of ``tp`` consecutive ranks, then the strategy built over the mesh's
-    data-parallel group), ``--activation-checkpointing`` (every Block wrapped by
-    ``checkpoint_wrapper`` before the strategy wraps the model) and ``--precision``
-    (see [Note: precision per strategy]), as its spec says.
+    """``STRATEGIES[config.name]`` over the mesh of :func:`parallel_dims` (a collective:
+    every rank builds its groups), with ``--tp`` (``tp.gpt_plan()``),
+    ``--activation-checkpointing`` (every Block wrapped by ``checkpoint_wrapper``) and
+    ``--precision`` (see [Note: precision per strategy]), as its spec says. A spec that
+    ``composes`` (fsdp, hsdp, pipe) builds all of it with
+    :func:`shardkit.compose.parallelize_model`; for the others (ddp, oss, sdp) the same
+    function applies ``--tp`` and checkpointing, then the factory wraps the model over
+    the mesh's ``dp`` group.
 
     Raises:
         ValueError: an option that does not apply to the strategy (:func:`option_error`),
-            or a ``--tp`` that does not divide the world size (or the GPT's heads or
-            vocabulary).
+            or degrees that do not fit the world size (:func:`parallel_dims`), the GPT's
+            heads or its vocabulary.
     """
     problem = option_error(config)
     if problem is not None:
         raise ValueError(problem)
     spec = STRATEGIES[config.name]
-    tp_group, dp_group, layout = None, None, {}
-    if config.tp > 1:  # a collective: every rank builds the mesh's groups in order
-        mesh = ProcessMesh(ParallelDims(dist.get_world_size(), tp=config.tp))
-        tp_group, dp_group = mesh.group("tp"), mesh.group("dp")
-        # the process-wide mesh: the universal checkpoint writes a tensor every
-        # tensor-parallel rank holds whole from tensor-parallel rank 0 only; the job
-        # forgets it at its end (train_gpt.main)
+    mesh = ProcessMesh(parallel_dims(config, dist.get_world_size()))
+    if mesh.size("tp") > 1:
+        # removed once the shard descriptor records replica groups: the universal
+        # checkpoint writes a tensor every tensor-parallel rank holds whole from
+        # tensor-parallel rank 0 of the process-wide mesh (train_gpt.main forgets it)
         mpu.set_mesh(mesh)
-        tp.parallelize(model, tp.gpt_plan(), process_group=tp_group)
-        layout = _tp_layout(model)
-    if config.activation_checkpointing:
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = checkpoint_wrapper(block)
-    token = _DP_GROUP.set(dp_group)
+    split: dict[str, tuple[int, int]] = {}
+    if not spec.composes:
+        split = _parallelize(model, config, mesh, "none", device).split_tensors
+    token = _MESH.set(mesh)
     try:
         strategy = spec(model, config, device)
     finally:
-        _DP_GROUP.reset(token)
-    if tp_group is not None:
-        strategy = _TensorParallel(strategy, layout, tp_group)
+        _MESH.reset(token)
+    if mesh.size("tp") > 1 and not isinstance(strategy, _PipeStrategy):
+        strategy = _TensorParallel(strategy, split or strategy.split_tensors, mesh.group("tp"))
     if config.precision == "fp32":
         return strategy
     autocast = PRECISIONS[config.precision] if spec.precision == "autocast" else None

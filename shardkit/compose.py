@@ -35,11 +35,11 @@ Every product of the four degrees runs, with these rules:
   (``data_parallel="ddp"``, over ``dp_replicate x dp_shard`` of them): a weight tied
   across stages (a GPT's token embedding and LM head) has its gradient summed between
   those stages after each schedule, which needs whole gradients, so FSDP inside a
-  stage (``data_parallel="fsdp"`` with ``pp > 1`` and ``dp > 1``) is refused;
+  stage (``data_parallel="fsdp"`` with a pipeline and ``dp > 1``) is refused;
 - ``mixed_precision`` is FSDP's policy: it needs ``data_parallel="fsdp"`` and no
   pipeline (use ``torch.autocast`` around the forward otherwise);
 - ``data_parallel="none"`` leaves data parallelism to the caller (torch DDP, OSS,
-  ShardedDataParallel over ``mesh.group("dp")``); it refuses ``pp > 1``.
+  ShardedDataParallel over ``mesh.group("dp")``); it refuses a pipeline.
 
 Each refusal is a ``ValueError`` naming the values and what to change.
 """
@@ -96,12 +96,12 @@ class PipelineSplit:
             None (the model must then be materialised).
     """
 
-    layers: Callable[[nn.Module], nn.Sequential]
+    layers: Callable[[Any], nn.Sequential]
     loss_fn: LossFn
     chunks: int = 4
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     balance: Sequence[int] | None = None
-    materialize: Callable[[nn.Module, nn.Module, torch.device], None] | None = None
+    materialize: Callable[[Any, nn.Module, torch.device], None] | None = None
 
 
 class ParallelModel:
@@ -157,7 +157,7 @@ class ParallelModel:
             RuntimeError: the model has no pipeline (call ``module`` instead).
         """
         if self.schedule is None:
-            raise RuntimeError("no pipeline (mesh pp = 1): call ParallelModel.module instead")
+            raise RuntimeError("no pipeline was given: call ParallelModel.module instead")
         loss = self.schedule.step(inputs, target=target)
         for weight, group in self._tied:
             if weight.grad is not None:
@@ -204,7 +204,9 @@ def parallelize_model(
         mixed_precision: FSDP's policy. Default None (fp32).
         fsdp_kwargs: further ``FullyShardedDataParallel`` arguments (``param_init_fn``,
             ``grad_compression``, ...). Default none.
-        pipeline: the split into ``pp`` stages; needed when ``pp > 1``. Default None.
+        pipeline: the split into ``pp`` stages (one stage, the whole model, when ``pp``
+            is 1: the schedule still runs micro-batches); needed when ``pp > 1``.
+            Default None.
         data_parallel: ``"fsdp"``, ``"ddp"`` or ``"none"`` (see the module docstring).
             Default ``"fsdp"``.
         device: this rank's device (the pipeline stage's). Default: the parameters'.
@@ -223,7 +225,7 @@ def parallelize_model(
     split = _split_tensors(model)
     if activation_checkpointing:
         _wrap_instances(model, tuple(activation_checkpointing))
-    if pipeline is not None and mesh.size("pp") > 1:
+    if pipeline is not None:
         return _pipelined(model, mesh, pipeline, split, device)
     if data_parallel == "none" or (data_parallel == "ddp" and mesh.size("dp") == 1):
         return ParallelModel(mesh, model, split)
@@ -261,24 +263,24 @@ def _check(
             f"the mesh ({degrees}) has pp {d.pp} but no pipeline was given; pass "
             "pipeline=PipelineSplit(...) or build the mesh with pp=1"
         )
-    if d.pp > 1 and data_parallel == "none":
+    if pipeline is not None and data_parallel == "none":
         raise ValueError(
             f"data_parallel='none' with a pipeline ({degrees}): the stages' replicas are "
             "wrapped here; pass data_parallel='ddp'"
         )
-    if d.pp > 1 and data_parallel == "fsdp" and d.dp > 1:
+    if pipeline is not None and data_parallel == "fsdp" and d.dp > 1:
         raise ValueError(
             f"data_parallel='fsdp' with a pipeline ({degrees}): a stage is replicated over "
             f"its {d.dp} data-parallel ranks, not sharded (a weight tied across stages "
-            "needs whole gradients); pass data_parallel='ddp' or use pp 1"
+            "needs whole gradients); pass data_parallel='ddp'"
         )
-    if mixed_precision is not None and (data_parallel != "fsdp" or d.pp > 1):
+    if mixed_precision is not None and (data_parallel != "fsdp" or pipeline is not None):
         raise ValueError(
             f"mixed_precision is FSDP's policy but data_parallel={data_parallel!r} with "
-            f"the mesh ({degrees}) builds no FSDP unit; pass data_parallel='fsdp' with pp "
-            "1, or use torch.autocast around the forward"
+            f"the mesh ({degrees}) builds no FSDP unit; pass data_parallel='fsdp' without "
+            "a pipeline, or use torch.autocast around the forward"
         )
-    if pipeline is not None and d.pp > 1 and pipeline.chunks < 1:
+    if pipeline is not None and pipeline.chunks < 1:
         raise ValueError(f"pipeline chunks must be >= 1; got {pipeline.chunks}")
 
 
