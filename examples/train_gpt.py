@@ -86,7 +86,7 @@ class JobConfig:
     """The main job's options (the command line, typed); defaults are the flags' defaults.
 
     Attributes:
-        strategy: what the strategy reads (:class:`strategies.StrategyConfig`:
+        strategy: what the strategy reads (:class:`gpt_strategy.StrategyConfig`:
             ``--strategy``, ``--lr``, ``--precision``, ...).
         model_size: ``tiny``, ``small`` or ``medium`` (``shardkit.models.MODEL_SIZES``).
         steps: optimizer steps; the LR schedule spans them.
