@@ -167,12 +167,26 @@ def run_refusals() -> list[str]:
             parallelize_model(GPT(CONFIG), mesh, **kwargs)
         messages.append(str(err.value))
     mesh.destroy()
+    dp_mesh = ProcessMesh(ParallelDims(dist.get_world_size(), pp=2))  # dp_shard 2
+    split = PipelineSplit(gpt_stages, _lm_loss)
+    for data_parallel in ("fsdp", "none"):
+        with pytest.raises(ValueError) as err:
+            parallelize_model(GPT(CONFIG), dp_mesh, pipeline=split, data_parallel=data_parallel)
+        messages.append(str(err.value))
+    dp_mesh.destroy()
     return messages
 
 
 def test_refusals_name_the_degrees(rank_pool: Any) -> None:
-    (no_plan, no_pipeline, precision), *_ = rank_pool(4).run(run_refusals, timeout_s=60)
+    (no_plan, no_pipeline, precision, sharded_stage, bare_stage), *_ = rank_pool(4).run(
+        run_refusals, timeout_s=60
+    )
     assert "has tp 2 but no tp_plan" in no_plan, no_plan
     assert "pp 2 x dp_replicate 1 x dp_shard 1 x tp 2" in no_plan, no_plan
     assert "has pp 2 but no pipeline was given" in no_pipeline, no_pipeline
     assert "mixed_precision is FSDP's policy but data_parallel='fsdp'" in precision, precision
+    assert "data_parallel='fsdp' with a pipeline (pp 2 x dp_replicate 1 x dp_shard 2" in (
+        sharded_stage
+    ), sharded_stage
+    assert "a stage is replicated over its 2 data-parallel ranks" in sharded_stage
+    assert "data_parallel='none' with a pipeline" in bare_stage, bare_stage
