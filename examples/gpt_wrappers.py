@@ -22,8 +22,14 @@ import torch.nn.functional as F
 from gpt_strategy import Strategy
 from torch import nn
 
-from shardkit.checkpoint.universal import LayoutAdapter, ParamEntry, layout_of, register_layout
-from shardkit.checkpoint.universal.layout import Purpose, session_of
+from shardkit.checkpoint.universal import (
+    LayoutAdapter,
+    ParamEntry,
+    Purpose,
+    layout_of,
+    register_layout,
+    session_of,
+)
 from shardkit.compose import ParallelModel
 from shardkit.models import GPT, gpt_stages
 from shardkit.nn import tensor_parallel as tp

@@ -56,7 +56,6 @@ from gpt_wrappers import OffloadGPT, OffloadStrategy, PipelineGPT, PipeStrategy,
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.compose import DataParallel, ParallelModel, PipelineSplit, parallelize_model
-from shardkit.distributed import mpu
 from shardkit.distributed.compression import get_compressor, register_ddp_comm_hook
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
 from shardkit.memory import ModelStateBytes, model_state_bytes
@@ -567,11 +566,6 @@ def build_strategy(model: GPT, config: StrategyConfig, device: torch.device) -> 
         raise ValueError(problem)
     spec = STRATEGIES[config.name]
     mesh = ProcessMesh(parallel_dims(config, dist.get_world_size()))
-    if mesh.size("tp") > 1:
-        # removed once the shard descriptor records replica groups: the universal
-        # checkpoint writes a tensor every tensor-parallel rank holds whole from
-        # tensor-parallel rank 0 of the process-wide mesh (train_gpt.main forgets it)
-        mpu.set_mesh(mesh)
     split: dict[str, tuple[int, int]] = {}
     if not spec.composes:
         split = _parallelize(model, config, mesh, "none", device).split_tensors

@@ -54,7 +54,6 @@ from tqdm import tqdm
 
 from shardkit.checkpoint.atomic import atomic_save, atomic_write
 from shardkit.checkpoint.manifest import MANIFEST_NAME
-from shardkit.distributed import mpu
 from shardkit.extras import MissingDependency
 from shardkit.memory import ModelStateBytes
 from shardkit.models import GPT, MODEL_SIZES, gpt_config
@@ -919,8 +918,6 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Callback] = ()) -> i
     except NonFiniteLossError as err:  # every rank stops; rank 0 says it
         return fail(err, env.rank == 0)
     finally:
-        if config.strategy.tp > 1:  # build_strategy set the process-wide mesh
-            mpu.set_mesh(None)
         if env.owns_group:
             dist.destroy_process_group()
     return 0

@@ -70,7 +70,7 @@ from shardkit.nn.pipe import (
 from shardkit.nn.tensor_parallel.plan import ParallelStyle
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 
-__all__ = ["ParallelModel", "PipelineSplit", "parallelize_model"]
+__all__ = ["DataParallel", "ParallelModel", "PipelineSplit", "parallelize_model"]
 
 DataParallel = Literal["fsdp", "ddp", "none"]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -114,12 +114,9 @@ ALLOWED_INTERNAL: dict[tuple[str, str], str] = {
     ("benchmarks/two_nodes/rows.py", "shardkit.distributed.hybrid"): "hybrid_groups for "
     "the HSDP rows; the descriptor part owns distributed/hybrid.py and the compose part "
     "builds HSDP from the mesh: import it from there when it lands",
-    # examples the compose part is rewriting (the main job on the mesh)
+    # the main job's checkpoint files: the manifest's names and atomic writes
     ("examples/gpt_checkpoint.py", "shardkit.checkpoint.manifest"): "compose: the "
     "manifest module and its errors; moves to save_universal / load_universal",
-    ("examples/strategies.py", "shardkit.checkpoint.universal.layout"): "compose: "
-    "Purpose, session_of; replaced by the composition function",
-    ("examples/strategies.py", "shardkit.distributed.hybrid"): "compose: HSDP from the mesh",
     ("examples/train_gpt.py", "shardkit.checkpoint.atomic"): "compose: atomic_save, "
     "atomic_write (public as shardkit.checkpoint.atomic_save / atomic_write)",
     ("examples/train_gpt.py", "shardkit.checkpoint.manifest"): "compose: MANIFEST_NAME",

@@ -43,6 +43,7 @@ PUBLIC_PACKAGES: tuple[str, ...] = (
     "shardkit.testing",
     "shardkit.extras",
     "shardkit.integrations.hf",
+    "shardkit.compose",
 )
 
 _DIRECTIVE = re.compile(r"^:::\s+(shardkit(?:\.\w+)+|shardkit)\s*$", re.MULTILINE)
