@@ -71,6 +71,7 @@ from shardkit.nn.data_parallel.fully_sharded.sharing import (
     walk_unit,
 )
 from shardkit.nn.data_parallel.fully_sharded.state import TrainingState
+from shardkit.nn.data_parallel.fully_sharded.store import MemoryStore, ShardStore
 from shardkit.nn.data_parallel.fully_sharded.unit import (
     WRAPPED,
     UnitRuntime,
@@ -316,19 +317,24 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         mark_taken(originals, infos, label, handle.sharded_params)
         for param in originals:  # release the replaced parameters' memory
             param.data = param.data.new_empty(0)
-        runtime = UnitRuntime(
+        return UnitRuntime(
             self,
             handle,
             self._config,
+            self._shard_store(handle, label),
             group,
             casts,
             label,
             self._replicate_group,
             self._secondary_group,
         )
-        if self._disk_offload is not None and infos:
-            runtime.disk = self._disk_offload.attach(handle, label, group)
-        return runtime
+
+    def _shard_store(self, handle: FlatParamHandle, label: str) -> ShardStore:
+        """The unit's shard store, picked once from the options: the disk tier's files
+        (``disk_offload``, a unit holding parameters) or memory."""
+        if self._disk_offload is not None and handle.infos:
+            return self._disk_offload.attach(handle, label, self._process_group)
+        return MemoryStore(handle)
 
     def _prepare_unit(
         self, module: nn.Module, label: str
@@ -541,7 +547,7 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
                 the rank it failed on.
         """
         units = units_in(self)
-        kept = [u.handle.local_shard for u in units if u.disk is None]
+        kept = [u.handle.local_shard for u in units if u.store.in_memory]
         kept += [buf for _, buf in self.named_buffers()]
         before = [t.detach().clone() for t in kept]
 

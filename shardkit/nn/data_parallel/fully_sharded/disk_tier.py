@@ -6,7 +6,8 @@ unit's local shard (its 1/N of the parameters) and its optimizer state live in f
 a :class:`~shardkit.checkpoint.generations.GenerationStore`, one directory per rank,
 and are read in only while the unit runs.
 
-One step of a unit (``DiskUnit`` hooks, called by :class:`~.unit.UnitRuntime`)::
+One step of a unit (``DiskUnit``: the unit's :class:`~.store.ShardStore`, its hooks
+called by :class:`~.unit.UnitRuntime`)::
 
     forward      read shard (prefetched on a background thread while the previous
                  unit computes) -> all-gather -> drop the shard -> run -> free full
@@ -59,6 +60,7 @@ from shardkit.checkpoint.generations import GenerationStore, packed_offsets, rea
 from shardkit.distributed.collectives import group_size
 from shardkit.distributed.optim_guard import exempt_optimizer
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
+from shardkit.nn.data_parallel.fully_sharded.store import ShardStore
 
 __all__ = [
     "DiskOffload",
@@ -372,7 +374,8 @@ class DiskOptimizer(torch.optim.Optimizer):
 
 
 class DiskUnit:
-    """One unit's files and residency on a :class:`DiskOffload` (one per unit).
+    """One unit's files and residency on a :class:`DiskOffload` (one per unit): the
+    unit's :class:`~.store.ShardStore` (see [Note: the shard-store hooks] there).
 
     Args:
         tier: the tier.
@@ -393,6 +396,8 @@ class DiskUnit:
         self.optim_layout: dict[str, Any] | None = None
         self._reading: Future[int] | None = None
         self._placeholder = shard.new_empty(0)
+
+    in_memory = False
 
     def describe(self) -> dict[str, Any]:
         """The unit's manifest record: layout and optimizer-state layout."""
@@ -429,17 +434,19 @@ class DiskUnit:
         self.optim_layout = stored["optim"]
 
     # residency -----------------------------------------------------------------------
-    def prefetch(self) -> None:
-        """Start reading the shard on the background thread (no-op if resident)."""
+    def prefetch(self) -> bool:
+        """Start reading the shard on the background thread (no-op if resident).
+        Returns False: the all-gather waits for :meth:`before_gather`."""
         if self.resident or not self.tier.prefetch:
-            return
+            return False
         path = self.tier.store.path(self.entry, "params")
         assert path is not None
         self._allocate()
         self._reading = self.tier.read_async(path, self.handle.local_shard)
         self.tier.store.bytes_read += self.nbytes
+        return False
 
-    def load(self) -> None:
+    def before_gather(self) -> None:
         """Make the local shard resident (waits for a prefetch, or reads now)."""
         if self._reading is not None:
             start = time.perf_counter()
@@ -484,6 +491,17 @@ class DiskUnit:
         if in_forward:
             self.release()
 
+    def check_backward_allowed(self, label: str) -> None:
+        """Refuse a backward while the tier's previous step is not acknowledged (see
+        :meth:`DiskOffload.check_backward_allowed`)."""
+        self.tier.check_backward_allowed(label)
+
+    def end_backward(self) -> None:
+        """The backward pass ended: drop the shard; the tier commits the step (once,
+        whichever of its units ends first)."""
+        self.release()
+        self.tier.end_backward()
+
     def end_summon(self) -> None:
         """Leaving ``summon_full_params``: drop the shard.
 
@@ -502,14 +520,14 @@ class DiskUnit:
 
     # the step ------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, grad_shard: torch.Tensor, divide_by: float) -> None:
+    def accept_grad_shard(self, grad_shard: torch.Tensor, divide_by: float) -> None:
         """The reduced gradient shard ``(S,)`` is complete: step this unit and write its
         shard and optimizer state as the next generation (see [Note: stepping inside
         backward])."""
         tier = self.tier
         optimizer = tier.begin_unit_step(self)
         with record_function("FSDP::disk_step"):
-            self.load()
+            self.before_gather()
             handle = self.handle
             handle.accumulate_grad_shard(grad_shard, divide_by=divide_by)
             params = handle.sharded_params
@@ -573,7 +591,7 @@ class TieredUnit(Protocol):
     """What :func:`check_one_tier` reads of a unit (``UnitRuntime`` has it)."""
 
     label: str
-    disk: DiskUnit | None
+    store: ShardStore
     handle: FlatParamHandle
 
 
@@ -586,15 +604,15 @@ def check_one_tier(units: Sequence[TieredUnit]) -> None:
         ValueError: naming a unit on disk and one not (or on another tier).
     """
     holding = [u for u in units if u.handle.infos]
-    tiers = {id(u.disk.tier) if u.disk is not None else None for u in holding}
+    tiers = {id(tier) if (tier := _tier_of(u)) is not None else None for u in holding}
     if len(tiers) <= 1:
         return
-    on_disk = next(u for u in holding if u.disk is not None)
-    tier = on_disk.disk.tier if on_disk.disk is not None else None
-    other = next(u for u in holding if u.disk is None or u.disk.tier is not tier)
+    on_disk = next(u for u in holding if _tier_of(u) is not None)
+    tier = _tier_of(on_disk)
+    other = next(u for u in holding if _tier_of(u) is not tier)
     raise ValueError(
         f"{on_disk.label} is on a disk tier but {other.label} is "
-        f"{'in memory' if other.disk is None else 'on another one'}: pass the same "
+        f"{'in memory' if _tier_of(other) is None else 'on another one'}: pass the same "
         "disk_offload=DiskOffload(...) to every FSDP unit of the model, the root included "
         "(with auto_wrap: to enable_wrap and to the outer FSDP)"
     )
@@ -626,15 +644,20 @@ def refuse_on_disk(units: Sequence[TieredUnit], what: str) -> None:
         RuntimeError: a unit is on a disk tier; names the entry point, the reason, the
             directory and what to use instead.
     """
-    on_disk = next((u for u in units if u.disk is not None), None)
-    if on_disk is None or on_disk.disk is None:
+    tier = next((t for u in units if (t := _tier_of(u)) is not None), None)
+    if tier is None:
         return
     raise RuntimeError(
         f"{what}() is not available with disk_offload: {_NOT_ON_DISK[what]} "
-        f"({str(on_disk.disk.tier.store.directory.parent)!r}). The directory is the "
+        f"({str(tier.store.directory.parent)!r}). The directory is the "
         "checkpoint (DiskOffload(directory, resume=True) continues from it, optimizer "
         "state included); model.state_dict() gives the full weights"
     )
+
+
+def _tier_of(unit: TieredUnit) -> DiskOffload | None:
+    """The disk tier ``unit``'s store is on, None for a unit in memory."""
+    return unit.store.tier if isinstance(unit.store, DiskUnit) else None
 
 
 def _check_same_generation(generation: int, group: dist.ProcessGroup | None) -> None:

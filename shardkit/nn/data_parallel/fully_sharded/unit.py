@@ -91,11 +91,11 @@ from shardkit.nn.data_parallel.fully_sharded.collectives import (
     reduce_scatter_flat,
 )
 from shardkit.nn.data_parallel.fully_sharded.config import FSDPConfig
-from shardkit.nn.data_parallel.fully_sharded.disk_tier import DiskUnit
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
 from shardkit.nn.data_parallel.fully_sharded.precision import BufferCast
 from shardkit.nn.data_parallel.fully_sharded.root import RootState
 from shardkit.nn.data_parallel.fully_sharded.state import ShardedState, TrainingState
+from shardkit.nn.data_parallel.fully_sharded.store import ShardStore
 
 __all__ = [
     "WRAPPED",
@@ -178,6 +178,8 @@ class UnitRuntime:
         module: the unit's ``nn.Module`` (registered: :func:`runtime_of` finds this).
         handle: the unit's flat parameter (see :mod:`.flat_param`).
         config: the unit's options.
+        store: where the local shard lives between the unit's runs (see :mod:`.store`;
+            picked by the front from the options).
         process_group: the ranks sharing the unit (None: world).
         buffer_casts: buffers cast to the mixed-precision buffer dtype (for state dicts).
         label: "the FSDP unit wrapping <class>", for messages.
@@ -193,6 +195,7 @@ class UnitRuntime:
         module: nn.Module,
         handle: FlatParamHandle,
         config: FSDPConfig,
+        store: ShardStore,
         process_group: dist.ProcessGroup | None,
         buffer_casts: list[BufferCast],
         label: str,
@@ -202,6 +205,7 @@ class UnitRuntime:
         self.module = module
         self.handle = handle
         self.config = config
+        self.store = store
         self.process_group = process_group
         self.rank = handle.rank
         self.world_size = handle.layout.world_size
@@ -230,7 +234,6 @@ class UnitRuntime:
         self._full_version = 0
         self._gathered_shard_version = 0
         self._saved_shard: torch.Tensor | None = None
-        self.disk: DiskUnit | None = None  # the disk tier's hooks (set by the front)
         self._update_trainable()
         _RUNTIMES[module] = self
 
@@ -268,8 +271,7 @@ class UnitRuntime:
         handle = self.handle
         if self.sharded_state is ShardedState.SHARDED:
             handle.alloc_full()
-            if self.disk is not None:
-                self.disk.load()
+            self.store.before_gather()
             self._gathered_shard_version = self.shard_version
             source, group = self._gather_source()
             self.pending_unshard = (
@@ -282,8 +284,7 @@ class UnitRuntime:
                 return
         assert self.pending_unshard is not None
         self.pending_unshard.wait()
-        if self.disk is not None:
-            self.disk.after_gather(in_forward=self.training_state is TrainingState.FORWARD)
+        self.store.after_gather(in_forward=self.training_state is TrainingState.FORWARD)
         handle.use_unsharded()
         self._full_version = int(handle.full_flat._version)
         self.sharded_state = ShardedState.UNSHARDED
@@ -311,13 +312,10 @@ class UnitRuntime:
             self._secondary = None
 
     def prefetch(self) -> None:
-        """Issue the all-gather without waiting (a no-op unless SHARDED); on the disk
-        tier, start reading the shard instead (the all-gather waits for ``unshard``)."""
-        if self.sharded_state is ShardedState.SHARDED:
-            if self.disk is not None:
-                self.disk.prefetch()
-            else:
-                self.unshard(async_op=True)
+        """Issue the all-gather without waiting (a no-op unless SHARDED), unless the shard
+        store is still bringing the shard in (then the all-gather waits for ``unshard``)."""
+        if self.sharded_state is ShardedState.SHARDED and self.store.prefetch():
+            self.unshard(async_op=True)
 
     def reshard(self) -> None:
         """Any state -> SHARDED: the sharded parameters installed, the full buffer freed
@@ -400,7 +398,8 @@ class UnitRuntime:
         Raises:
             ParametersChangedError: the local shard was written (a load, an optimizer
                 step) since the forward whose backward this is.
-            RuntimeError: on a disk tier, a second backward before ``optimizer.step()``.
+            RuntimeError: the shard store refuses the backward (on a disk tier: a second
+                backward before ``optimizer.step()``).
         """
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
@@ -411,8 +410,7 @@ class UnitRuntime:
                 "neither set of weights. Run backward before loading or stepping, or run the "
                 "forward again after the change"
             )
-        if self.disk is not None:  # before any state changes: the refusal leaves none
-            self.disk.tier.check_backward_allowed(self.label)
+        self.store.check_backward_allowed(self.label)  # before any state changes
         with record_function("FSDP::pre_backward"):
             root = self._root()
             root.queue_finalize()
@@ -445,9 +443,7 @@ class UnitRuntime:
     def end_backward(self) -> None:
         """From ``finalize_backward``: every reduction is done; shard and go idle."""
         self.reshard()
-        if self.disk is not None:  # every unit stepped: the tier commits (once)
-            self.disk.release()
-            self.disk.tier.end_backward()
+        self.store.end_backward()
         self.training_state = TrainingState.IDLE
 
     def _reduce_grads(self) -> None:
@@ -481,10 +477,7 @@ class UnitRuntime:
     def _finish_reduction(self, shard: torch.Tensor, divide_by: float) -> None:
         """The reduced shard ``(S,)`` of this rank: across replicas, then into ``.grad``."""
         if self.replicate_group is None:
-            if self.disk is not None:  # accumulate, then step the unit (disk tier)
-                self.disk.step(shard, divide_by)
-            else:
-                self.handle.accumulate_grad_shard(shard, divide_by=divide_by)
+            self.store.accept_grad_shard(shard, divide_by)
             return
         total = shard if self._deferred is None else self._deferred.add_(shard)
         if not self.requires_all_reduce:
@@ -565,8 +558,7 @@ class UnitRuntime:
         self.training_state = TrainingState.IDLE
         self.reshard()
         handle.use_full_precision(False)
-        if self.disk is not None:
-            self.disk.end_summon()
+        self.store.end_summon()
 
     def _full_written(self) -> bool:
         """The full buffer was written since it was gathered (its version moved)."""
