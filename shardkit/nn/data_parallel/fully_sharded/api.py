@@ -64,6 +64,7 @@ from shardkit.nn.data_parallel.fully_sharded.precision import (
     cast_buffers,
     cast_floating,
 )
+from shardkit.nn.data_parallel.fully_sharded.reduction import pick_reducer
 from shardkit.nn.data_parallel.fully_sharded.sharing import (
     check_same_device_and_dtype,
     collect_params,
@@ -322,6 +323,13 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
             handle,
             self._config,
             self._shard_store(handle, label),
+            pick_reducer(
+                self._config.grad_compression,
+                group,
+                self._replicate_group,
+                label,
+                handle.sharded_params,
+            ),
             group,
             casts,
             label,
@@ -489,7 +497,7 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         :meth:`no_replica_sync` is the context-manager form. No effect without replicas.
         """
         for unit in units_in(self):
-            unit.requires_all_reduce = requires_all_reduce
+            unit.reducer.requires_all_reduce = requires_all_reduce
 
     @contextlib.contextmanager
     def no_replica_sync(self) -> Iterator[None]:

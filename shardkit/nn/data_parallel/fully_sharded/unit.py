@@ -82,17 +82,15 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit.distributed.collectives import group_size
-from shardkit.distributed.optim_guard import add_step_check
 from shardkit.memory import heap_trim_point
 from shardkit.nn.data_parallel.fully_sharded.collectives import (
     Pending,
     all_gather_flat,
-    all_reduce_sum,
-    reduce_scatter_flat,
 )
 from shardkit.nn.data_parallel.fully_sharded.config import FSDPConfig
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
 from shardkit.nn.data_parallel.fully_sharded.precision import BufferCast
+from shardkit.nn.data_parallel.fully_sharded.reduction import ShardReducer
 from shardkit.nn.data_parallel.fully_sharded.root import RootState
 from shardkit.nn.data_parallel.fully_sharded.state import ShardedState, TrainingState
 from shardkit.nn.data_parallel.fully_sharded.store import ShardStore
@@ -180,6 +178,8 @@ class UnitRuntime:
         config: the unit's options.
         store: where the local shard lives between the unit's runs (see :mod:`.store`;
             picked by the front from the options).
+        reducer: reduces the unit's gradient into this rank's shard (see
+            :mod:`.reduction`; picked by the front from the options).
         process_group: the ranks sharing the unit (None: world).
         buffer_casts: buffers cast to the mixed-precision buffer dtype (for state dicts).
         label: "the FSDP unit wrapping <class>", for messages.
@@ -196,6 +196,7 @@ class UnitRuntime:
         handle: FlatParamHandle,
         config: FSDPConfig,
         store: ShardStore,
+        reducer: ShardReducer,
         process_group: dist.ProcessGroup | None,
         buffer_casts: list[BufferCast],
         label: str,
@@ -206,6 +207,7 @@ class UnitRuntime:
         self.handle = handle
         self.config = config
         self.store = store
+        self.reducer = reducer
         self.process_group = process_group
         self.rank = handle.rank
         self.world_size = handle.layout.world_size
@@ -214,8 +216,6 @@ class UnitRuntime:
         self._secondary: torch.Tensor | None = None  # kept from forward for backward
         replicas = 1 if replicate_group is None else group_size(replicate_group)
         self.data_parallel_size = self.world_size * replicas  # gradients average over these
-        self.requires_all_reduce = True  # across replicas; False defers (accumulation)
-        self._deferred: torch.Tensor | None = None  # reduced shards not yet all-reduced
         self.key: tuple[str, int] = ("fsdp", 0)  # names its reductions for a compressor
         self.path = ""  # the unit's module path in its root's model (set by the root)
         self.buffer_casts = buffer_casts
@@ -447,55 +447,27 @@ class UnitRuntime:
         self.training_state = TrainingState.IDLE
 
     def _reduce_grads(self) -> None:
-        """Reduce-scatter the flat gradient in the reduce dtype; the reduced shard is
-        all-reduced across replicas (hybrid sharding; deferred while
-        ``requires_all_reduce`` is False), cast to the master dtype, moved to the shard
-        device and accumulated into the sharded grads."""
+        """Reduce the flat gradient in the reduce dtype with the unit's reducer (see
+        [Note: the gradient reducers] in ``reduction``): reduce-scatter, then across
+        replicas, then into the shard store (cast to the master dtype, moved to the
+        shard device, accumulated or stepped)."""
         handle, root = self.handle, self._root()
         pre, post = self.config.divide_factors(self.data_parallel_size)
         flat = handle.take_flat_grad()
         if pre != 1.0:
             flat.div_(pre)
-        distributed = self.world_size > 1
-        shard = flat.new_empty(handle.layout.shard_numel) if distributed else flat
-
-        def then() -> None:
-            self._finish_reduction(shard, post)
-
-        compressor = self.config.grad_compression
-        if distributed and compressor is not None and self.replicate_group is None:
-            shapes = handle.flat_shapes()
-            compressor.reduce_scatter(shard, flat, self.process_group, key=self.key, shapes=shapes)
-            pending = Pending(nbytes=0)  # synchronous: done, ``then`` runs at the wait
-        elif distributed:
-            pending = reduce_scatter_flat(shard, flat, self.process_group, async_op=True)
-        else:
-            pending = Pending(nbytes=0)
-        pending.then = then
+        shard, pending = self.reducer.reduce_scatter(
+            flat, handle.layout.shard_numel, self.key, handle.flat_shapes
+        )
+        pending.then = functools.partial(self._finish_reduction, shard, post)
         root.add_pending(pending, self.config.bucket_cap_mb * 2**20)
 
     def _finish_reduction(self, shard: torch.Tensor, divide_by: float) -> None:
-        """The reduced shard ``(S,)`` of this rank: across replicas, then into ``.grad``."""
-        if self.replicate_group is None:
-            self.store.accept_grad_shard(shard, divide_by)
-            return
-        total = shard if self._deferred is None else self._deferred.add_(shard)
-        if not self.requires_all_reduce:
-            self._deferred = total
-            _watch_deferred(self)
-            return
-        self._deferred = None
-        _DEFERRED.pop(self, None)
-        compressor = self.config.grad_compression
-        if compressor is not None:  # synchronous (see the compressor's contract)
-            shapes = self.handle.shard_shapes()
-            compressor.all_reduce(total, self.replicate_group, key=self.key, shapes=shapes)
-            self.handle.accumulate_grad_shard(total, divide_by=divide_by)
-            return
-        # asynchronous: the next unit's backward overlaps it; finalize_backward waits
-        pending = all_reduce_sum(total, self.replicate_group, async_op=True)
-        pending.then = functools.partial(self.handle.accumulate_grad_shard, total, divide_by)
-        self._root().pending.append(pending)
+        """The reduced shard ``(S,)`` of this rank: across replicas, then to the store."""
+        deliver = functools.partial(self.store.accept_grad_shard, divide_by=divide_by)
+        later = self.reducer.across_replicas(shard, self.key, self.handle.shard_shapes, deliver)
+        if later is not None:  # an all-reduce in flight: finalize_backward waits for it
+            self._root().pending.append(later)
 
     # the trainable set -----------------------------------------------------------
     def refresh_trainable(self) -> bool:
@@ -567,34 +539,6 @@ class UnitRuntime:
     def busy(self) -> bool:
         """True unless IDLE (forward, backward or a summon is under way)."""
         return self.training_state is not TrainingState.IDLE
-
-
-_DEFERRED: Any = WeakIdKeyDictionary()  # units holding deferred gradient shards -> None
-
-
-def _watch_deferred(unit: UnitRuntime) -> None:
-    _DEFERRED[unit] = None
-    add_step_check(_refuse_step_with_deferred)  # the one optimizer-step guard
-
-
-def _refuse_step_with_deferred(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-    """Optimizer step pre-hook: a step over parameters whose gradient shards still wait
-    for the cross-replica all-reduce would use a part of the gradient only.
-
-    Raises:
-        RuntimeError: naming the unit and the fix.
-    """
-    if not _DEFERRED:
-        return
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for unit in list(_DEFERRED):
-        if unit._deferred is not None and any(id(p) in held for p in unit.handle.sharded_params):
-            raise RuntimeError(
-                f"{unit.label}: optimizer.step() while its gradient is still deferred "
-                "(no_replica_sync / set_requires_all_reduce(False)): the gradient would "
-                "miss the other replicas' part. Run the last micro-batch's backward with "
-                "the cross-replica all-reduce enabled, then step"
-            )
 
 
 @contextlib.contextmanager
