@@ -27,8 +27,9 @@ backward made, and which refuses a second backward before that acknowledgement (
 gradient-accumulation loop would otherwise update once per micro-batch: accumulate
 inside ``model.no_sync()`` instead). Element-wise optimizers only (SGD, Adam, AdamW,
 Adagrad, RMSprop): each unit is stepped by its own instance, built over the unit's
-sharded parameters with the state read from its file, as OffloadModel's sliced
-optimizer does. Gradient clipping by the global norm would need every unit's gradient
+sharded parameters with the state read from its file: the file-backed optimizer of
+:mod:`shardkit.optim.file_backed`, OffloadModel's disk tier's too (a unit is its
+"piece"). Gradient clipping by the global norm would need every unit's gradient
 first and is not available.
 
 [Note: what is resident]
@@ -42,7 +43,6 @@ so the page cache, not the process, holds file pages.
 
 from __future__ import annotations
 
-import inspect
 import re
 import time
 from collections.abc import Sequence
@@ -53,14 +53,13 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.profiler import record_function
 
-from shardkit.checkpoint.generations import GenerationStore, packed_offsets, read_into
+from shardkit.checkpoint.generations import GenerationStore, read_into
 from shardkit.distributed.collectives import group_size
-from shardkit.distributed.optim_guard import exempt_optimizer
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
 from shardkit.nn.data_parallel.fully_sharded.store import ShardStore
+from shardkit.optim.file_backed import FileBackedOptimizer, read_state, write_state
 
 __all__ = [
     "DiskOffload",
@@ -314,12 +313,13 @@ class DiskOffload:
             self._reader = None
 
 
-class DiskOptimizer(torch.optim.Optimizer):
+class DiskOptimizer(FileBackedOptimizer):
     """The optimizer of a disk tier: hyperparameters for the units' steps in backward.
 
-    A ``torch.optim.Optimizer`` with one parameter group (the sharded parameters of
-    every unit) holding the hyperparameters; edit them between steps by hand or with an
-    LR scheduler. Its ``state`` stays empty: the state lives in the units' files. Made by
+    The file-backed optimizer (:class:`~shardkit.optim.file_backed.FileBackedOptimizer`,
+    as OffloadModel's) over the sharded parameters of every unit: ``param_groups[0]``
+    holds the hyperparameters; edit them between steps by hand or with an LR scheduler.
+    Its ``state`` stays empty: the state lives in the units' files. Made by
     :meth:`DiskOffload.optimizer`; see [Note: stepping inside backward].
 
     Raises:
@@ -332,30 +332,16 @@ class DiskOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         defaults: dict[str, Any],
     ) -> None:
-        name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
-        if tier.optimizer_class not in (None, name):
-            raise ValueError(
-                f"the disk_offload directory holds optimizer state of {tier.optimizer_class}, "
-                f"not {name}; resume with the same optimizer class"
-            )
-        tier.optimizer_class = name
         params = [p for u in tier.units for p in u.handle.sharded_params]
-        # every hyperparameter of the class, not only those passed: an edit of
-        # param_groups[0] (a scheduler, a momentum warm-up) must reach the units' steps
-        # (the class's defaults that its constructor takes: AdamW's hold a fixed
-        # ``decoupled_weight_decay`` too)
-        full = optimizer_class([nn.Parameter(torch.zeros(1))], **defaults).defaults
-        accepted = inspect.signature(optimizer_class.__init__).parameters
-        super().__init__(params, {k: v for k, v in full.items() if k in accepted})
+        super().__init__(
+            params,
+            optimizer_class,
+            defaults,
+            stored_class=tier.optimizer_class,
+            where="the disk_offload directory",
+        )
+        tier.optimizer_class = self.class_name
         self.tier = tier
-        self.optimizer_class = optimizer_class
-        self._hyper_keys = {k for k in full if k in accepted}
-        exempt_optimizer(self)  # its parameters are placeholders between units' steps
-
-    def hyperparameters(self) -> dict[str, Any]:
-        """The hyperparameters the next unit step uses (``param_groups[0]``'s)."""
-        group = self.param_groups[0]
-        return {k: group[k] for k in self._hyper_keys}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: each unit's gradient is dropped right after its step."""
@@ -531,60 +517,19 @@ class DiskUnit:
             handle = self.handle
             handle.accumulate_grad_shard(grad_shard, divide_by=divide_by)
             params = handle.sharded_params
-            hyper = optimizer.hyperparameters()
-            inner = optimizer.optimizer_class(params, **hyper)
-            exempt_optimizer(inner)
-            self._read_state(inner, params)
-            inner.step()
+            layout = self.optim_layout
+            state = {} if layout is None else read_state(tier.store, self.entry, layout)
+            new_state = optimizer.step_piece(params, state)
+            del state
             for param in params:
                 param.grad = None
             generation = tier.generation + 1
             tier.store.write(self.entry, "params", generation, handle.local_shard)
-            self._write_state(inner, params, generation)
-            del inner
+            self.optim_layout = write_state(
+                tier.store, self.entry, generation, new_state, self.label
+            )
+            del new_state
             self.release()
-
-    def _read_state(self, inner: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
-        layout = self.optim_layout
-        if layout is None:
-            return
-        flat = torch.empty(layout["nbytes"], dtype=torch.uint8)
-        self.tier.store.read(self.entry, "optim", flat)
-        for index, key, dtype, shape, offset in layout["tensors"]:
-            kind = getattr(torch, dtype.removeprefix("torch."))
-            nbytes = torch.Size(shape).numel() * kind.itemsize
-            value = flat[offset : offset + nbytes].view(kind).view(shape)
-            inner.state[params[index]][key] = value
-        for index, key, value in layout["values"]:
-            inner.state[params[index]][key] = value
-
-    def _write_state(
-        self, inner: torch.optim.Optimizer, params: list[nn.Parameter], generation: int
-    ) -> None:
-        tensors: list[tuple[int, str, torch.Tensor]] = []
-        values: list[list[Any]] = []
-        for index, param in enumerate(params):
-            for key, value in sorted(inner.state.get(param, {}).items()):
-                if isinstance(value, torch.Tensor):
-                    tensors.append((index, key, value.contiguous()))
-                elif value is None or isinstance(value, (bool, int, float)):
-                    values.append([index, key, value])
-                else:
-                    raise TypeError(
-                        f"{self.label}: optimizer state {key!r} is a {type(value).__name__}; "
-                        "the disk tier stores tensors, numbers and None only"
-                    )
-        flats = [t for _, _, t in tensors]
-        offsets, total = packed_offsets([t.numel() * t.element_size() for t in flats])
-        self.tier.store.write_packed(self.entry, "optim", generation, flats)
-        self.optim_layout = {
-            "nbytes": total,
-            "tensors": [
-                [i, k, str(t.dtype), list(t.shape), o]
-                for (i, k, t), o in zip(tensors, offsets, strict=True)
-            ],
-            "values": values,
-        }
 
 
 class TieredUnit(Protocol):
