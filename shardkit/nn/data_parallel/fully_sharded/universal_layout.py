@@ -88,7 +88,7 @@ class FSDPLayout:
         self.units = named_units(model)
         if "flat_param" not in self.units:
             raise TypeError(f"expected a root FullyShardedDataParallel; got {type(model).__name__}")
-        on_disk = [label for label, unit in self.units.items() if unit.disk is not None]
+        on_disk = [label for label, unit in self.units.items() if not unit.store.in_memory]
         if on_disk:
             raise ValueError(
                 f"the universal checkpoint does not save or load FSDP units on the disk tier "
