@@ -13,7 +13,6 @@ import pytest
 
 import shardkit.deprecation
 import shardkit.models
-from shardkit.checkpoint import flat
 from shardkit.nn.data_parallel.fully_sharded import sharded_checkpoint
 
 SHIMS = {
@@ -21,8 +20,6 @@ SHIMS = {
         "save_fsdp_sharded": sharded_checkpoint.save_fsdp_sharded,
         "load_fsdp_sharded": sharded_checkpoint.load_fsdp_sharded,
         "fsdp_shard_path": sharded_checkpoint.fsdp_shard_path,
-        "FSDP_SHARD_FORMAT": sharded_checkpoint.FSDP_SHARD_FORMAT,
-        "read_flat_range": flat.read_flat_range,
     },
     "shardkit.testing.models": {n: getattr(shardkit.models, n) for n in shardkit.models.__all__},
 }
