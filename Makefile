@@ -37,12 +37,19 @@ bench: $(STAMP)
 # "session" / "the issue's" words in docs/ and README.md. test_doc_names: every
 # `shardkit.` name docs/ and README.md show in code imports (file, line and name if not);
 # test_doc_options: each wrapper guide's options table lists the constructor's arguments.
+# tools/check_imports.py: what import-linter cannot say (no import cycles, function-local
+# imports included), benchmarks/ + examples/ import only the public API, nothing imports
+# a deprecated shim, a module over 500 lines says why (see its docstring); tests/lint tests that check itself and that
+# docs/api/index.md's table of names and aliases is current (tools/api_table.py).
 lint: $(STAMP) docs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy shardkit
 	$(VENV)/bin/mypy examples
+	$(VENV)/bin/mypy tools
 	$(VENV)/bin/lint-imports --no-cache --no-logo
+	$(PY) tools/check_imports.py
+	$(VENV)/bin/pytest -q -p no:cacheprovider --noconftest tests/lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/docs/test_wording.py  # docs speak to users
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/docs/test_doc_names.py tests/docs/test_doc_options.py  # docs name real code
 

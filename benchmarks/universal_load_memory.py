@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 
 from shardkit.checkpoint.universal import load_universal, save_universal
-from shardkit.models import GPT
-from shardkit.models.gpt import GPTConfig
+from shardkit.models import GPT, GPTConfig
 
 ANCHOR = GPTConfig(vocab_size=8192, block_size=128, n_layer=6, n_head=8, n_embd=512)
 

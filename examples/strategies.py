@@ -26,76 +26,52 @@ rank's device. The default process group is initialised. It returns a
     loss = strategy.train_step(x, y, accumulation)   # zero_grad, forward(s), backward(s),
                                                      # step; the mean loss
 
-``train_step`` is the one step contract of every strategy: the pipeline runs its
-schedule (forwards and backwards of every micro-batch) inside it
-(:meth:`Strategy.forward_backward`), the others a forward and ``loss.backward()``; then
-the ``before_step`` hook (gradient clipping goes there) and the optimizer step. For
-checkpoints and reports:
-
-- ``state_dict()`` / ``load_state_dict(state)``: this rank's payload (model +
-  optimizer), saved as ``ckpt-<step>/rank<r>.pt``. Every rank saves and loads its own
-  file, so a sharded strategy returns only its shard; a replicated one (ddp) returns
-  the full state on every rank. Loading happens after the factory, on the same world
-  size and strategy (the manifest checks both).
-- ``consolidated_model_state()``: called on every rank at the end (it may be a
-  collective); returns the plain GPT's ``state_dict`` on rank 0 (saved as
-  ``model.pt``), anything on other ranks; None skips the final save.
-- ``model_state_bytes()``: this rank's :class:`shardkit.memory.ModelStateBytes`.
-
-Override a method in a subclass only where the defaults (which treat ``model`` as
-this rank's whole model) do not hold. Gradient accumulation (``accumulation`` > 1:
-the main job's global batch kept at another world size) splits this rank's rows into
-equal micro-batches, each loss weighted ``1 / accumulation``; the non-final ones run
-under :meth:`Strategy.no_sync` (the wrapper's ``no_sync()``: DDP, ShardedDDP and FSDP
-all have one), so gradients are reduced once per step (:meth:`Strategy.accumulate`).
+:class:`Strategy` and its contract (``train_step``, checkpoints, reports) live in
+``gpt_strategy.py``; the pipeline and offload wrappers of the GPT in ``gpt_wrappers.py``.
+The mesh (:func:`parallel_dims`) and the composition (tensor parallel, activation
+checkpointing, FSDP / hybrid units, the pipeline split) come from
+:func:`shardkit.compose.parallelize_model`: this module only chooses its flags.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import math
-from collections.abc import Callable, Iterable, Iterator
+import os
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from gpt_dist import mean_over_ranks
 from gpt_stage_init import materialize_stage
-from torch import nn
+from gpt_strategy import (
+    PRECISIONS,
+    PrecisionStrategy,
+    Strategy,
+    StrategyConfig,
+    TensorParallelStrategy,
+    adamw_kwargs,
+)
+from gpt_wrappers import OffloadGPT, OffloadStrategy, PipelineGPT, PipeStrategy, lm_loss
 from torch.nn.parallel import DistributedDataParallel
 
-from shardkit.checkpoint.universal import LayoutAdapter, ParamEntry, layout_of, register_layout
-from shardkit.checkpoint.universal.layout import Purpose, session_of
-from shardkit.distributed import mpu
+from shardkit.compose import DataParallel, ParallelModel, PipelineSplit, parallelize_model
 from shardkit.distributed.compression import get_compressor, register_ddp_comm_hook
-from shardkit.distributed.hybrid import hybrid_groups
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
 from shardkit.memory import ModelStateBytes, model_state_bytes
 from shardkit.models import GPT, Block, gpt_stages, gpt_unit_init_fn
 from shardkit.nn import tensor_parallel as tp
-from shardkit.nn.checkpoint import CheckpointWrapper, checkpoint_wrapper
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel, MixedPrecision
-from shardkit.nn.offload import DiskTier, OffloadModel, remove_offloaded
-from shardkit.nn.pipe import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    balance_by_size,
-    consolidated_state_dict,
-    stage_module,
-)
-from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
+from shardkit.nn.offload import OffloadModel, remove_offloaded
 from shardkit.optim import OSS, register_reduce_to_owner_hook
 from shardkit.optim.grad_scaler import ShardedGradScaler
 
+# re-exported: the names the main job, the benchmarks and the tests import from here
 __all__ = [
     "PRECISIONS",
     "STRATEGIES",
+    "OffloadGPT",
     "Strategy",
     "StrategyConfig",
     "StrategyFactory",
@@ -105,204 +81,71 @@ __all__ = [
     "data_parallel_group",
     "fsdp_policy",
     "option_error",
+    "parallel_dims",
     "strategy_table",
 ]
-
-Precision = Literal["fp32", "bf16", "fp16"]
-PRECISIONS: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
-
-
-@dataclass(frozen=True)
-class StrategyConfig:
-    """The options a strategy reads: the main job's flags of the same names.
-
-    Attributes:
-        name: the registry key (``--strategy``). Default ``"ddp"``.
-        lr: AdamW's peak learning rate (:func:`adamw_kwargs`). Default 2e-3.
-        precision: ``fp32``, ``bf16`` or ``fp16`` compute (strategies whose spec has a
-            ``precision`` mode). Default ``fp32``.
-        activation_checkpointing: recompute every Block in backward. Default False.
-        chunks: pipe: micro-batches per step. Default 4.
-        schedule: pipe: ``gpipe`` or ``1f1b``. Default ``1f1b``.
-        offload_dir: offload: the disk tier's directory (``rank<r>/`` per rank); None:
-            CPU memory. Default None.
-        resume: the job resumes from a checkpoint (offload's disk tier then starts
-            its directory afresh: the checkpoint, or the step-0 model when there is
-            none, is what it continues from). Default False.
-        shard_size: hsdp: ranks per shard group (one node's); None: torchrun's
-            ``LOCAL_WORLD_SIZE``. Default None.
-        grad_compression: ddp, oss, sdp, fsdp, hsdp: a gradient compressor's name
-            (``bf16``, ``fp16``, ``powersgd``, ``int8``; :mod:`shardkit.distributed.compression`)
-            for the gradient reduction (hsdp: the cross-node all-reduce only). Default
-            None: exact.
-        tp: ddp, oss, sdp, fsdp: the tensor-parallel degree. Above 1, :func:`build_strategy`
-            splits the GPT over groups of ``tp`` consecutive ranks
-            (``tp.parallelize(model, tp.gpt_plan())``) and the strategy reduces or shards
-            over the data-parallel ranks (``world_size / tp`` of them) only. Default 1.
-    """
-
-    name: str = "ddp"
-    lr: float = 2e-3
-    precision: Precision = "fp32"
-    activation_checkpointing: bool = False
-    chunks: int = 4
-    schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    offload_dir: str | None = None
-    resume: bool = False
-    shard_size: int | None = None
-    grad_compression: str | None = None
-    tp: int = 1
-
-
-class Strategy:
-    """A wrapped model and its optimizer, as the training loop sees them.
-
-    Args:
-        module: the module to call forward on, ``module(x, targets=y) -> (logits, loss)``
-            with ``x``, ``y`` of shape ``(batch, seq_len)``.
-        optimizer: steps this rank's parameters (an LR scheduler is attached to it).
-        model: the module whose ``state_dict`` is this rank's model payload; default
-            ``module``. For a wrapper that adds a prefix (DDP's ``module.``) pass the
-            plain model, so checkpoints hold plain GPT keys.
-    """
-
-    #: the fp16 loss scaler (``--precision fp16``); it skips steps whose gradients are
-    #: not finite, so :meth:`train_step` leaves that decision to it
-    scaler: torch.amp.GradScaler | None = None
-
-    def __init__(
-        self, module: nn.Module, optimizer: torch.optim.Optimizer, model: nn.Module | None = None
-    ) -> None:
-        self.module = module
-        self.optimizer = optimizer
-        self.model = module if model is None else model
-
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, accumulation: int = 1) -> float:
-        """One training step on this rank's batch; the loss averaged over ranks.
-
-        Gradients zeroed, :meth:`accumulate` (:meth:`forward_backward` per micro-batch),
-        one all-reduce of the loss, then :meth:`before_step` and :meth:`step`, unless the
-        mean loss is not finite: then no rank steps (the model keeps its last good
-        state) and the caller sees the NaN or inf. With a loss scaler the step is always
-        taken: the scaler skips it.
-
-        Args:
-            x: input token ids, ``(rows, seq_len)`` int64, on this rank's device.
-            y: target token ids, the same shape.
-            accumulation: micro-batches the rows are split into (gradient
-                accumulation); it must divide ``rows``. Default 1.
-
-        Returns:
-            The mean over ranks of each rank's loss (the same on every rank).
-        """
-        self.optimizer.zero_grad(set_to_none=True)
-        mean = mean_over_ranks(self.accumulate(x, y, accumulation))
-        if math.isfinite(mean) or self.scaler is not None:
-            self.before_step()
-            self.step()
-        return mean
-
-    def accumulate(self, x: torch.Tensor, y: torch.Tensor, accumulation: int) -> torch.Tensor:
-        """:meth:`forward_backward` on ``accumulation`` equal micro-batches of the rows,
-        each loss weighted ``1 / accumulation`` (the gradient of the rows' mean loss),
-        all but the last under :meth:`no_sync`; the mean of their losses, detached.
-
-        Raises:
-            ValueError: ``accumulation`` does not divide the rows.
-        """
-        if accumulation == 1:  # no weighting: bit for bit the plain step
-            return self.forward_backward(x, y)
-        if accumulation < 1 or len(x) % accumulation:
-            raise ValueError(f"{len(x)} rows do not split into {accumulation} equal micro-batches")
-        rows, total = len(x) // accumulation, torch.zeros((), device=x.device)
-        for i, (xi, yi) in enumerate(zip(x.split(rows), y.split(rows), strict=True)):
-            last = i == accumulation - 1
-            with contextlib.nullcontext() if last else self.no_sync():
-                total = total + self.forward_backward(xi, yi, 1.0 / accumulation)
-        return total / accumulation
-
-    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        """The wrapper's ``no_sync()`` (gradients kept local, reduced after the next
-        backward outside it); a null context where ``module`` has none."""
-        sync = getattr(self.module, "no_sync", None)
-        return sync() if sync is not None else contextlib.nullcontext()
-
-    def forward_backward(
-        self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0
-    ) -> torch.Tensor:
-        """Forward with the loss, then :meth:`backward` of ``weight x loss`` (1.0: the
-        loss itself); this rank's loss (unweighted), detached."""
-        _, loss = self.module(x, targets=y)
-        self.backward(loss if weight == 1.0 else loss * weight)
-        return loss.detach()
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's checkpoint payload: ``{"model": ..., "optimizer": ...}``."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned on this rank."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
-    def checkpoint_module(self) -> Any:
-        """The wrapped model as ``shardkit.checkpoint.universal`` takes it (DDP,
-        ShardedDataParallel, FSDP, OffloadModel, ...): its layout adapter says which
-        piece of which plain GPT tensor this rank holds. Default ``module``."""
-        return self.module
-
-    def extra_state(self) -> dict[str, Any]:
-        """State besides the model and optimizer that a checkpoint must carry (the fp16
-        loss scaler's); plain data and tensors, the same on every rank. Default none."""
-        return {}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`extra_state` returned (on any rank, at any world size)."""
-
-    def consolidated_model_state(self) -> dict[str, Any] | None:
-        """The plain GPT ``state_dict`` (on rank 0); called on every rank."""
-        return self.model.state_dict()
-
-    def model_state_bytes(self) -> ModelStateBytes:
-        """Bytes of parameters, gradients, optimizer state and buffers on this rank."""
-        return model_state_bytes(self.module, self.optimizer)
-
-    def before_step(self) -> None:
-        """Called after the backward pass, before :meth:`step`; default no-op.
-
-        Gradient clipping goes here; a sharded strategy must clip by the global norm
-        (its wrapper's ``clip_grad_norm_``), not by the norm of its local shard.
-        """
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """The backward pass of :meth:`forward_backward`; default ``loss.backward()``."""
-        loss.backward()
-
-    def step(self) -> None:
-        """The optimizer step of :meth:`train_step`; default ``optimizer.step()``."""
-        self.optimizer.step()
-
 
 StrategyFactory = Callable[[GPT, StrategyConfig, torch.device], Strategy]
 
 
-def adamw_kwargs(config: StrategyConfig) -> dict[str, Any]:
-    """The optimizer settings every strategy uses: AdamW at ``config.lr`` (the peak LR)."""
-    return {"lr": config.lr, "betas": (0.9, 0.95), "weight_decay": 0.01}
+_MESH: ContextVar[ProcessMesh | None] = ContextVar("mesh", default=None)
 
 
-_DP_GROUP: ContextVar[dist.ProcessGroup | None] = ContextVar("dp_group", default=None)
+def parallel_dims(config: StrategyConfig, world_size: int) -> ParallelDims:
+    """The mesh of ``config`` on ``world_size`` ranks: the ``--pp``, ``--dp-replicate``,
+    ``--dp-shard``, ``--tp`` given, the others inferred as the strategy's shorthand says:
+
+    - fsdp: ``dp_shard`` is the rest (``dp_replicate`` default 1);
+    - hsdp: ``dp_shard`` is ``--shard-size`` (default ``LOCAL_WORLD_SIZE / tp``: one
+      node's data-parallel ranks), ``dp_replicate`` the rest;
+    - pipe: ``pp`` is the rest (one stage per rank by default), ``dp_shard`` is the
+      rest when ``--pp`` is given;
+    - ddp, oss, sdp, offload: ``tp`` only; the data-parallel ranks are the rest.
+
+    Raises:
+        ValueError: degrees whose product is not ``world_size`` (the equation named),
+            or ``--shard-size`` and ``--dp-shard`` both given and different.
+    """
+    tp_, pp, dpr, dps = config.tp, config.pp, config.dp_replicate, config.dp_shard
+    if config.name == "hsdp":
+        if config.shard_size is not None and dps not in (None, config.shard_size):
+            raise ValueError(
+                f"--shard-size {config.shard_size} and --dp-shard {dps} name the same "
+                "degree (ranks per shard group); give one of them"
+            )
+        if dps is None:
+            dps = config.shard_size
+        if dps is None and dpr is None:
+            dps = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) // tp_)
+        if dpr is None:
+            others = (pp or 1) * tp_ * (dps or 1)
+            dpr = world_size // others if world_size % others == 0 else -1
+            if dpr < 1:
+                raise ValueError(
+                    f"hsdp: the world size {world_size} is not a multiple of "
+                    f"dp_shard ({dps}) x tp ({tp_}) = {others}; choose a --shard-size "
+                    f"(or --dp-shard) whose product with --tp divides {world_size}"
+                )
+    elif config.name == "pipe" and pp is None:
+        others = (dpr or 1) * (dps or 1) * tp_
+        pp = world_size // others if world_size % others == 0 else world_size
+    return ParallelDims(world_size, pp=pp or 1, dp_replicate=dpr or 1, dp_shard=dps or -1, tp=tp_)
+
+
+def strategy_mesh(config: StrategyConfig) -> ProcessMesh:
+    """The mesh a factory builds on: :func:`build_strategy`'s (set while the factory
+    runs), else one built here from :func:`parallel_dims` (a collective when it
+    creates groups: call it on every rank)."""
+    mesh = _MESH.get()
+    return mesh if mesh is not None else ProcessMesh(parallel_dims(config, dist.get_world_size()))
 
 
 def data_parallel_group() -> dist.ProcessGroup | None:
-    """The group a data-parallel factory reduces or shards over: under ``--tp`` > 1 the
-    mesh's ``dp`` group (set by :func:`build_strategy` while the factory runs), else
-    None (the world)."""
-    return _DP_GROUP.get()
+    """The group a data-parallel factory (ddp, oss, sdp) reduces or shards over: under
+    ``--tp`` > 1 the mesh's ``dp`` group (set by :func:`build_strategy` while the
+    factory runs), else None (the world)."""
+    mesh = _MESH.get()
+    return mesh.group("dp") if mesh is not None and mesh.size("tp") > 1 else None
 
 
 def _ddp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
@@ -351,233 +194,17 @@ def _sdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     return _OSSStrategy(module=module, optimizer=optimizer, model=model)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, as ``GPT.forward`` computes it."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
-class PipelineGPT(nn.Module):
-    """This rank's pipeline stage of the GPT: the schedule in :meth:`forward_backward`.
-
-    ``model`` may be built on the meta device (the main job does, see the spec's
-    ``meta_init``): only this rank's stage is then allocated and initialised,
-    bit-identically to the plain GPT's initialisation at the same seed
-    (:func:`gpt_stage_init.materialize_stage`).
-
-    Every rank samples its own batch, as under DDP; the batches are all-gathered so that
-    the pipeline trains on the same global batch DDP would (``world_size * batch``
-    rows, mean loss). :meth:`forward_backward` runs the whole schedule (forwards and
-    backwards of every micro-batch); ``forward`` (``module(x, targets=y)``, as the
-    evaluation calls it) runs the forwards only, without gradients. The tied embedding /
-    LM-head weight lives on the first and the last stage; their gradients are summed
-    after each schedule so both copies stay equal.
-    """
-
-    def __init__(self, model: GPT, config: StrategyConfig, device: torch.device) -> None:
-        super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        layers = gpt_stages(model)
-        self.stage_module = stage_module(layers, balance_by_size(world, layers), rank)
-        if model.wte.weight.is_meta:
-            materialize_stage(model, self.stage_module, device)
-        self.stage = PipelineStage(self.stage_module, device=device)
-        self.runner: ScheduleGPipe | Schedule1F1B
-        if config.schedule == "1f1b":
-            self.runner = Schedule1F1B(self.stage, config.chunks, loss_fn=lm_loss)
-        else:
-            self.runner = ScheduleGPipe(self.stage, config.chunks, loss_fn=lm_loss)
-        self.tied_group = dist.new_group([0, world - 1]) if world > 1 else None
-        # this stage's copy of the tied weight (a tuple: not registered as a parameter here)
-        self.tied = (model.lm_head.weight if rank == world - 1 else model.wte.weight,)
-
-    def _global(self, t: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, t.contiguous())
-        return torch.cat(parts)
-
-    def _on_every_rank(self, loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """The last stage's loss (shape ``()``), broadcast to every stage."""
-        out = loss.detach().reshape(()) if loss is not None else torch.zeros((), device=device)
-        dist.broadcast(out, dist.get_world_size() - 1)
-        return out
-
-    def forward_backward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The schedule on the global batch; the mean loss (detached, on every rank)."""
-        x, y = self._global(x), self._global(targets)
-        first, last = self.stage.is_first, self.stage.is_last
-        loss = self.runner.step(x if first else None, target=y if last else None)
-        grad = self.tied[0].grad
-        if self.tied_group is not None and (first or last) and grad is not None:
-            dist.all_reduce(grad, group=self.tied_group)
-        return self._on_every_rank(loss, x.device)
-
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[None, torch.Tensor]:
-        """The forwards only (evaluation): ``(None, mean loss)`` on every rank."""
-        x, y = self._global(x), self._global(targets)
-        logits = self.runner.forward(x if self.stage.is_first else None)
-        loss = lm_loss(logits, y) if isinstance(logits, torch.Tensor) else None
-        return None, self._on_every_rank(loss, x.device)
-
-
-class _PipeStrategy(Strategy):
-    """Checkpoints hold this rank's stage (keys of ``gpt_stages``); the final
-    ``model.pt`` holds the plain GPT, consolidated from every stage onto rank 0."""
-
-    module: PipelineGPT
-
-    def __init__(self, module: PipelineGPT, optimizer: torch.optim.Optimizer, gpt: GPT) -> None:
-        super().__init__(module=module, optimizer=optimizer, model=module.stage_module)
-        self.gpt = gpt
-
-    def forward_backward(
-        self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0
-    ) -> torch.Tensor:
-        if weight != 1.0:
-            raise ValueError(f"pipe runs whole steps only (weight {weight}, expected 1.0)")
-        return self.module.forward_backward(x, y)
-
-    def checkpoint_module(self) -> Any:
-        """The :class:`PipelineGPT`: this rank's stage under the plain GPT's keys
-        (:class:`GPTKeys`)."""
-        return self.module
-
-    def accumulate(self, x: torch.Tensor, y: torch.Tensor, accumulation: int) -> torch.Tensor:
-        """Every row in one schedule (its ``--chunks`` micro-batches already accumulate
-        the gradients of the global batch): the same gradient for any ``accumulation``."""
-        return self.forward_backward(x, y)
-
-    def consolidated_model_state(self) -> dict[str, Any] | None:
-        merged = consolidated_state_dict(self.module.stage_module)
-        if merged is None:
-            return None
-        # plain GPT keys, matched to gpt_stages keys by tensor identity (rank 0 may hold
-        # only its stage: the other layers are on meta)
-        stage_key = {id(t): k for k, t in gpt_stages(self.gpt).state_dict(keep_vars=True).items()}
-        return {k: merged[stage_key[id(t)]] for k, t in self.gpt.state_dict(keep_vars=True).items()}
-
-
 def _pipe(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
-    """GPT blocks split over the ranks (one stage each), ``--chunks`` micro-batches,
-    ``--schedule gpipe|1f1b``; AdamW on each stage's parameters."""
-    module = PipelineGPT(model, config, device)
+    """GPT blocks split over the mesh's ``pp`` ranks (one stage each; by default every
+    rank), ``--chunks`` micro-batches, ``--schedule gpipe|1f1b``, stages replicated over
+    ``dp`` and split over ``tp``; AdamW on each stage's parameters."""
+    split = PipelineSplit(
+        gpt_stages, lm_loss, config.chunks, config.schedule, materialize=materialize_stage
+    )
+    parallel = _parallelize(model, config, strategy_mesh(config), "ddp", device, split)
+    module = PipelineGPT(parallel)
     optimizer = torch.optim.AdamW(module.stage_module.parameters(), **adamw_kwargs(config))
-    return _PipeStrategy(module, optimizer, model)
-
-
-class OffloadGPT(nn.Module):
-    """The GPT as an :class:`OffloadModel` behind the loop's ``module(x, targets=y)``."""
-
-    def __init__(self, offload: OffloadModel) -> None:
-        super().__init__()
-        self.offload = offload
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.offload(x)
-        return logits, lm_loss(logits, targets)
-
-
-class _OffloadStrategy(Strategy):
-    """Offload: checkpoints and ``model.pt`` hold plain GPT keys. On the disk tier the
-    model state lives in ``--offload-dir/rank<r>`` (stepped by ``sliced_optimizer``);
-    the universal checkpoint reads it from there and a resume writes it back
-    (:class:`GPTKeys` over OffloadModel's layout). The per-rank ``state_dict`` records
-    the directory's generation: loading it needs the directory at that generation."""
-
-    module: OffloadGPT
-
-    def __init__(self, module: OffloadGPT, optimizer: torch.optim.Optimizer, gpt: GPT) -> None:
-        super().__init__(module=module, optimizer=optimizer, model=gpt)
-        names = {id(p): n for n, p in gpt.named_parameters()}
-        self.to_gpt = {n: names[id(p)] for n, p in module.offload.named_parameters()}
-        self.disk = module.offload.tier if isinstance(module.offload.tier, DiskTier) else None
-
-    def _gpt_state(self) -> dict[str, Any]:
-        if self.disk is None:
-            return self.model.state_dict()
-        state = {self.to_gpt[k]: v for k, v in self.module.offload.state_dict().items()}
-        state["lm_head.weight"] = state["wte.weight"]  # tied
-        return state
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.disk is None:
-            return super().state_dict()
-        return {
-            "model": self._gpt_state(),
-            "optimizer": self.optimizer.state_dict(),  # hyperparameters (LR) only
-            "offload_generation": self.disk.generation,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.disk is None:
-            super().load_state_dict(state)
-        elif state["offload_generation"] != self.disk.generation:
-            raise ValueError(
-                f"the checkpoint is at offload generation {state['offload_generation']} but "
-                f"{self.disk.directory} holds generation {self.disk.generation}; resume from "
-                "the checkpoint written with the directory's last step"
-            )
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
-
-    def consolidated_model_state(self) -> dict[str, Any] | None:
-        return self._gpt_state()
-
-    def checkpoint_module(self) -> Any:
-        """The :class:`OffloadGPT`: its slices under the plain GPT's keys
-        (:class:`GPTKeys`), on the CPU tier or the disk tier."""
-        return self.module
-
-
-def gpt_key(stage_key: str) -> str:
-    """The plain GPT's key of a ``gpt_stages`` key: ``"0.wte.weight"`` -> ``"wte.weight"``,
-    ``"2.attn.qkv.weight"`` -> ``"blocks.1.attn.qkv.weight"``, ``"5.ln_f.bias"`` ->
-    ``"ln_f.bias"`` (the embedding and the head keep their attribute names)."""
-    index, _, rest = stage_key.partition(".")
-    if rest.startswith(("wte.", "wpe.", "ln_f.", "lm_head.")):
-        return rest
-    return f"blocks.{int(index) - 1}.{rest}"
-
-
-class GPTKeys:
-    """The universal-checkpoint layout of a ``gpt_stages`` wrapper (pipe, offload) under
-    the plain GPT's keys, so that its checkpoints cross to and from ddp, oss, sdp, fsdp.
-
-    ``inner`` is the wrapper's own adapter (keys of ``gpt_stages``). The tied LM-head
-    weight appears as ``lm_head.weight`` only where it is a copy of its own (the last
-    pipeline stage, the first holding ``wte.weight``): the plain GPT saves the tied
-    weight once, as ``wte.weight``, so that copy is listed under ``wte.weight`` and
-    not written (the first stage writes it), and loading fills it from ``wte.weight``.
-    """
-
-    def __init__(self, inner: LayoutAdapter) -> None:
-        self.inner = inner
-        self.strategy = inner.strategy
-
-    def entries(self) -> Iterator[ParamEntry]:
-        for entry in self.inner.entries():
-            key = gpt_key(entry.key)
-            if key == "lm_head.weight":
-                yield dataclasses.replace(entry, key="wte.weight", write=False)
-            else:
-                yield dataclasses.replace(entry, key=key)
-
-    def aliases(self) -> dict[str, str]:
-        """The plain GPT's tied key (its LM head is the token embedding), recorded in
-        the manifest so that ``python -m shardkit.checkpoint convert`` writes both
-        names and the output loads into ``GPT`` with ``strict=True``."""
-        return {"lm_head.weight": "wte.weight"}
-
-    def after_load(self) -> None:
-        self.inner.after_load()
-
-    def session(self, purpose: Purpose) -> contextlib.AbstractContextManager[Any]:
-        """The inner adapter's session (the offload disk tier maps its files in it)."""
-        return session_of(self.inner, purpose)
-
-
-register_layout(PipelineGPT, lambda model, optimizer: GPTKeys(layout_of(model.stage, optimizer)))
-register_layout(OffloadGPT, lambda model, optimizer: GPTKeys(layout_of(model.offload, optimizer)))
+    return PipeStrategy(module, optimizer, model)
 
 
 def _offload(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
@@ -605,7 +232,7 @@ def _offload(model: GPT, config: StrategyConfig, device: torch.device) -> Strate
         )
     else:
         optimizer = offload.sliced_optimizer(torch.optim.AdamW, **adamw_kwargs(config))
-    return _OffloadStrategy(OffloadGPT(offload), optimizer, model)
+    return OffloadStrategy(OffloadGPT(offload), optimizer, model)
 
 
 class _FSDPStrategy(Strategy):
@@ -628,40 +255,57 @@ class _FSDPStrategy(Strategy):
 
 
 def _fsdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
-    """FullyShardedDataParallel, one unit per Block + the root (ZeRO-3); AdamW with the
-    settings of every strategy (one param group: a checkpoint moves between
-    strategies, and the universal checkpoint refuses param groups whose
-    hyperparameters differ). ``--precision bf16|fp16``: FSDP's own mixed precision
-    (:func:`fsdp_policy`)."""
-    group = data_parallel_group()
-    return _fully_sharded(model, config, {} if group is None else {"process_group": group})
+    """FullyShardedDataParallel, one unit per Block + the root (ZeRO-3) over the mesh's
+    ``dp_shard`` ranks, hybrid when ``dp_replicate`` > 1; AdamW with the settings of
+    every strategy (one param group: a checkpoint moves between strategies, and the
+    universal checkpoint refuses param groups whose hyperparameters differ).
+    ``--precision bf16|fp16``: FSDP's own mixed precision (:func:`fsdp_policy`)."""
+    parallel = _parallelize(model, config, strategy_mesh(config), "fsdp", device)
+    optimizer = torch.optim.AdamW(parallel.parameters(), **adamw_kwargs(config))
+    strategy = _FSDPStrategy(module=parallel.module, optimizer=optimizer)
+    strategy.split_tensors = parallel.split_tensors
+    return strategy
 
 
 def _hsdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """As :func:`_fsdp` with hybrid sharding: full shard inside a shard group of
-    ``--shard-size`` ranks (default: one node's, ``LOCAL_WORLD_SIZE``), replicas across
-    groups; each rank all-reduces only its gradient shard across nodes."""
-    groups = hybrid_groups(config.shard_size)
-    hybrid = {
-        "sharding_strategy": "HYBRID_SHARD",
-        "process_group": (groups.shard, groups.replicate),
-    }
-    return _fully_sharded(model, config, hybrid)
+    ``--shard-size`` data-parallel ranks (default: one node's, ``LOCAL_WORLD_SIZE``),
+    replicas across groups; each rank all-reduces only its gradient shard across
+    nodes. The mesh (:func:`parallel_dims`) decides, as for fsdp."""
+    return _fsdp(model, config, device)
 
 
-def _fully_sharded(model: GPT, config: StrategyConfig, extra: dict[str, Any]) -> Strategy:
-    blocks = {CheckpointWrapper if config.activation_checkpointing else Block}
-    policy = fsdp_policy(config.precision)
-    # a GPT built on meta is materialised unit by unit (deferred initialisation)
-    init = gpt_unit_init_fn if any(p.is_meta for p in model.parameters()) else None
-    fsdp_kwargs: dict[str, Any] = {"mixed_precision": policy, "param_init_fn": init, **extra}
-    if config.grad_compression is not None:  # one compressor: its state is kept per unit
-        fsdp_kwargs["grad_compression"] = get_compressor(config.grad_compression)
-    with enable_wrap(wrapper_cls=FullyShardedDataParallel, **fsdp_kwargs):
-        wrapped = auto_wrap(model, transformer_auto_wrap_policy(blocks))
-    module = FullyShardedDataParallel(wrapped, **fsdp_kwargs)
-    optimizer = torch.optim.AdamW(module.parameters(), **adamw_kwargs(config))
-    return _FSDPStrategy(module=module, optimizer=optimizer)
+def _parallelize(
+    model: GPT,
+    config: StrategyConfig,
+    mesh: ProcessMesh,
+    data_parallel: DataParallel,
+    device: torch.device,
+    pipeline: PipelineSplit | None = None,
+) -> ParallelModel:
+    """The GPT through :func:`shardkit.compose.parallelize_model`: ``--tp``
+    (``tp.gpt_plan()``), ``--activation-checkpointing`` (every Block), then
+    ``data_parallel`` (fsdp: a unit per Block, ``--precision``, ``--grad-compression``,
+    a meta GPT initialised unit by unit) and the ``pipeline``."""
+    fsdp = data_parallel == "fsdp"
+    kwargs: dict[str, Any] = {}
+    if fsdp:  # a GPT built on meta is materialised unit by unit (deferred initialisation)
+        meta = any(p.is_meta for p in model.parameters())
+        kwargs["param_init_fn"] = gpt_unit_init_fn if meta else None
+    if fsdp and config.grad_compression is not None:  # one compressor, state per unit
+        kwargs["grad_compression"] = get_compressor(config.grad_compression)
+    return parallelize_model(
+        model,
+        mesh,
+        tp_plan=tp.gpt_plan(),
+        activation_checkpointing={Block} if config.activation_checkpointing else (),
+        fsdp_units={Block},
+        mixed_precision=fsdp_policy(config.precision) if fsdp else None,
+        fsdp_kwargs=kwargs,
+        pipeline=pipeline,
+        data_parallel=data_parallel,
+        device=device,
+    )
 
 
 # The registry ---------------------------------------------------------------------------
@@ -714,6 +358,11 @@ class StrategySpec:
             Default: the r-th 1/N of every tensor and its AdamW state.
         options: the flags only this strategy reads (:class:`StrategyConfig` field
             names); another strategy refuses them when set to other than the default.
+        composes: the factory builds the whole composition (``--tp``, checkpointing,
+            its data parallelism, the pipeline) with
+            :func:`shardkit.compose.parallelize_model`; False: :func:`build_strategy`
+            applies ``--tp`` and checkpointing first and the factory wraps the result.
+            Default False.
 
     Raises:
         ValueError: ``loss_scaler`` given without ``precision`` or the reverse.
@@ -729,6 +378,7 @@ class StrategySpec:
     activation_checkpointing: Checkpointing = "flag"
     checkpoint_layout: str = "the r-th 1/N of every tensor and its AdamW state"
     options: tuple[str, ...] = ()
+    composes: bool = False
 
     def __post_init__(self) -> None:
         if (self.precision is None) != (self.loss_scaler is None):
@@ -780,14 +430,16 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
         StrategySpec(
             "fsdp",
             _fsdp,
-            "`FullyShardedDataParallel`, one unit per Block + the root; AdamW",
+            "`FullyShardedDataParallel` over `--dp-shard` ranks (hybrid with "
+            "`--dp-replicate` > 1), one unit per Block + the root; AdamW",
             zero_stage=3,
             meta_init="optional",
             precision="native",
             loss_scaler="sharded",
             checkpoint_layout="the pieces of each parameter in its flat shard, and their "
             "AdamW state",
-            options=("grad_compression", "tp"),
+            options=("grad_compression", "tp", "dp_shard", "dp_replicate"),
+            composes=True,
         ),
         StrategySpec(
             "hsdp",
@@ -799,16 +451,20 @@ STRATEGIES: dict[str, StrategySpec] = _registry(
             precision="native",
             loss_scaler="sharded",
             checkpoint_layout="as fsdp, on the first replica (shard group) only",
-            options=("shard_size", "grad_compression"),
+            options=("shard_size", "grad_compression", "tp", "dp_shard", "dp_replicate"),
+            composes=True,
         ),
         StrategySpec(
             "pipe",
             _pipe,
-            "one pipeline stage per rank, `--chunks` micro-batches; AdamW per stage",
+            "`--pp` pipeline stages (default: one per rank), `--chunks` micro-batches, "
+            "stages replicated (torch DDP) over the other data-parallel ranks; AdamW per stage",
             zero_stage=None,
             meta_init="default",
-            checkpoint_layout="its stage, whole, with its AdamW state",
-            options=("chunks", "schedule"),
+            checkpoint_layout="its stage, whole (replicated stages: their r-th 1/N), with "
+            "its AdamW state",
+            options=("chunks", "schedule", "tp", "pp", "dp_shard", "dp_replicate"),
+            composes=True,
         ),
         StrategySpec(
             "offload",
@@ -831,6 +487,9 @@ _OPTION_ROLE = {
     "shard_size": "its shard groups",
     "grad_compression": "gradient compression",
     "tp": "tensor parallelism",
+    "pp": "pipeline stages",
+    "dp_shard": "its data-parallel ranks",
+    "dp_replicate": "its data-parallel replicas",
 }
 """What each strategy-only option is, for :func:`option_error`'s message."""
 
@@ -887,197 +546,38 @@ def fsdp_policy(precision: str) -> MixedPrecision | None:
     )
 
 
-class Autocast(nn.Module):
-    """``module``'s forward under ``torch.autocast(dtype)`` on the inputs' device type."""
-
-    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.module, self.dtype = module, dtype
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> Any:
-        with torch.autocast(x.device.type, dtype=self.dtype):
-            return self.module(x, targets=targets)
-
-
-class _Precision(Strategy):
-    """A strategy with autocast around its forward and/or a loss scaler (fp16); every
-    checkpoint and report method is the inner strategy's (plus the scaler's state)."""
-
-    def __init__(
-        self, inner: Strategy, autocast: torch.dtype | None, scaler: torch.amp.GradScaler | None
-    ) -> None:
-        module = inner.module if autocast is None else Autocast(inner.module, autocast)
-        super().__init__(module=module, optimizer=inner.optimizer, model=inner.model)
-        self.inner, self.scaler = inner, scaler
-
-    def state_dict(self) -> dict[str, Any]:
-        state = self.inner.state_dict()
-        if self.scaler is not None:
-            state["scaler"] = self.scaler.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
-        if self.scaler is not None and "scaler" in state:
-            self.scaler.load_state_dict(state["scaler"])
-
-    def checkpoint_module(self) -> Any:
-        return self.inner.checkpoint_module()
-
-    def extra_state(self) -> dict[str, Any]:
-        state = self.inner.extra_state()
-        if self.scaler is not None:
-            state["scaler"] = self.scaler.state_dict()
-        return state
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.inner.load_extra_state(state)
-        if self.scaler is not None and "scaler" in state:
-            self.scaler.load_state_dict(state["scaler"])
-
-    def consolidated_model_state(self) -> dict[str, Any] | None:
-        return self.inner.consolidated_model_state()
-
-    def model_state_bytes(self) -> ModelStateBytes:
-        return self.inner.model_state_bytes()
-
-    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        return self.inner.no_sync()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        scaled: torch.Tensor = loss if self.scaler is None else self.scaler.scale(loss)
-        scaled.backward()
-
-    def before_step(self) -> None:
-        if self.scaler is not None:  # clipping in the inner hook sees true gradients
-            self.scaler.unscale_(self.optimizer)
-        self.inner.before_step()
-
-    def step(self) -> None:
-        if self.scaler is None:
-            self.optimizer.step()
-            return
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-
-
-class _TensorParallel(Strategy):
-    """A data-parallel strategy over a tensor-parallel GPT (``--tp``): every method is
-    the inner strategy's, except that ``model.pt`` gathers the split tensors back.
-
-    Args:
-        inner: the strategy, built over the mesh's data-parallel group.
-        layout: ``(partition_dim, partition_stride)`` of each split tensor, by its plain
-            GPT key (read from the parallelized GPT before any wrapper flattens it).
-        group: the tensor-parallel group.
-    """
-
-    def __init__(
-        self, inner: Strategy, layout: dict[str, tuple[int, int]], group: dist.ProcessGroup
-    ) -> None:
-        super().__init__(module=inner.module, optimizer=inner.optimizer, model=inner.model)
-        self.inner, self.layout, self.group = inner, layout, group
-        self.scaler = inner.scaler
-
-    def forward_backward(
-        self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0
-    ) -> torch.Tensor:
-        return self.inner.forward_backward(x, y, weight)
-
-    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        return self.inner.no_sync()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()  # this rank's tensor-parallel shard
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
-
-    def checkpoint_module(self) -> Any:
-        return self.inner.checkpoint_module()
-
-    def extra_state(self) -> dict[str, Any]:
-        return self.inner.extra_state()
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.inner.load_extra_state(state)
-
-    def consolidated_model_state(self) -> dict[str, Any] | None:
-        """The plain GPT's state dict: the inner strategy's (tensor-parallel shards
-        under plain keys, on every rank), each split tensor all-gathered over the
-        tensor-parallel group (a collective)."""
-        state = self.inner.consolidated_model_state()
-        if state is None:
-            return None
-        missing = sorted(set(self.layout) - set(state))
-        if missing:
-            raise KeyError(f"the consolidated state lacks the split tensors {missing}")
-        full = {}
-        for key, value in state.items():  # the same order on every rank
-            if key in self.layout:
-                dim, stride = self.layout[key]
-                value = tp.full_tensor(value, dim, self.group, stride)
-            full[key] = value
-        return full
-
-    def model_state_bytes(self) -> ModelStateBytes:
-        return self.inner.model_state_bytes()
-
-    def before_step(self) -> None:
-        self.inner.before_step()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.inner.backward(loss)
-
-    def step(self) -> None:
-        self.inner.step()
-
-
-def _tp_layout(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """``(partition_dim, partition_stride)`` of each split tensor of ``model``, by key."""
-    return {
-        name: (int(t.partition_dim), int(t.partition_stride))
-        for name, t in model.state_dict(keep_vars=True).items()
-        if tp.is_tensor_parallel(t)
-    }
-
-
 def build_strategy(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
-    """``STRATEGIES[config.name]`` with ``--tp`` (the GPT split by ``tp.gpt_plan()``
-    over groups of ``tp`` consecutive ranks, then the strategy built over the mesh's
-    data-parallel group), ``--activation-checkpointing`` (every Block wrapped by
-    ``checkpoint_wrapper`` before the strategy wraps the model) and ``--precision``
-    (see [Note: precision per strategy]), as its spec says.
+    """``STRATEGIES[config.name]`` over the mesh of :func:`parallel_dims` (a collective:
+    every rank builds its groups), with ``--tp`` (``tp.gpt_plan()``),
+    ``--activation-checkpointing`` (every Block wrapped by ``checkpoint_wrapper``) and
+    ``--precision`` (see [Note: precision per strategy]), as its spec says. A spec that
+    ``composes`` (fsdp, hsdp, pipe) builds all of it with
+    :func:`shardkit.compose.parallelize_model`; for the others (ddp, oss, sdp) the same
+    function applies ``--tp`` and checkpointing, then the factory wraps the model over
+    the mesh's ``dp`` group.
 
     Raises:
         ValueError: an option that does not apply to the strategy (:func:`option_error`),
-            or a ``--tp`` that does not divide the world size (or the GPT's heads or
-            vocabulary).
+            or degrees that do not fit the world size (:func:`parallel_dims`), the GPT's
+            heads or its vocabulary.
     """
     problem = option_error(config)
     if problem is not None:
         raise ValueError(problem)
     spec = STRATEGIES[config.name]
-    tp_group, dp_group, layout = None, None, {}
-    if config.tp > 1:  # a collective: every rank builds the mesh's groups in order
-        mesh = ProcessMesh(ParallelDims(dist.get_world_size(), tp=config.tp))
-        tp_group, dp_group = mesh.group("tp"), mesh.group("dp")
-        # the process-wide mesh: the universal checkpoint writes a tensor every
-        # tensor-parallel rank holds whole from tensor-parallel rank 0 only; the job
-        # forgets it at its end (train_gpt.main)
-        mpu.set_mesh(mesh)
-        tp.parallelize(model, tp.gpt_plan(), process_group=tp_group)
-        layout = _tp_layout(model)
-    if config.activation_checkpointing:
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = checkpoint_wrapper(block)
-    token = _DP_GROUP.set(dp_group)
+    mesh = ProcessMesh(parallel_dims(config, dist.get_world_size()))
+    split: dict[str, tuple[int, int]] = {}
+    if not spec.composes:
+        split = _parallelize(model, config, mesh, "none", device).split_tensors
+    token = _MESH.set(mesh)
     try:
         strategy = spec(model, config, device)
     finally:
-        _DP_GROUP.reset(token)
-    if tp_group is not None:
-        strategy = _TensorParallel(strategy, layout, tp_group)
+        _MESH.reset(token)
+    if mesh.size("tp") > 1 and not isinstance(strategy, PipeStrategy):
+        strategy = TensorParallelStrategy(
+            strategy, split or strategy.split_tensors, mesh.group("tp")
+        )
     if config.precision == "fp32":
         return strategy
     autocast = PRECISIONS[config.precision] if spec.precision == "autocast" else None
@@ -1086,7 +586,7 @@ def build_strategy(model: GPT, config: StrategyConfig, device: torch.device) -> 
         scaler = torch.amp.GradScaler(device.type, init_scale=FP16_INIT_SCALE)
     elif config.precision == "fp16":
         scaler = ShardedGradScaler(init_scale=FP16_INIT_SCALE, device=device.type)
-    return _Precision(strategy, autocast, scaler)
+    return PrecisionStrategy(strategy, autocast, scaler)
 
 
 _COLUMNS = (

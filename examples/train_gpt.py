@@ -48,12 +48,12 @@ from strategies import (
     StrategyConfig,
     build_strategy,
     option_error,
+    parallel_dims,
 )
 from tqdm import tqdm
 
 from shardkit.checkpoint.atomic import atomic_save, atomic_write
 from shardkit.checkpoint.manifest import MANIFEST_NAME
-from shardkit.distributed import mpu
 from shardkit.extras import MissingDependency
 from shardkit.memory import ModelStateBytes
 from shardkit.models import GPT, MODEL_SIZES, gpt_config
@@ -85,7 +85,7 @@ class JobConfig:
     """The main job's options (the command line, typed); defaults are the flags' defaults.
 
     Attributes:
-        strategy: what the strategy reads (:class:`strategies.StrategyConfig`:
+        strategy: what the strategy reads (:class:`gpt_strategy.StrategyConfig`:
             ``--strategy``, ``--lr``, ``--precision``, ...).
         model_size: ``tiny``, ``small`` or ``medium`` (``shardkit.models.MODEL_SIZES``).
         steps: optimizer steps; the LR schedule spans them.
@@ -162,7 +162,12 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     job, opt = JobConfig(), StrategyConfig()
     p = _Parser(prog=PROG, description="Train a byte-level GPT on text, N ranks.")
     add = p.add_argument
-    add("--strategy", default=opt.name, help=f"one of {sorted(STRATEGIES)} (default {opt.name})")
+    add(
+        "--strategy",
+        default=None,
+        help=f"one of {sorted(STRATEGIES)} (default: pipe with --pp, hsdp with "
+        f"--dp-replicate, fsdp with --dp-shard, else {opt.name})",
+    )
     add("--model-size", default=job.model_size, choices=sorted(MODEL_SIZES), help="default tiny")
     add("--steps", type=_positive, default=job.steps, help=f"optimizer steps (default {job.steps})")
     add("--batch-size", type=_positive, default=job.batch_size, help="sequences per micro-batch")
@@ -192,7 +197,10 @@ def parse_args(argv: list[str] | None) -> JobConfig:
         "--resume starts it afresh from the checkpoint",
     )
     add("--shard-size", type=_positive, default=None, help="hsdp: ranks per shard group")
-    add("--tp", type=_positive, default=opt.tp, help="ddp/oss/sdp/fsdp: tensor-parallel degree")
+    add("--tp", type=_positive, default=opt.tp, help="tensor-parallel degree (not offload)")
+    add("--dp-shard", type=_positive, default=None, help="fsdp/hsdp/pipe: ranks sharding")
+    add("--dp-replicate", type=_positive, default=None, help="fsdp/hsdp/pipe: replicas")
+    add("--pp", type=_positive, default=None, help="pipe: pipeline stages (default: the rest)")
     add(
         "--grad-compression",
         default=None,
@@ -200,7 +208,9 @@ def parse_args(argv: list[str] | None) -> JobConfig:
         help="ddp/oss/sdp/fsdp/hsdp: compress the gradient reduction (hsdp: across nodes)",
     )
     add("--profile-steps", default=None, metavar="A:B", help="torch.profiler trace of steps A..B")
-    config = JobConfig.from_flags(vars(p.parse_args(argv)))
+    flags = vars(p.parse_args(argv))
+    flags["strategy"] = flags["strategy"] or shorthand(flags)
+    config = JobConfig.from_flags(flags)
     if config.profile_steps is not None:
         try:
             parse_steps(config.profile_steps)
@@ -210,6 +220,17 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     if problem is not None:
         raise InputError(problem)
     return config
+
+
+def shorthand(flags: dict[str, Any]) -> str:
+    """The ``--strategy`` that a run giving mesh flags only means: ``pipe`` with
+    ``--pp``, ``hsdp`` with ``--dp-replicate``, ``fsdp`` with ``--dp-shard``, else
+    ``ddp`` (the default)."""
+    if flags.get("pp") is not None:
+        return "pipe"
+    if flags.get("dp_replicate") is not None:
+        return "hsdp"
+    return "fsdp" if flags.get("dp_shard") is not None else StrategyConfig().name
 
 
 @dataclass
@@ -237,6 +258,7 @@ class BatchPlan:
     accumulation: int
     dp_size: int
     pipeline: bool = False
+    pipelines: int = 1
 
     @property
     def rows(self) -> int:
@@ -245,6 +267,13 @@ class BatchPlan:
 
     def describe(self) -> str:
         split = f"global batch {self.global_batch} = {self.micro_batch} x {self.accumulation} "
+        if self.pipeline and self.pipelines > 1:
+            stages = self.dp_size // self.pipelines
+            return (
+                f"{split}micro-batch(es) x {self.dp_size} rank(s) sampling rows, each "
+                f"{stages} rank(s)' rows through their {stages} pipeline stage(s), "
+                f"{self.pipelines} pipelines (data-parallel size {self.pipelines})"
+            )
         if self.pipeline:
             return (
                 f"{split}micro-batch(es) x {self.dp_size} rank(s) sampling rows, all of them "
@@ -281,9 +310,11 @@ def batch_plan(config: JobConfig, dp_size: int, saved: int | None = None) -> Bat
             from the checkpoint's, or ``--grad-accum`` contradicts ``--global-batch``.
     """
     micro, pipeline = config.batch_size, config.strategy.name == "pipe"
+    pipes = pipelines(config, dp_size)
     if saved is None and config.global_batch is None:
         accumulation = config.grad_accum or 1
-        return BatchPlan(micro * accumulation * dp_size, micro, accumulation, dp_size, pipeline)
+        global_batch = micro * accumulation * dp_size
+        return BatchPlan(global_batch, micro, accumulation, dp_size, pipeline, pipes)
     if saved is not None and config.global_batch not in (None, saved):
         raise InputError(
             f"--resume: the checkpoint was trained at global batch {saved}, this run asks "
@@ -306,7 +337,19 @@ def batch_plan(config: JobConfig, dp_size: int, saved: int | None = None) -> Bat
             f"{dp_size} data-parallel rank(s), not --grad-accum {config.grad_accum}; "
             "give one of the two"
         )
-    return BatchPlan(target, micro, accumulation, dp_size, pipeline)
+    return BatchPlan(target, micro, accumulation, dp_size, pipeline, pipes)
+
+
+def pipelines(config: JobConfig, dp_size: int) -> int:
+    """Pipe: the pipelines (the mesh's data-parallel size) among ``dp_size`` ranks
+    sampling rows; 1 for another strategy or degrees that do not fit (refused by
+    :func:`mesh_error` before a plan is used)."""
+    if config.strategy.name != "pipe":
+        return 1
+    try:
+        return parallel_dims(config.strategy, dp_size * config.strategy.tp).dp
+    except ValueError:
+        return 1
 
 
 @dataclass
@@ -324,6 +367,7 @@ class Run:
     train_tokens: torch.Tensor
     val_tokens: torch.Tensor
     num_params: int  # of the whole model, counted before a strategy shards it
+    mesh: dict[str, int]  # the degrees the strategy runs on (pp, dp_replicate, dp_shard, tp)
     history: History = field(default_factory=History)
     step: int = 0
     steps_this_run: int = 0
@@ -340,7 +384,7 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
 
 def chunks_error(config: JobConfig, plan: BatchPlan) -> str | None:
     """Why pipe's ``--chunks`` cannot split the global batch, or None when it can."""
-    rows = plan.global_batch  # the pipeline runs the global batch
+    rows = plan.global_batch // plan.pipelines  # a pipeline runs its share of the batch
     if config.strategy.name == "pipe" and config.strategy.chunks > rows:
         return (
             f"--chunks {config.strategy.chunks} is more micro-batches than the {rows} rows "
@@ -367,11 +411,32 @@ def tp_error(config: JobConfig, world_size: int) -> str | None:
     return None
 
 
+def mesh_error(config: JobConfig, world_size: int) -> str | None:
+    """Why the mesh flags (``--pp``, ``--dp-replicate``, ``--dp-shard``, ``--tp``) do not
+    fit the world size, or None when they do (:func:`strategies.parallel_dims`)."""
+    try:
+        dims = parallel_dims(config.strategy, world_size)
+    except ValueError as err:
+        return f"{err} (the mesh of --strategy {config.strategy.name})"
+    if config.strategy.pp is not None and dims.pp > len_stages(config):
+        return (
+            f"--pp {dims.pp} is more pipeline stages than the {config.model_size} GPT's "
+            f"{len_stages(config)} layers (embedding, blocks, head); use --pp <= "
+            f"{len_stages(config)}"
+        )
+    return None
+
+
+def len_stages(config: JobConfig) -> int:
+    """The layers a pipeline splits the GPT into: embedding, each block, head."""
+    return MODEL_SIZES[config.model_size]["n_layer"] + 2
+
+
 def launch_error(config: JobConfig, env: Env) -> str | None:
     """Why the job cannot run at this launch's world size (``--tp``, the global batch,
     pipe's ``--chunks``) or with these paths (``--offload-dir`` a file, ``--resume``
     with ``--out-dir`` a checkpoint directory), or None; the same answer on every rank."""
-    problem = tp_error(config, env.world_size)
+    problem = tp_error(config, env.world_size) or mesh_error(config, env.world_size)
     if problem is not None:
         return problem
     offload_dir = config.strategy.offload_dir
@@ -403,7 +468,8 @@ def build_run(config: JobConfig, env: Env, train: torch.Tensor, val: torch.Tenso
     torch.manual_seed(config.seed)
     random.seed(config.seed + env.rank)
     shape = gpt_config(config.model_size, vocab_size=VOCAB_SIZE, block_size=config.seq_len)
-    if STRATEGIES[config.strategy.name].meta_init == "default":  # allocates its part only
+    meta = STRATEGIES[config.strategy.name].meta_init == "default"
+    if meta and config.strategy.tp == 1:  # allocates its part only (--tp splits a real GPT)
         with torch.device("meta"):
             model = GPT(shape)
     else:
@@ -415,8 +481,10 @@ def build_run(config: JobConfig, env: Env, train: torch.Tensor, val: torch.Tenso
     )
     plan = batch_plan(config, data_parallel(config, env)[1])
     sampler, val_xy = _data(config, env, plan, train, val)
+    dims = parallel_dims(config.strategy, env.world_size)
+    mesh = {d: getattr(dims, d) for d in ("pp", "dp_replicate", "dp_shard", "tp")}
     return Run(
-        config, env, model, strategy, scheduler, plan, sampler, val_xy, train, val, num_params
+        config, env, model, strategy, scheduler, plan, sampler, val_xy, train, val, num_params, mesh
     )
 
 
@@ -459,6 +527,7 @@ def checkpoint_extra(run: Run) -> dict[str, Any]:
         "world_size": run.env.world_size,
         "strategy_name": run.config.strategy.name,  # --strategy (the layout may add +tp<T>)
         "tp": run.config.strategy.tp,
+        "mesh": run.mesh,
         "schedule": {"steps": run.config.steps, "warmup": run.config.warmup},
     }
 
@@ -802,10 +871,13 @@ def run_job(
         maybe_resume(run, out_dir)
     degree = config.strategy.tp
     tp_note = f" | tensor parallel {degree} (data parallel {env.world_size // degree})"
+    mesh = " x ".join(f"{d} {n}" for d, n in run.mesh.items() if n > 1)
+    mesh_note = f" | mesh {mesh}" if STRATEGIES[config.strategy.name].composes and mesh else ""
     say(
         run,
         f"{config.model_size} GPT: {run.num_params:,} parameters | strategy "
-        f"{config.strategy.name}{tp_note if degree > 1 else ''} | {env.world_size} rank(s) on "
+        f"{config.strategy.name}{tp_note if degree > 1 else ''}{mesh_note} | "
+        f"{env.world_size} rank(s) on "
         f"{env.device.type} | {run.plan.describe()}, {config.seq_len} tokens each | "
         f"{len(data[0]):,} train / "
         f"{len(data[1]):,} val tokens",
@@ -846,8 +918,6 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Callback] = ()) -> i
     except NonFiniteLossError as err:  # every rank stops; rank 0 says it
         return fail(err, env.rank == 0)
     finally:
-        if config.strategy.tp > 1:  # build_strategy set the process-wide mesh
-            mpu.set_mesh(None)
         if env.owns_group:
             dist.destroy_process_group()
     return 0

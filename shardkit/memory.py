@@ -23,6 +23,11 @@ unit's reshard). :func:`heap_trims` counts the calls and the time they took.
 token embedding) and under-counts views into a larger flat buffer (a sharded flat
 parameter exposes views; the buffer behind them is what occupies memory). Keying
 by ``(storage data pointer, storage bytes)`` gives the allocator's view.
+
+Why this module is long: ``shardkit.memory`` is the one public module users import every
+accounting from (model-state bytes, the ZeRO estimate, buffer pools, heap trimming, the
+``python -m shardkit.memory`` command); each part is about 100 lines and independent, so
+the next one added splits it into a package that keeps these names.
 """
 
 from __future__ import annotations

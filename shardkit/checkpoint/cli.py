@@ -3,7 +3,8 @@
 ::
 
     python -m shardkit.checkpoint inspect CKPT [--json]
-    python -m shardkit.checkpoint convert CKPT OUT.pt|OUT.safetensors
+    python -m shardkit.checkpoint convert CKPT OUT.pt|OUT.safetensors   # a universal CKPT
+    python -m shardkit.checkpoint convert OLD NEW_ROOT [--optimizer CLASS]  # an old format
 
 ``CKPT`` is a checkpoint root (``latest`` names the newest committed step), one
 checkpoint directory (``ckpt-<step>/`` with ``manifest.json``), or a plain directory
@@ -11,11 +12,14 @@ of shard files. ``inspect`` prints the step, format, world size, every file with
 size, sha256 and whether it matches the manifest, the parameters (name, shape,
 dtype; bytes for a universal checkpoint) and the optimizer state; ``--json`` prints
 the same as one object (:class:`~shardkit.checkpoint.reader.CheckpointInfo`; a param
-group: ``{"num_params": 2, "hyperparameters": {...}}``). ``convert`` writes
-the consolidated plain ``state_dict`` of a universal or FSDP sharded checkpoint
+group: ``{"num_params": 2, "hyperparameters": {...}}``); for a checkpoint in one of the
+previous release's sharded formats it names the format and the command converting it.
+``convert`` writes the consolidated plain ``state_dict`` of a universal checkpoint
 (``torch.save`` format, or safetensors by the file's suffix), for inference or
-another library. Both run in one process, without
-ranks (see :mod:`shardkit.checkpoint.reader`).
+another library; of an old-format checkpoint (:mod:`shardkit.checkpoint.legacy`) it
+writes a universal checkpoint under the root ``NEW_ROOT`` (``--optimizer``: the class
+that stepped it, when its hyperparameters match no ``torch.optim`` class). Both run in
+one process, without ranks (see :mod:`shardkit.checkpoint.reader`).
 
 Exit status: 0; 1 when the checkpoint is damaged, unsafe, not finished saving (a
 ``ckpt-<step>`` or ``ckpt-<step>.new`` a crash left) or holds nothing to convert (one
@@ -36,8 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from shardkit.checkpoint.atomic import atomic_save, atomic_write_bytes
+from shardkit.checkpoint.legacy import convert_legacy, detect_format
 from shardkit.checkpoint.manifest import CheckpointError
-from shardkit.checkpoint.reader import CheckpointInfo, consolidate, inspect_checkpoint
+from shardkit.checkpoint.reader import (
+    CheckpointInfo,
+    consolidate,
+    find_checkpoint_dir,
+    inspect_checkpoint,
+)
 
 __all__ = ["main"]
 
@@ -54,11 +64,21 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print it as one JSON object")
     convert = sub.add_parser(
         "convert",
-        help="write the consolidated state_dict of a universal or FSDP sharded checkpoint",
+        help="write the consolidated state_dict of a universal checkpoint, or an old-format "
+        "checkpoint as a universal one",
     )
     convert.add_argument("checkpoint", type=Path, help="a checkpoint root or directory")
     convert.add_argument(
-        "out", type=Path, help="the output file: .safetensors (safetensors), else torch.save"
+        "out",
+        type=Path,
+        help="a universal checkpoint: the output file, .safetensors (safetensors), else "
+        "torch.save; an old format: the root of the universal checkpoint to write",
+    )
+    convert.add_argument(
+        "--optimizer",
+        default=None,
+        help="an old format's optimizer class name (default: the torch.optim class its "
+        "hyperparameters match)",
     )
     return parser
 
@@ -144,6 +164,11 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     out: Path = args.out
+    ckpt = find_checkpoint_dir(args.checkpoint)
+    if detect_format(ckpt) is not None:
+        written = convert_legacy(ckpt, out, args.optimizer)
+        print(f"wrote {written}: a universal checkpoint (load_universal, any strategy)")
+        return 0
     if not out.parent.is_dir():
         raise FileNotFoundError(f"{out.parent} (the output's directory) does not exist")
     state, notes = consolidate(args.checkpoint)

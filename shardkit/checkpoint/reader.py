@@ -1,61 +1,32 @@
 """What a checkpoint holds, and its consolidated ``state_dict``, offline (no ranks).
 
 The engine of ``python -m shardkit.checkpoint inspect|convert`` (:mod:`.cli`). It reads
-a checkpoint directory in one process, without a process group and without the model:
+a checkpoint directory in one process, without a process group and without the model,
+and reads two things only:
 
-- any manifest checkpoint (:mod:`shardkit.checkpoint.manifest`): step, world size,
-  layout, every file's size, sha256 and whether it matches;
-- an FSDP sharded checkpoint (``save_fsdp_sharded``, format ``shardkit.fsdp_sharded/1``):
-  every parameter's name, shape and dtype, and the full parameters, put together from
-  the ranks' flat shards;
-- an OSS sharded checkpoint (``OSS.save_sharded``, format ``shardkit.sharded_optim/1``):
-  the optimizer state it holds (it holds no parameters);
-- a checkpoint of the main job (``examples/train_gpt.py``): its strategy and model
-  flags, and the names and shapes of rank 0's model state;
+- the manifest of any manifest checkpoint (:mod:`shardkit.checkpoint.manifest`): step,
+  world size, layout, every file's size, sha256 and whether it matches;
 - a universal checkpoint (:mod:`shardkit.checkpoint.universal`, format
   ``shardkit.universal/1``): the saving strategy, every key's shape, dtype and bytes,
   the optimizer's param groups and state names (from the shard files' headers), and
   the full tensors, each put together from the byte ranges of its pieces.
 
-[Note: reading a wrapper's format without importing the wrapper]
-The layers forbid ``shardkit.checkpoint`` to import ``shardkit.nn`` (a lower layer
-never imports a higher one; see docs/architecture.md). The FSDP sharded format is
-plain data (dicts, lists, ints, strings and tensors, documented in
-``shardkit.nn.data_parallel.fully_sharded.sharded_checkpoint``), so this module reads
-it through that documented structure: which slice of which parameter each file
-holds (a universal checkpoint says it in its shard files' headers). It only reads: the format stays the FSDP
-package's. ``tests/checkpoint/test_cli.py`` runs it on checkpoints written by the
-real ``save_fsdp_sharded`` and checks :data:`FSDP_SHARDED_FORMAT` against the FSDP
-package's constant, so a change of the format fails there.
-
-[Note: names in the FSDP format]
-A unit's record names each parameter by its first location relative to the unit's
-wrapped module; the output key is ``<unit path>.<name>``. Format version 1 does not
-record a tied parameter's other names (a GPT's ``lm_head.weight``, tied to
-``wte.weight``), nor which names inside a unit are wrapper attributes
-(``checkpoint_wrapper``'s ``module.``), nor which buffers are persistent: the
-consolidated dict then has the tied weight under its first name only, and those
-names as recorded (:func:`consolidate` returns a note saying so). A unit record with
-``"keys"`` (per parameter, the list of its state-dict keys) and a record with
-``"buffer_keys"`` (``{recorded buffer name: state-dict key}``, persistent buffers
-only) are read as given, with no note.
-
-Files are read with :func:`~shardkit.checkpoint.manifest.load_tensors_only`
-(memory-mapped, tensors and plain containers only): a parameter is read from the
-byte ranges of the shards that hold it.
+A checkpoint in one of the previous release's sharded formats (FSDP, OSS, tensor
+parallel: :mod:`shardkit.checkpoint.legacy`) is named, with the command that converts
+it; its content is read only by that conversion.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from shardkit.checkpoint.flat import read_flat_range
+from shardkit.checkpoint.legacy import FORMATS as LEGACY_FORMATS
+from shardkit.checkpoint.legacy import detect_format as legacy_format
 from shardkit.checkpoint.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -64,7 +35,6 @@ from shardkit.checkpoint.manifest import (
     _saved_step,
     _step_of,
     list_checkpoints,
-    load_tensors_only,
     not_the_committed_save,
     read_manifest,
     verify_checkpoint,
@@ -73,8 +43,6 @@ from shardkit.checkpoint.universal.loader import read_saved_index, read_tensor
 from shardkit.checkpoint.universal.meta import FORMAT as UNIVERSAL_FORMAT
 
 __all__ = [
-    "FSDP_SHARDED_FORMAT",
-    "OSS_SHARDED_FORMAT",
     "UNIVERSAL_FORMAT",
     "CheckpointInfo",
     "FileInfo",
@@ -84,20 +52,13 @@ __all__ = [
     "inspect_checkpoint",
 ]
 
-FSDP_SHARDED_FORMAT = "shardkit.fsdp_sharded/1"
-"""``save_fsdp_sharded``'s format (the FSDP package's ``FSDP_SHARD_FORMAT``)."""
-OSS_SHARDED_FORMAT = "shardkit.sharded_optim/1"
-"""``OSS.save_sharded``'s format (:data:`shardkit.checkpoint.sharded_optim.SHARD_FORMAT`)."""
-
 PathLike = str | os.PathLike[str]
-_FSDP_FILE = re.compile(r"fsdp-shard-(\d+)-of-(\d+)\.pt")
-_OSS_FILE = re.compile(r"optim-shard-(\d+)-of-(\d+)\.pt")
 _KIND = {
-    FSDP_SHARDED_FORMAT: "FSDP sharded (flat parameter shards per unit, one file per rank)",
-    OSS_SHARDED_FORMAT: "OSS sharded (optimizer state only, one file per rank)",
     UNIVERSAL_FORMAT: "universal (pieces of every tensor and its optimizer state, one "
     "safetensors file per rank; loads into any strategy at any world size)",
+    **LEGACY_FORMATS,
 }
+CONVERT = "python -m shardkit.checkpoint convert"
 
 
 @dataclass(frozen=True)
@@ -119,7 +80,7 @@ class ParamInfo:
     name: str
     shape: list[int]
     dtype: str
-    unit: str  # the FSDP unit key, "buffer", or "" where the format has no units
+    unit: str  # "" (kept for the JSON shape of earlier releases)
     size_bytes: int | None = None  # the full tensor's bytes, where the format says
 
 
@@ -129,19 +90,19 @@ class CheckpointInfo:
 
     Attributes:
         directory: the checkpoint directory read.
-        format: the content's format (the manifest layout's ``format``; ``main job``
-            for the main job's checkpoints; ``unknown``).
+        format: the content's format (the manifest layout's ``format``; an old
+            format's tag, :mod:`shardkit.checkpoint.legacy`; ``main job`` for the
+            main job's checkpoints of the previous release; ``unknown``).
         kind: the format in words.
         step, world_size, created_unix_s, layout: from the manifest (None without one).
         files: every file, with its checksum status.
-        params: the parameters (and buffers) a consolidated state dict holds, in order;
-            empty when the checkpoint holds none (OSS) or cannot be read.
-        optimizer: a summary of the optimizer state, if any: ``param_groups``, per
-            group ``{"num_params": its parameter count (None for FSDP: the format
-            does not record it), "hyperparameters": {...}}``; the state keys; the
-            parameters with state.
-        units: FSDP: per unit key, ``{"total", "shard_numel", "padding"}``.
-        notes: what a reader should know (names the format does not record, etc.).
+        params: the parameters (and buffers) a consolidated state dict holds, in order
+            (a universal checkpoint; empty otherwise).
+        optimizer: a summary of the optimizer state, if any: ``class``,
+            ``param_groups``, per group ``{"num_params": its parameter count,
+            "hyperparameters": {...}}``; the state keys; the parameters with state.
+        units: empty (kept for the JSON shape of earlier releases).
+        notes: what a reader should know (an old format: the command converting it).
     """
 
     directory: str
@@ -191,7 +152,7 @@ def find_checkpoint_dir(path: PathLike) -> Path:
     names = [e.name for e in p.iterdir()]
     step = _saved_step(p.name)
     staging = step is not None and _step_of(p.name) is None  # ckpt-<step>.new
-    shard_files = any(_FSDP_FILE.fullmatch(n) or _OSS_FILE.fullmatch(n) for n in names)
+    shard_files = legacy_format(p) is not None
     if step is not None and MANIFEST_NAME not in names and (staging or not shard_files):
         raise FileNotFoundError(
             f"{p}: this save did not finish (no {MANIFEST_NAME!r}; files: "
@@ -205,11 +166,7 @@ def find_checkpoint_dir(path: PathLike) -> Path:
 
 def _file_infos(ckpt: Path, manifest: Manifest | None) -> list[FileInfo]:
     if manifest is None:
-        names = sorted(
-            e.name
-            for e in ckpt.iterdir()
-            if _FSDP_FILE.fullmatch(e.name) or _OSS_FILE.fullmatch(e.name)
-        )
+        names = sorted(e.name for e in ckpt.iterdir() if e.is_file())
         return [FileInfo(n, None, (ckpt / n).stat().st_size, "", "unchecked") for n in names]
     infos = []
     for record in manifest.files:
@@ -223,133 +180,16 @@ def _file_infos(ckpt: Path, manifest: Manifest | None) -> list[FileInfo]:
 
 
 def _detect_format(ckpt: Path, manifest: Manifest | None) -> str:
+    old = legacy_format(ckpt)
+    if old is not None:
+        return old
     if manifest is not None:
         fmt = manifest.layout.get("format")
         if isinstance(fmt, str):
             return fmt
         if "strategy" in manifest.layout:
             return "main job"
-        return "unknown"
-    names = [e.name for e in ckpt.iterdir()]
-    if any(_FSDP_FILE.fullmatch(n) for n in names):
-        return FSDP_SHARDED_FORMAT
-    if any(_OSS_FILE.fullmatch(n) for n in names):
-        return OSS_SHARDED_FORMAT
     return "unknown"
-
-
-def _rank_files(ckpt: Path, pattern: re.Pattern[str]) -> list[Path]:
-    """The shard files of one save, in rank order; refuses a mix or a gap."""
-    found: dict[tuple[int, int], Path] = {}
-    for entry in ckpt.iterdir():
-        match = pattern.fullmatch(entry.name)
-        if match:
-            found[(int(match.group(1)), int(match.group(2)))] = entry
-    sizes = sorted({n for _, n in found})
-    if len(sizes) != 1:
-        raise ValueError(f"{ckpt}: expected the shard files of one save, found world sizes {sizes}")
-    (n,) = sizes
-    missing = [r for r in range(n) if (r, n) not in found]
-    if missing:
-        raise ValueError(f"{ckpt}: shard files of ranks {missing} (of {n}) missing")
-    return [found[(r, n)] for r in range(n)]
-
-
-def _open(files: list[Path]) -> list[dict[str, Any]]:
-    records = [load_tensors_only(p, map_location="cpu", mmap=True) for p in files]
-    for path, record in zip(files, records):
-        if not isinstance(record, dict):
-            raise ValueError(f"{path} holds a {type(record).__name__}, expected a dict")
-    return records
-
-
-def _unit_prefix(key: str) -> str:
-    """``"blocks.0.flat_param"`` -> ``"blocks.0."``; ``"flat_param"`` -> ``""``."""
-    return key[: -len("flat_param")]
-
-
-def _unit_keys(key: str, unit: dict[str, Any]) -> list[list[str]]:
-    """Per parameter of a unit, in flat order: its state-dict keys (see [Note: names in
-    the FSDP format])."""
-    if "keys" in unit:
-        return [list(keys) for keys in unit["keys"]]
-    return [[_unit_prefix(key) + name] for name in unit["names"]]
-
-
-def _fsdp_notes(records: list[dict[str, Any]]) -> list[str]:
-    first = records[0]
-    notes = []
-    if not all("keys" in unit for unit in first["units"].values()):
-        notes.append(
-            f"format {FSDP_SHARDED_FORMAT} records each parameter under its first name "
-            "only: a tied parameter's other names (e.g. an LM head tied to the token "
-            "embedding) are not in the output (tie them again after loading with "
-            "strict=False), and names inside a unit keep wrapper attributes "
-            "(checkpoint_wrapper's 'module.')"
-        )
-    if first["buffers"] and "buffer_keys" not in first:
-        notes.append(
-            "buffers are named as the wrapped model's named_buffers() (wrapper "
-            "attributes kept; non-persistent buffers included)"
-        )
-    return notes
-
-
-def _check_fsdp_records(files: list[Path], records: list[dict[str, Any]]) -> None:
-    n = len(records)
-    for rank, (path, record) in enumerate(zip(files, records)):
-        if record.get("format") != FSDP_SHARDED_FORMAT:
-            raise ValueError(
-                f"{path} has format {record.get('format')!r}, expected {FSDP_SHARDED_FORMAT!r}"
-            )
-        if (record.get("rank"), record.get("world_size")) != (rank, n):
-            raise ValueError(
-                f"{path} says rank {record.get('rank')} of {record.get('world_size')}, "
-                f"its name says {rank} of {n}: the files come from different saves"
-            )
-        if set(record["units"]) != set(records[0]["units"]):
-            raise ValueError(f"{path} has other units than {files[0]}: different saves")
-
-
-def _fsdp_params(records: list[dict[str, Any]]) -> list[ParamInfo]:
-    out: list[ParamInfo] = []
-    for key, unit in records[0]["units"].items():
-        dtype = str(unit["flat"].dtype).removeprefix("torch.")
-        for keys, shape in zip(_unit_keys(key, unit), unit["shapes"]):
-            out.extend(ParamInfo(k, list(shape), dtype, key) for k in keys)
-    for name, buf in _fsdp_buffers(records[0]).items():
-        out.append(
-            ParamInfo(name, list(buf.shape), str(buf.dtype).removeprefix("torch."), "buffer")
-        )
-    return out
-
-
-def _fsdp_buffers(record: dict[str, Any]) -> dict[str, torch.Tensor]:
-    buffers: dict[str, torch.Tensor] = record["buffers"]
-    if "buffer_keys" in record:
-        return {key: buffers[name] for name, key in record["buffer_keys"].items()}
-    return dict(buffers)
-
-
-def _optim_summary_fsdp(record: dict[str, Any]) -> dict[str, Any] | None:
-    optim = record.get("optim")
-    if optim is None:
-        return None
-    keys = sorted({sk for unit in optim["flat"].values() for sk in unit})
-    scalars = sorted({sk for per_param in optim["scalars"].values() for sk in per_param})
-    return {
-        "param_groups": [_plain_group(g) for g in optim["param_groups"]],
-        "state_keys": keys,
-        "scalar_keys": scalars,
-        "units_with_state": sum(1 for unit in optim["flat"].values() if unit),
-    }
-
-
-def _plain_group(group: dict[str, Any]) -> dict[str, Any]:
-    """A torch param group (``params``: parameter indices; FSDP's format drops them)
-    as :func:`_group_summary` reports it."""
-    hyper = {k: v for k, v in group.items() if k != "params"}
-    return _group_summary(len(group["params"]) if "params" in group else None, hyper)
 
 
 def _group_summary(num_params: int | None, hyper: dict[str, Any]) -> dict[str, Any]:
@@ -369,27 +209,12 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
-def _optim_summary_oss(records: list[dict[str, Any]]) -> dict[str, Any]:
-    owned = {rec["rank"]: sorted(rec["state"]) for rec in records}
-    keys = sorted({sk for rec in records for st in rec["state"].values() for sk in st})
-    return {
-        "param_groups": [_plain_group(g) for g in records[0]["param_groups"]],
-        "state_keys": keys,
-        "params_with_state": sum(len(v) for v in owned.values()),
-        "owned_by_rank": {str(r): v for r, v in sorted(owned.items())},
-    }
-
-
-def _model_state_params(record: Any) -> list[ParamInfo]:
-    """Rank 0's model state of a main-job checkpoint, where it is a dict of tensors."""
-    state = record.get("strategy", {}).get("model") if isinstance(record, dict) else None
-    if not isinstance(state, dict):
-        return []
-    return [
-        ParamInfo(k, list(v.shape), str(v.dtype).removeprefix("torch."), "")
-        for k, v in state.items()
-        if isinstance(v, torch.Tensor)
-    ]
+def _convert_note(ckpt: Path, fmt: str) -> str:
+    return (
+        f"format {fmt} is the previous release's, which this release no longer loads: "
+        f"convert it to a universal checkpoint with `{CONVERT} {ckpt} <new root>`, "
+        "then load that (load_universal, or the wrapper's load function)"
+    )
 
 
 def inspect_checkpoint(path: PathLike) -> CheckpointInfo:
@@ -402,8 +227,8 @@ def inspect_checkpoint(path: PathLike) -> CheckpointInfo:
         CheckpointError: the manifest is missing, unreadable or of another version
             (a directory without one is read as a plain directory of shard files only
             if it holds no ``manifest.json``); a file holds something other than
-            tensors and plain containers (``CheckpointUnsafeError``).
-        ValueError: the shard files do not form one save.
+            tensors and plain containers (``CheckpointUnsafeError``: a universal
+            checkpoint's ``extra`` files are not read here).
     """
     ckpt = find_checkpoint_dir(path)
     manifest = read_manifest(ckpt) if (ckpt / MANIFEST_NAME).is_file() else None
@@ -416,39 +241,15 @@ def inspect_checkpoint(path: PathLike) -> CheckpointInfo:
     if not info.intact:
         info.notes.append("damaged files: the content was not read")
         return info
-    if fmt == FSDP_SHARDED_FORMAT:
-        files = _rank_files(ckpt, _FSDP_FILE)
-        records = _open(files)
-        _check_fsdp_records(files, records)
-        info.world_size = len(records)
-        info.params = _fsdp_params(records)
-        info.optimizer = _optim_summary_fsdp(records[0])
-        info.units = {
-            key: {
-                "total": int(unit["total"]),
-                "shard_numel": int(unit["shard_numel"]),
-                "padding": int(unit["shard_numel"]) * len(records) - int(unit["total"]),
-            }
-            for key, unit in records[0]["units"].items()
-        }
-        info.notes.extend(_fsdp_notes(records))
-    elif fmt == OSS_SHARDED_FORMAT:
-        records = _open(_rank_files(ckpt, _OSS_FILE))
-        info.world_size = len(records)
-        info.optimizer = _optim_summary_oss(records)
-        info.notes.append("optimizer state only: the parameters are saved with the model")
+    if fmt in LEGACY_FORMATS:
+        info.notes.append(_convert_note(ckpt, fmt))
     elif fmt == UNIVERSAL_FORMAT and manifest is not None:
         _inspect_universal(info, ckpt, manifest)
-    elif fmt == "main job" and manifest is not None:
-        rank0 = [f.name for f in manifest.files if f.rank == 0]
-        if rank0:
-            info.params = _model_state_params(
-                load_tensors_only(ckpt / rank0[0], map_location="cpu", mmap=True)
-            )
-            info.notes.append(
-                f"parameters: rank 0's model state ({rank0[0]}), as strategy "
-                f"{manifest.layout.get('strategy')!r} keeps it (a shard for fsdp and pipe)"
-            )
+    elif fmt == "main job":
+        info.notes.append(
+            "a checkpoint of the main job of the previous release (files only): resume "
+            "it with that release; its consolidated model is model.pt in --out-dir"
+        )
     return info
 
 
@@ -490,19 +291,16 @@ def _consolidate_universal(ckpt: Path, manifest: Manifest) -> dict[str, torch.Te
 
 def consolidate(path: PathLike) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The full ``state_dict`` (original parameter names, full shapes) of the universal
-    or FSDP sharded checkpoint at ``path``, and notes on what it lacks (see [Note:
-    names in the FSDP format]; a universal checkpoint's tied tensors come under each of
-    their keys). Verifies the checksums of the files first.
+    checkpoint at ``path``, and notes (none today); a tied tensor comes under each of
+    its keys. Verifies the checksums of the files first.
 
     Each parameter is read from the byte ranges of the shard files that hold it
     (memory-mapped); the output holds the whole model once.
 
     Raises:
         CheckpointCorruptError: a file does not match the manifest.
-        CheckpointUnsafeError: a file holds something other than tensors and plain
-            containers.
-        ValueError: the checkpoint holds no parameters (OSS: optimizer state only;
-            another format), or its files do not form one save.
+        ValueError: not a universal checkpoint (an old format: the message gives the
+            command that converts it to one).
         FileNotFoundError: see :func:`find_checkpoint_dir`.
     """
     ckpt = find_checkpoint_dir(path)
@@ -511,40 +309,15 @@ def consolidate(path: PathLike) -> tuple[dict[str, torch.Tensor], list[str]]:
     if fmt == UNIVERSAL_FORMAT and manifest is not None:
         verify_checkpoint(ckpt)
         return _consolidate_universal(ckpt, manifest), []
-    if fmt != FSDP_SHARDED_FORMAT:
-        what = {
-            OSS_SHARDED_FORMAT: "an OSS sharded checkpoint holds optimizer state only, no "
-            "parameters (the model is saved on its own: model.state_dict())",
-            "main job": "a checkpoint of the main job: its consolidated model is "
-            "model.pt in --out-dir, written at the end of the run",
-        }.get(fmt, f"format {fmt!r} is not one convert reads")
-        raise ValueError(
-            f"{ckpt}: nothing to convert: {what}; convert reads universal checkpoints "
-            f"({UNIVERSAL_FORMAT}) and FSDP sharded checkpoints ({FSDP_SHARDED_FORMAT})"
-        )
-    if manifest is not None:
-        verify_checkpoint(ckpt)
-    files = _rank_files(ckpt, _FSDP_FILE)
-    records = _open(files)
-    _check_fsdp_records(files, records)
-    state: dict[str, torch.Tensor] = {}
-    for key, unit in records[0]["units"].items():
-        shards = [rec["units"][key]["flat"] for rec in records]
-        offset = 0
-        for keys, shape in zip(_unit_keys(key, unit), unit["shapes"]):
-            numel = _numel(shape)
-            value = read_flat_range(shards, int(unit["shard_numel"]), offset, offset + numel)
-            tensor = value.clone().reshape(shape)
-            for k in keys:
-                state[k] = tensor
-            offset += numel
-        if offset > int(unit["total"]):
-            raise ValueError(
-                f"unit {key!r}: parameters of {offset} elements, total {unit['total']}"
-            )
-    for name, buf in _fsdp_buffers(records[0]).items():
-        state[name] = buf.clone()
-    return state, _fsdp_notes(records)
+    what = {
+        "main job": "a checkpoint of the main job of the previous release: its "
+        "consolidated model is model.pt in --out-dir, written at the end of the run",
+    }.get(fmt, f"format {fmt!r} is not one convert reads")
+    raise ValueError(
+        f"{ckpt}: nothing to convert: {what}; convert reads universal checkpoints "
+        f"({UNIVERSAL_FORMAT}) and the previous release's sharded formats "
+        f"({', '.join(sorted(LEGACY_FORMATS))})"
+    )
 
 
 def _numel(shape: list[int]) -> int:

@@ -21,6 +21,12 @@ made by a scheduler between steps reaches the step.
 Source: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models", section 5.1 (P_os); the public surface follows FairScale's
 ``fairscale.optim.OSS``.
+
+Why this module is long: the OSS class is FairScale's public surface on one Optimizer
+subclass (step, the two views of the param groups, full and sharded state dicts,
+consolidation, refresh_trainable, clip_grad_norm, the broadcast of updated parameters);
+the partition (partition.py) and the reduce-to-owner hook (oss_comm_hook.py) are already
+apart.
 """
 
 from __future__ import annotations
@@ -36,11 +42,9 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from shardkit.checkpoint.sharded_optim import (
-    load_optimizer_checkpoint,
-    merge_optimizer_shards,
-    save_optimizer_checkpoint,
-)
+from shardkit.checkpoint.sharded_optim import merge_optimizer_shards
+from shardkit.checkpoint.universal import load_universal, save_universal
+from shardkit.checkpoint.universal.shardfile import shard_file_name
 from shardkit.distributed import (
     DEFAULT_BUCKET_BYTES,
     BufferPool,
@@ -564,43 +568,47 @@ class OSS(Optimizer):
         return {"state": state, "param_groups": groups}
 
     def save_sharded(self, directory: str | Path, step: int = 0, keep: int = 0) -> Path:
-        """Write this rank's shard under ``directory`` with a manifest (a collective).
+        """Write this rank's shard under ``directory`` as a universal checkpoint (a
+        collective over ``group``): ``save_universal(directory, step, None, self)``.
 
-        No consolidation: each rank writes only its own state, atomically, into
-        ``directory/ckpt-<step>/``; rank 0 then writes the manifest (size and sha256 of
-        every file) and ``directory/latest``
-        (:func:`shardkit.checkpoint.sharded_optim.save_optimizer_checkpoint`). The
-        checkpoint loads at any world size with :meth:`load_sharded`.
+        No consolidation: each rank writes only the state of the parameters it owns
+        (and those parameters), atomically, into
+        ``directory/ckpt-<step>/shard-<r>-of-<N>.safetensors``; rank 0 then writes the
+        manifest (size and sha256 of every file) and ``directory/latest``. Without a
+        model the keys are ``"params.<i>"`` (``i``: the parameter's index in a plain
+        ``torch.optim`` state dict). The checkpoint loads at any world size with
+        :meth:`load_sharded`. To save the model with it, under its state-dict keys:
+        ``save_universal(directory, step, model, optimizer)``.
 
         Args:
             directory: the checkpoint root, shared by every rank.
-            step: the training step; default 0. Saving a step again overwrites it: pass
-                the step so that a crash mid-save leaves the previous one usable.
+            step: the training step; default 0.
             keep: committed checkpoints to keep (the newest); default 0: all.
 
         Returns:
             The file this rank wrote.
-        """
-        return save_optimizer_checkpoint(
-            directory,
-            step,
-            self.sharded_state_dict(),
-            self.rank,
-            self.world_size,
-            keep=keep,
-            group=self.group,
-        )
-
-    def load_sharded(self, directory: str | Path) -> None:
-        """Load the newest intact checkpoint written by :meth:`save_sharded`, at any
-        world size (a collective over ``group``).
-
-        Every rank reads every shard (memory-mapped) and keeps the state of its own
-        shard. A damaged shard file makes every rank use the previous checkpoint, with
-        a warning. A plain directory of shard files (no manifest) loads too.
 
         Raises:
-            CheckpointCorruptError, FileNotFoundError, ValueError: see
-                :func:`shardkit.checkpoint.sharded_optim.load_optimizer_checkpoint`.
+            CheckpointError: (problem ``save``) on every rank, naming the failing ranks;
+                nothing is committed then.
         """
-        self.load_state_dict(load_optimizer_checkpoint(directory, group=self.group))
+        ckpt = save_universal(directory, step, None, self, keep=keep, group=self.group)
+        return ckpt / shard_file_name(self.rank, self.world_size)
+
+    def load_sharded(self, directory: str | Path) -> None:
+        """Load the optimizer state and hyperparameters of the newest intact checkpoint
+        written by :meth:`save_sharded`, at any world size (a collective over ``group``):
+        ``load_universal(directory, None, self)``.
+
+        Each rank reads the state of the parameters it owns now. A damaged file makes
+        every rank use the previous checkpoint, with a warning. The parameters are not
+        changed (load the model on its own); a failed load changes nothing.
+
+        Raises:
+            CheckpointMismatchError: another number of parameters or other shapes, no
+                optimizer state saved, another optimizer class, or an old-format
+                directory (convert it: ``python -m shardkit.checkpoint convert``).
+            CheckpointCorruptError, FileNotFoundError, CheckpointError: see
+                :func:`shardkit.checkpoint.universal.load_universal`.
+        """
+        load_universal(directory, None, self, group=self.group, require_optimizer_state=True)

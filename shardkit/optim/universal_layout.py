@@ -19,10 +19,18 @@ parameters this rank owns (``OSS.param_to_rank``). So each tensor is one entry, 
   (:func:`~shardkit.distributed.shard_descriptor.writes_replica`).
 
 Every rank reads every parameter at load time, so no broadcast follows.
+
+Without a model (``save_universal(root, step, None, oss)``, what
+:meth:`OSS.save_sharded` calls) the keys are ``"params.<i>"``, ``i`` the parameter's
+index in a plain ``torch.optim`` state dict (its position in the concatenated param
+groups), and the parameters are saved with their state; loading without a model
+restores the optimizer state and hyperparameters only (the saved parameter values are
+read into scratch tensors and dropped: the model is loaded on its own).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,9 +39,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.checkpoint.universal.adapters import tied_aliases
-from shardkit.checkpoint.universal.layout import ParamEntry, register_layout, strategy_name
+from shardkit.checkpoint.universal.layout import (
+    ParamEntry,
+    Purpose,
+    register_layout,
+    strategy_name,
+)
+from shardkit.checkpoint.universal.optim_state import optimizer_param_key
 from shardkit.checkpoint.universal.whole import whole_entries
-from shardkit.distributed.shard_descriptor import ranks_of, view_of
+from shardkit.distributed.shard_descriptor import ranks_of, view_of, writes_replica
 from shardkit.optim.oss import OSS
 
 __all__ = ["OSSLayout"]
@@ -43,7 +57,8 @@ class OSSLayout:
     """The universal-checkpoint adapter of a model stepped by an :class:`OSS`.
 
     Args:
-        model: the module; a torch ``DistributedDataParallel`` or a
+        model: the module, or None (the optimizer's parameters under
+            :func:`~shardkit.checkpoint.universal.optim_state.optimizer_param_key`, see the module docstring); a torch ``DistributedDataParallel`` or a
             ``shardkit.nn.ShardedDataParallel`` (known by its ``sharded_optimizers``,
             since ``shardkit.optim`` does not import ``shardkit.nn``) is unwrapped: keys
             have no ``module.``.
@@ -54,30 +69,56 @@ class OSSLayout:
         TypeError: ``optimizer`` is not an ``OSS``.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any, base: str = "oss") -> None:
+    def __init__(self, model: nn.Module | None, optimizer: Any, base: str = "oss") -> None:
         if not isinstance(optimizer, OSS):
             raise TypeError(f"OSSLayout needs an OSS optimizer; got {type(optimizer).__name__}")
         if hasattr(model, "sharded_optimizers"):  # ShardedDataParallel (shardkit.nn)
             base = "sdp"
         wrapped = isinstance(model, DistributedDataParallel) or base == "sdp"
-        self.model: nn.Module = model.module if wrapped else model  # type: ignore[assignment]
+        self.model: nn.Module | None = model.module if wrapped else model  # type: ignore[assignment,union-attr]
         self.optimizer = optimizer
-        self.strategy = strategy_name(base, (view_of(p) for p in self.model.parameters()))
+        params = optimizer._all_params() if self.model is None else self.model.parameters()
+        self.strategy = strategy_name(base, (view_of(p) for p in params))
+        self.purpose: Purpose = "save"
+
+    @contextlib.contextmanager
+    def session(self, purpose: Purpose) -> Iterator[None]:
+        """Records whether entries are for a save or a load (a load without a model
+        reads the parameters into scratch tensors)."""
+        self.purpose = purpose
+        yield
+
+    def _writes(self, tensor: torch.Tensor, is_param: bool) -> bool:
+        owner = self.optimizer.param_to_rank.get(tensor) if is_param else None
+        return owner == self.optimizer.rank if owner is not None else self.optimizer.rank == 0
 
     def entries(self) -> Iterator[ParamEntry]:
         """One whole-tensor entry per parameter and persistent buffer (see the module)."""
         owners, rank = self.optimizer.param_to_rank, self.optimizer.rank
         owned = {id(p) for p, r in owners.items() if r == rank}
+        if self.model is not None:
+            holders = ranks_of(self.optimizer.group)
+            return whole_entries(self.model, owned, self._writes, holders=holders)
+        return self._param_entries(owned)
 
-        def writes(tensor: torch.Tensor, is_param: bool) -> bool:
-            owner = owners.get(tensor) if is_param else None
-            return owner == rank if owner is not None else rank == 0
-
-        return whole_entries(self.model, owned, writes, holders=ranks_of(self.optimizer.group))
+    def _param_entries(self, owned: set[int]) -> Iterator[ParamEntry]:
+        for index, param in enumerate(self.optimizer._all_params()):
+            view = view_of(param)
+            scratch = self.purpose == "load"
+            yield ParamEntry(
+                key=optimizer_param_key(index),
+                view=view,
+                start=0,
+                stop=param.numel(),
+                tensor=torch.empty_like(param.detach()) if scratch else param.detach(),
+                param=param if id(param) in owned else None,
+                write=self._writes(param, True)
+                and writes_replica(view, ranks_of(self.optimizer.group)),
+            )
 
     def aliases(self) -> dict[str, str]:
         """Tied keys, ``{other key: first key}``, for the manifest."""
-        return tied_aliases(self.model)
+        return {} if self.model is None else tied_aliases(self.model)
 
     def after_load(self) -> None:
         """Drop the consolidated state cached by ``consolidate_state_dict`` (stale now)."""

@@ -2,10 +2,28 @@
 
 The main job's GPT moved out of the test harness (it is what the examples train, not a
 testing tool). Every name stays importable from here, the same objects, so existing
-imports keep working; new code writes ``from shardkit.models import GPT``.
+imports keep working; the first one read raises one ``DeprecationWarning`` per process
+(:func:`shardkit.deprecation.moved_names`). New code writes
+``from shardkit.models import GPT``.
 """
 
-from shardkit.models import gpt as _gpt
-from shardkit.models.gpt import *  # noqa: F403  (the deprecated alias: every public name)
+from shardkit.deprecation import moved_names
 
-__all__ = list(_gpt.__all__)
+# each name this old path still serves -> the canonical module (a literal dict:
+# tools/api_table.py reads it without importing)
+_TARGETS = {
+    "GPT": "shardkit.models",
+    "MODEL_SIZES": "shardkit.models",
+    "Block": "shardkit.models",
+    "GPTConfig": "shardkit.models",
+    "GPTEmbedding": "shardkit.models",
+    "GPTHead": "shardkit.models",
+    "gpt_config": "shardkit.models",
+    "gpt_init_fn": "shardkit.models",
+    "gpt_stages": "shardkit.models",
+    "gpt_unit_init_fn": "shardkit.models",
+}
+
+__all__ = sorted(_TARGETS)
+
+__getattr__ = moved_names(__name__, _TARGETS)

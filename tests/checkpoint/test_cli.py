@@ -3,9 +3,11 @@
 The ranks (the shared 2-rank pool) train a GPT under FSDP (one unit per Block + the
 root) for one AdamW step and save it with ``save_fsdp_sharded``; also a small model
 whose flat parameter needs padding (and has BatchNorm buffers), the tied GPT, and an
-OSS sharded checkpoint. This process, with no process group, inspects and converts
-them; the converted file loads into the plain model with ``strict=True`` and equals
-the FSDP model's own full ``state_dict()``.
+OSS sharded checkpoint. ``save_fsdp_sharded`` and ``OSS.save_sharded`` write universal
+checkpoints (until the previous release they had formats of their own: their
+inspection and conversion are in ``test_legacy_convert.py``). This process, with no
+process group, inspects and converts them; the converted file loads into the plain
+model with ``strict=True`` and equals the FSDP model's own full ``state_dict()``.
 """
 
 from __future__ import annotations
@@ -24,14 +26,13 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 
-from shardkit.checkpoint import reader
 from shardkit.checkpoint.cli import main
 from shardkit.checkpoint.manifest import read_manifest
+from shardkit.checkpoint.universal import FORMAT as UNIVERSAL
 from shardkit.models import GPT, gpt_config
 from shardkit.models.gpt import Block
 from shardkit.nn import FullyShardedDataParallel
 from shardkit.nn.data_parallel.fully_sharded import save_fsdp_sharded
-from shardkit.nn.data_parallel.fully_sharded.sharded_checkpoint import FSDP_SHARD_FORMAT
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 from shardkit.optim import OSS
 from tests.checkpoint.payload import plant_payload
@@ -91,12 +92,6 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out, err
 
 
-def test_reader_knows_the_fsdp_format() -> None:
-    """The reader's copy of the format string is the FSDP package's (a format change
-    must change the reader too)."""
-    assert reader.FSDP_SHARDED_FORMAT == FSDP_SHARD_FORMAT
-
-
 def test_inspect_fsdp(saved: tuple[Path, Any], capsys: pytest.CaptureFixture[str]) -> None:
     root, _ = saved
     ckpt = root / "gpt" / "ckpt-000005"
@@ -104,45 +99,42 @@ def test_inspect_fsdp(saved: tuple[Path, Any], capsys: pytest.CaptureFixture[str
     assert code == 0
     info = json.loads(out)
     assert info["directory"] == str(ckpt)  # the root's newest committed step
-    assert (info["format"], info["step"], info["world_size"]) == (FSDP_SHARD_FORMAT, 5, 2)
+    assert (info["format"], info["step"], info["world_size"]) == (UNIVERSAL, 5, 2)
+    assert info["layout"]["strategy"] == "fsdp"
     files = [
         (f["name"], f["rank"], f["size_bytes"], f["sha256"], f["status"]) for f in info["files"]
     ]
     expected = []
     for r in range(2):
-        path = ckpt / f"fsdp-shard-{r}-of-2.pt"
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        expected.append((path.name, r, path.stat().st_size, digest, "ok"))
-    assert files == expected
+        for name in (f"shard-{r}-of-2.safetensors", f"extra-{r}.pt"):
+            path = ckpt / name
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            expected.append((path.name, r, path.stat().st_size, digest, "ok"))
+    assert sorted(files) == sorted(expected)
     plain = _gpt(tied=False).state_dict()
     params = {p["name"]: p["shape"] for p in info["params"]}
     assert params == {k: list(v.shape) for k, v in plain.items()}
     assert {p["dtype"] for p in info["params"]} == {"float32"}
-    units = {f"blocks.{i}.flat_param" for i in range(4)} | {"flat_param"}
-    assert set(info["units"]) == units
-    n_root = sum(plain[k].numel() for k in ("wte.weight", "wpe.weight", "lm_head.weight"))
-    n_root += sum(plain[k].numel() for k in ("ln_f.weight", "ln_f.bias"))
-    assert info["units"]["flat_param"] == {
-        "total": n_root,
-        "shard_numel": n_root // 2,
-        "padding": 0,
-    }
+    assert info["units"] == {}
     opt = info["optimizer"]
+    assert opt["class"] == "AdamW"
     assert opt["state_keys"] == ["exp_avg", "exp_avg_sq"]
     assert opt["scalar_keys"] == ["step"]
     assert [g["hyperparameters"]["lr"] for g in opt["param_groups"]] == [0.01]
-    assert [g["num_params"] for g in opt["param_groups"]] == [None]  # not in the format
+    n_params = len(list(_gpt(tied=False).parameters()))
+    assert [g["num_params"] for g in opt["param_groups"]] == [n_params]
     # the text form: the same values, one line each
     code, text, _ = _run(capsys, "inspect", str(root / "gpt"))
     assert code == 0
     lines = text.splitlines()
     assert lines[0] == f"checkpoint  {ckpt}"
     assert "step        5" in lines and "world size  2" in lines
-    size0 = (ckpt / "fsdp-shard-0-of-2.pt").stat().st_size
-    assert f"  fsdp-shard-0-of-2.pt  rank 0  {size0:,} bytes  sha256 {expected[0][3]}  ok" in lines
+    size0 = (ckpt / "shard-0-of-2.safetensors").stat().st_size
+    digest0 = dict((f[0], f[3]) for f in expected)["shard-0-of-2.safetensors"]
+    assert f"  shard-0-of-2.safetensors  rank 0  {size0:,} bytes  sha256 {digest0}  ok" in lines
     qkv = [line.split() for line in lines if line.startswith("  blocks.2.attn.qkv.weight ")]
     assert qkv == [
-        ["blocks.2.attn.qkv.weight", "[384,", "128]", "float32", "(blocks.2.flat_param)"]
+        ["blocks.2.attn.qkv.weight", "[384,", "128]", "float32", f"{384 * 128 * 4:,}", "bytes"]
     ]
 
 
@@ -175,13 +167,8 @@ def test_convert_padding_and_buffers(
     code, out, _ = _run(capsys, "inspect", str(root / "padded"), "--json")
     assert code == 0
     info = json.loads(out)
-    assert info["units"] == {"flat_param": {"total": 21, "shard_numel": 11, "padding": 1}}
     assert info["optimizer"] is None
-    assert [(p["name"], p["unit"]) for p in info["params"]][-3:] == [
-        ("1.running_mean", "buffer"),
-        ("1.running_var", "buffer"),
-        ("1.num_batches_tracked", "buffer"),
-    ]
+    assert sorted(p["name"] for p in info["params"]) == sorted(_padded_model().state_dict())
     code, _, _ = _run(capsys, "convert", str(root / "padded"), str(tmp_path / "p.pt"))
     assert code == 0
     model = _padded_model()
@@ -196,9 +183,8 @@ def test_convert_tied_gpt_keeps_every_name(
     """The format records every state-dict key of a parameter (a tied LM head under
     both names): the output loads strictly and equals the FSDP model's state dict."""
     root, full = saved
-    code, text, _ = _run(capsys, "convert", str(root / "tied"), str(tmp_path / "t.pt"))
+    code, _, _ = _run(capsys, "convert", str(root / "tied"), str(tmp_path / "t.pt"))
     assert code == 0
-    assert "records each parameter under its first name" not in text
     state = torch.load(tmp_path / "t.pt", weights_only=True)
     assert sorted(state) == sorted(full["tied"])
     model = _gpt(tied=True)
@@ -206,56 +192,60 @@ def test_convert_tied_gpt_keeps_every_name(
     assert all(torch.equal(v, full["tied"][k]) for k, v in model.state_dict().items())
 
 
-def test_oss_inspect_and_convert_refused(
+def test_oss_inspect_and_convert(
     saved: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """OSS.save_sharded: a universal checkpoint of the optimizer's parameters under
+    ``params.<index>`` with their state; convert writes them as a state dict."""
     root, _ = saved
     code, out, _ = _run(capsys, "inspect", str(root / "oss"), "--json")
     assert code == 0
     info = json.loads(out)
-    assert (info["format"], info["step"], info["world_size"], info["params"]) == (
-        "shardkit.sharded_optim/1",
-        7,
-        2,
-        [],
-    )
+    assert (info["format"], info["step"], info["world_size"]) == (UNIVERSAL, 7, 2)
+    assert [(p["name"], p["shape"]) for p in info["params"]] == [
+        ("params.0", [3, 4]),
+        ("params.1", [3]),
+    ]
     opt = info["optimizer"]
-    assert opt["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
+    assert (opt["class"], opt["state_keys"], opt["scalar_keys"]) == (
+        "Adam",
+        ["exp_avg", "exp_avg_sq"],
+        ["step"],
+    )
     assert opt["params_with_state"] == 2  # weight and bias, one per rank
-    assert sorted(i for owned in opt["owned_by_rank"].values() for i in owned) == [0, 1]
-    code, out, err = _run(capsys, "convert", str(root / "oss"), str(tmp_path / "o.pt"))
-    assert (code, out) == (1, "")
-    assert "holds optimizer state only, no parameters" in err
-    assert not (tmp_path / "o.pt").exists()
+    code, _, err = _run(capsys, "convert", str(root / "oss"), str(tmp_path / "o.pt"))
+    assert (code, err) == (0, "")
+    assert sorted(torch.load(tmp_path / "o.pt", weights_only=True)) == ["params.0", "params.1"]
 
 
 def test_damaged_and_unsafe(
     saved: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A corrupted file: inspect says which (exit 1), convert refuses. A planted pickle
-    payload with a matching manifest: refused, naming the file; nothing runs."""
+    payload in a rank's extra file (the only pickle of a universal checkpoint), with a
+    matching manifest: inspect and convert never unpickle it; nothing runs."""
     root, _ = saved
     copy = tmp_path / "gpt"
     shutil.copytree(root / "gpt", copy)
     ckpt = copy / "ckpt-000005"
-    path = ckpt / "fsdp-shard-1-of-2.pt"
+    path = ckpt / "shard-1-of-2.safetensors"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     code, out, _ = _run(capsys, "inspect", str(copy), "--json")
-    statuses = [f["status"].split(":")[0] for f in json.loads(out)["files"]]
-    assert (code, statuses) == (1, ["ok", "corrupted"])
+    statuses = {f["name"]: f["status"].split(":")[0] for f in json.loads(out)["files"]}
+    assert code == 1 and statuses.pop(path.name) == "corrupted", statuses
+    assert set(statuses.values()) == {"ok"}
     code, _, err = _run(capsys, "convert", str(copy), str(tmp_path / "x.pt"))
     assert code == 1 and f"{path} is corrupted: sha256" in err
     path.write_bytes((root / "gpt" / "ckpt-000005" / path.name).read_bytes())
-    plant_payload(ckpt, path.name, tmp_path / "marker")
-    assert read_manifest(ckpt).files[1].sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    plant_payload(ckpt, "extra-1.pt", tmp_path / "marker")
+    extra = next(f for f in read_manifest(ckpt).files if f.name == "extra-1.pt")
+    assert extra.sha256 == hashlib.sha256((ckpt / "extra-1.pt").read_bytes()).hexdigest()
     for argv in (["inspect", str(copy)], ["convert", str(copy), str(tmp_path / "x.pt")]):
         code, _, err = _run(capsys, *argv)
-        assert code == 1
-        assert f"error: {path} holds an object that is not a tensor" in err, err
-        assert "posix.system" in err
-    assert not (tmp_path / "marker").exists() and not (tmp_path / "x.pt").exists()
+        assert (code, err) == (0, ""), err
+    assert not (tmp_path / "marker").exists()
 
 
 def test_module_entry_point(saved: tuple[Path, Any]) -> None:
@@ -268,7 +258,7 @@ def test_module_entry_point(saved: tuple[Path, Any]) -> None:
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "unit        flat_param: 21 elements, 11 per rank, padding 1" in proc.stdout
+    assert "format      shardkit.universal/1: universal" in proc.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "shardkit.checkpoint", "convert", str(root / "padded")],
         capture_output=True,

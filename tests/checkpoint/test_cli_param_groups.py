@@ -74,20 +74,21 @@ def test_inspect_json_universal_groups(tmp_path: Path, capsys: pytest.CaptureFix
     ]
 
 
-def test_torch_param_groups_as_json() -> None:
-    """OSS's saved groups (``params``: indices) and FSDP's (no ``params``: no count)."""
-    oss = {"params": [0, 3, 4], "lr": 0.1, "betas": (0.9, 0.99), "foreach": None}
-    assert reader._plain_group(oss) == {
-        "num_params": 3,
-        "hyperparameters": {"lr": 0.1, "betas": [0.9, 0.99], "foreach": None},
-    }
+def test_group_hyperparameters_as_json() -> None:
+    """A param group's hyperparameters as JSON holds them (the old formats' torch
+    param groups went with their reader)."""
     lr = torch.tensor(0.5)  # a tensor lr (torch allows one): shown as its repr
-    fsdp = {"lr": lr, "nested": [(1, 2), "a"], "maximize": False}
+    hyper = {"lr": lr, "nested": [(1, 2), "a"], "betas": (0.9, 0.99), "foreach": None}
     as_json = {
-        "num_params": None,
-        "hyperparameters": {"lr": "tensor(0.5000)", "nested": [[1, 2], "a"], "maximize": False},
+        "num_params": 3,
+        "hyperparameters": {
+            "lr": "tensor(0.5000)",
+            "nested": [[1, 2], "a"],
+            "betas": [0.9, 0.99],
+            "foreach": None,
+        },
     }
-    assert reader._plain_group(fsdp) == as_json
+    assert reader._group_summary(3, hyper) == as_json
     assert json.loads(json.dumps(as_json)) == as_json
 
 

@@ -12,6 +12,9 @@ it can before raising on a size mismatch, and the summoned full parameters were
 written back into the shards): the shards and buffers are now restored.
 
 2 ranks, a 2-unit FSDP model that has stepped (optimizer state and ``step`` to keep).
+``load_fsdp_sharded`` is ``load_universal`` now: the read failure is raised as
+``CheckpointError`` (problem ``read``) on the failing rank too, and a checkpoint
+without optimizer state as ``CheckpointMismatchError``.
 """
 
 from __future__ import annotations
@@ -24,12 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.checkpoint.universal import loader
 from shardkit.nn import FSDP
-from shardkit.nn.data_parallel.fully_sharded import (
-    load_fsdp_sharded,
-    save_fsdp_sharded,
-    sharded_checkpoint,
-)
+from shardkit.nn.data_parallel.fully_sharded import load_fsdp_sharded, save_fsdp_sharded
 
 
 def _model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -81,17 +81,28 @@ def _worker(root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     out["no optim"] = _outcome(lambda: load_fsdp_sharded(model, root / "no_optim", optimizer))
     out["no optim unchanged"] = _same(_snapshot(model, optimizer), before)
-    real = sharded_checkpoint._resharded
+    real = loader._FileSource.read
     calls = [0]
+
+    def counts(*args: Any) -> torch.Tensor:
+        calls[0] += 1
+        return real(*args)
+
+    probe, probe_optimizer = _model(3)  # how many byte ranges a load reads on this rank
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader._FileSource, "read", counts)
+        load_fsdp_sharded(probe, root / "with_optim", probe_optimizer)
+    reads, calls[0] = calls[0], 0
+    out["probe reads"] = reads
 
     def fails_late_on_rank_1(*args: Any) -> torch.Tensor:
         calls[0] += 1
-        if rank == 1 and calls[0] == 6:  # the last read: 2 flat shards, 2 x 2 states
+        if rank == 1 and calls[0] == reads:  # the last read
             raise OSError("Input/output error")
         return real(*args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sharded_checkpoint, "_resharded", fails_late_on_rank_1)
+        patch.setattr(loader._FileSource, "read", fails_late_on_rank_1)
         out["read failure"] = _outcome(
             lambda: load_fsdp_sharded(model, root / "with_optim", optimizer)
         )
@@ -124,13 +135,14 @@ def test_failed_sharded_load_changes_nothing(rank_pool: Any, tmp_path: Path) -> 
         assert got["full unchanged"], (rank, got)
         assert got["full"].startswith("RuntimeError: Error(s) in loading state_dict"), got
         assert f"size mismatch for {got['full last key']}" in got["full"], got
-        assert got["no optim"] == (
-            f"ValueError: {tmp_path / 'no_optim'}: the checkpoint has no optimizer state"
+        ckpt = tmp_path / "no_optim" / "ckpt-000001"
+        assert got["no optim"].startswith(
+            f"CheckpointMismatchError: {ckpt}: the checkpoint has no optimizer state"
         ), got
         assert got["no optim unchanged"], (rank, got)
         assert got["read failure unchanged"], (rank, got)
         assert got["loaded"], (rank, got)
-    assert out[1]["read failure"] == "OSError: Input/output error", out[1]
-    assert out[0]["read failure"].startswith("CheckpointError: loading "), out[0]
-    assert "failed on rank 1: OSError: Input/output error" in out[0]["read failure"], out[0]
-    assert out[0]["reads"] == out[1]["reads"] == 6, out  # rank 1 failed on the last one
+    assert out[1]["read failure"].startswith("CheckpointError: loading "), out[1]
+    assert "OSError: Input/output error" in out[1]["read failure"], out[1]
+    assert out[0]["read failure"].startswith("CheckpointError: loading failed on rank 1"), out
+    assert out[1]["reads"] == out[1]["probe reads"] > 1, out  # rank 1 failed on the last one

@@ -1,5 +1,7 @@
 """OSS and FSDP sharded checkpoints go through the manifest: damage is detected.
 
+(They are universal checkpoints: ``shard-<r>-of-<N>.safetensors``.)
+
 Two steps are saved at 2 ranks; a shard file of the newest is damaged; loading at 2
 ranks falls back to the older one on every rank (with one warning), and loading in
 one process (another world size) names the damaged file. With every checkpoint
@@ -12,13 +14,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from shardkit.checkpoint import CheckpointCorruptError, CheckpointFallbackWarning
-from shardkit.checkpoint.sharded_optim import load_optimizer_shards
+from shardkit.checkpoint.reader import inspect_checkpoint
 from shardkit.nn import FullyShardedDataParallel
 from shardkit.nn.data_parallel.fully_sharded import load_fsdp_sharded, save_fsdp_sharded
 from shardkit.optim import OSS
@@ -67,12 +68,12 @@ def _oss_case(root: Path) -> list[str]:
     out = [_load_outcome(load)]
     dist.barrier()
     if dist.get_rank() == 0:
-        _flip(root / "ckpt-000002" / "optim-shard-1-of-2.pt")
+        _flip(root / "ckpt-000002" / "shard-1-of-2.safetensors")
     dist.barrier()
     out.append(_load_outcome(load))
     dist.barrier()
     if dist.get_rank() == 0:
-        _truncate(root / "ckpt-000001" / "optim-shard-0-of-2.pt")
+        _truncate(root / "ckpt-000001" / "shard-0-of-2.safetensors")
     dist.barrier()
     out.append(_load_outcome(load))
     return out
@@ -95,7 +96,7 @@ def _fsdp_case(root: Path) -> list[str]:
 
     dist.barrier()
     if dist.get_rank() == 0:
-        _truncate(root / "ckpt-000002" / "fsdp-shard-0-of-2.pt")
+        _truncate(root / "ckpt-000002" / "shard-0-of-2.safetensors")
     dist.barrier()
     return [_load_outcome(load)]
 
@@ -110,16 +111,17 @@ def test_damaged_shards_are_detected_and_the_previous_used(rank_pool: Any, tmp_p
         intact, flipped, all_damaged = got["oss"]
         assert intact == "step 2 | ", (rank, intact)
         assert flipped.startswith("step 1 | checkpoint "), (rank, flipped)
-        assert "ckpt-000002/optim-shard-1-of-2.pt is corrupted: sha256" in flipped
+        assert "ckpt-000002/shard-1-of-2.safetensors is corrupted: sha256" in flipped
         assert flipped.endswith("using ckpt-000001 instead")
         assert all_damaged.startswith("CheckpointCorruptError: no usable checkpoint in ")
-        assert "ckpt-000001/optim-shard-0-of-2.pt is truncated" in all_damaged
+        assert "ckpt-000001/shard-0-of-2.safetensors is truncated" in all_damaged
         (fsdp,) = got["fsdp"]
         assert fsdp.startswith("step 1 | checkpoint "), (rank, fsdp)
-        assert "ckpt-000002/fsdp-shard-0-of-2.pt is truncated: 100 of " in fsdp
-    # one process, another world size, no collective: the newest checkpoint, verified
-    with pytest.raises(CheckpointCorruptError, match="optim-shard-1-of-2.pt is corrupted"):
-        load_optimizer_shards(tmp_path / "oss")
+        assert "ckpt-000002/shard-0-of-2.safetensors is truncated: 100 of " in fsdp
+    # one process, no collective: the newest checkpoint, verified
+    info = inspect_checkpoint(tmp_path / "oss")
+    status = {f.name: f.status.split(":")[0] for f in info.files}
+    assert status["shard-1-of-2.safetensors"] == "corrupted", status
     assert sorted(p.name for p in (tmp_path / "fsdp").iterdir()) == [
         "ckpt-000001",
         "ckpt-000002",

@@ -20,7 +20,6 @@ from torch import nn
 
 from shardkit.checkpoint import CheckpointUnsafeError, load_checkpoint_file
 from shardkit.checkpoint.manifest import save_checkpoint
-from shardkit.checkpoint.sharded_optim import load_optimizer_shards
 from shardkit.nn import FullyShardedDataParallel
 from shardkit.nn.data_parallel.fully_sharded import load_fsdp_sharded, save_fsdp_sharded
 from shardkit.optim import OSS
@@ -99,8 +98,10 @@ def _sharded_refusals(root: Path) -> dict[str, Any]:
     oss.save_sharded(root / "oss", step=1)
     dist.barrier()
     if rank == 0:
-        plant_payload(root / "fsdp" / "ckpt-000001", "fsdp-shard-1-of-2.pt", root / "m-fsdp")
-        plant_payload(root / "oss" / "ckpt-000001", "optim-shard-1-of-2.pt", root / "m-oss")
+        # universal checkpoints: the shard files are safetensors (tensors only); the
+        # pickle a rank writes is its extra file
+        plant_payload(root / "fsdp" / "ckpt-000001", "extra-1.pt", root / "m-fsdp")
+        plant_payload(root / "oss" / "ckpt-000001", "extra-1.pt", root / "m-oss")
     dist.barrier()
     errors: dict[str, Any] = {}
     for path, load in [
@@ -118,25 +119,22 @@ def _sharded_refusals(root: Path) -> dict[str, Any]:
 
 
 def test_sharded_loads_refuse_payload(rank_pool: Any, tmp_path: Path) -> None:
-    """FSDP's and OSS's sharded loads at 2 ranks, and the offline readers, refuse a
-    planted payload (with a matching manifest) on every rank; nothing runs."""
+    """FSDP's and OSS's sharded loads (universal checkpoints) at 2 ranks refuse a
+    planted payload (with a matching manifest) on every rank; nothing runs. (The old
+    formats' reader: tests/checkpoint/test_legacy_convert.py.)"""
     per_rank = rank_pool(2).run(_sharded_refusals, tmp_path, timeout_s=120)
-    for errors in per_rank:
+    for rank, errors in enumerate(per_rank):
         assert errors["markers"] == [False, False]
-        # OSS: the clear error, naming rank 1's file and the object
-        name, unsafe, message = errors["oss"]
-        assert (name, unsafe) == ("CheckpointUnsafeError", True)
-        assert "optim-shard-1-of-2.pt holds an object that is not a tensor" in message
-        assert "posix.system" in message
-        # FSDP's loader goes through shardkit.checkpoint.load_tensors_only too
-        name, unsafe, message = errors["fsdp"]
-        assert (name, unsafe) == ("CheckpointUnsafeError", True), errors["fsdp"]
-        assert "holds an object that is not a tensor" in message
-        assert "posix.system" in message
-    # the offline readers (no process group), in this process
-    with pytest.raises(CheckpointUnsafeError) as caught:
-        load_optimizer_shards(tmp_path / "oss")
-    assert_refused(caught.value, "optim-shard-1-of-2.pt")
+        for path in ("oss", "fsdp"):
+            # rank 1 refuses its extra file, naming it and the object; rank 0 is told
+            name, unsafe, message = errors[path]
+            if rank == 1:
+                assert (name, unsafe) == ("CheckpointUnsafeError", True), errors[path]
+            else:
+                assert name == "CheckpointError", errors[path]
+                assert "loading failed on rank 1" in message, message
+            assert "extra-1.pt holds an object that is not a tensor" in message, message
+            assert "posix.system" in message
     with pytest.raises(pickle.UnpicklingError):  # torch's own error for a direct load
-        torch.load(tmp_path / "fsdp" / "ckpt-000001" / "fsdp-shard-1-of-2.pt", weights_only=True)
+        torch.load(tmp_path / "fsdp" / "ckpt-000001" / "extra-1.pt", weights_only=True)
     assert not (tmp_path / "m-fsdp").exists() and not (tmp_path / "m-oss").exists()

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from shardkit.compose import parallelize_model
 from shardkit.nn import FullyShardedDataParallel, OffloadModel, Pipe, ShardedDataParallel
 from shardkit.nn.moe import MoE
 from shardkit.optim import OSS
@@ -28,6 +29,7 @@ PAGES: list[tuple[str, Callable[..., Any], set[str]]] = [
     ("docs/offload.md", OffloadModel, set()),
     ("docs/pipe.md", Pipe, set()),
     ("docs/moe.md", MoE, set()),
+    ("docs/compose.md", parallelize_model, set()),
 ]
 _HEADER = re.compile(r"^\| (?:option|argument) \|", re.MULTILINE)
 _ROW_NAME = re.compile(r"^\| `(\*\*)?(\w+)` \|")

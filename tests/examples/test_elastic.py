@@ -159,7 +159,7 @@ PAIRS = [  # (saved on 2 ranks, its flags, resumed on 1 rank)
     ("sdp", [], "fsdp"),
     ("hsdp", ["--shard-size", "2"], "ddp"),
     ("oss", [], "sdp"),
-    ("pipe", [], "fsdp"),  # two stages -> the plain GPT's keys (examples/strategies.GPTKeys)
+    ("pipe", [], "fsdp"),  # two stages -> the plain GPT's keys (examples/gpt_wrappers.GPTKeys)
     ("ddp", [], "offload"),
     ("ddp", ["--tp", "2", "--global-batch", "4"], "ddp"),  # tp 2 x dp 1 (accumulation 2)
 ]

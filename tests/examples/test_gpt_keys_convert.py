@@ -1,5 +1,5 @@
 """The main job's pipe and offload checkpoints convert to a plain GPT state dict that
-loads with ``strict=True`` (``strategies.GPTKeys`` records the tied LM-head key).
+loads with ``strict=True`` (``gpt_wrappers.GPTKeys`` records the tied LM-head key).
 
 Regression: their manifests had no ``aliases``, so ``python -m shardkit.checkpoint
 convert`` left out ``lm_head.weight`` and ``GPT.load_state_dict(..., strict=True)``

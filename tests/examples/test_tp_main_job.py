@@ -100,12 +100,19 @@ def test_tp2_fsdp_and_sdp_on_four_ranks(rank_pool: Any, tmp_path: Path) -> None:
     ("argv", "message"),
     [
         (
-            ["--tp", "2", "--strategy", "pipe"],
-            "--tp applies to --strategy ddp / oss / sdp / fsdp only (tensor parallelism), "
-            "not 'pipe'; drop --tp 2 or use --strategy ddp",
+            ["--tp", "2", "--strategy", "offload"],
+            "--tp applies to --strategy ddp / oss / sdp / fsdp / hsdp / pipe only (tensor "
+            "parallelism), not 'offload'; drop --tp 2 or use --strategy ddp",
         ),
-        (["--tp", "2", "--strategy", "offload"], "not 'offload'; drop --tp 2"),
-        (["--tp", "2", "--strategy", "hsdp"], "not 'hsdp'; drop --tp 2"),
+        (
+            ["--dp-shard", "2", "--strategy", "sdp"],
+            "--dp-shard applies to --strategy fsdp / hsdp / pipe only",
+        ),
+        (
+            ["--pp", "2"],
+            "cannot infer dp_shard: world size 1 is not divisible by pp (2) x dp_replicate "
+            "(1) x tp (1) = 2 (the mesh of --strategy pipe)",
+        ),
         (["--tp", "0"], "--tp: must be >= 1, got 0"),
         (["--tp", "2"], "--tp 2 does not divide the world size 1; launch a multiple of 2"),
         (  # not a launch error: checked before training, like --tp's
@@ -130,3 +137,25 @@ def test_heads_not_divisible() -> None:
     problem = train_gpt.tp_error(config, world_size=3)
     assert problem is not None and "4 attention heads and 256-token vocabulary" in problem
     assert train_gpt.tp_error(train_gpt.parse_args(["--tp", "2"]), world_size=4) is None
+
+
+def test_mesh_flags_resolve_to_the_strategy_and_degrees() -> None:
+    """Mesh flags alone pick the strategy; the omitted degrees are inferred."""
+    dims = train_gpt.parallel_dims
+    cases = [
+        (["--pp", "2", "--tp", "2"], 8, "pipe", (2, 1, 2, 2)),
+        (["--dp-replicate", "2", "--tp", "2"], 8, "hsdp", (1, 2, 2, 2)),
+        (["--dp-shard", "4", "--tp", "2"], 8, "fsdp", (1, 1, 4, 2)),
+        (["--strategy", "pipe", "--tp", "2"], 8, "pipe", (4, 1, 1, 2)),
+        (["--strategy", "hsdp", "--shard-size", "2"], 8, "hsdp", (1, 4, 2, 1)),
+        (["--strategy", "fsdp"], 8, "fsdp", (1, 1, 8, 1)),
+        ([], 8, "ddp", (1, 1, 8, 1)),
+    ]
+    for argv, world, name, degrees in cases:
+        config = train_gpt.parse_args(argv)
+        assert config.strategy.name == name, argv
+        assert dims(config.strategy, world).degrees == degrees, argv
+    too_deep = train_gpt.mesh_error(train_gpt.parse_args(["--pp", "8"]), world_size=8)
+    assert (
+        too_deep is not None and "--pp 8 is more pipeline stages than the tiny GPT's 6" in too_deep
+    )

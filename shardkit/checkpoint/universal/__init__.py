@@ -24,7 +24,13 @@ descriptors only, never a process-wide mesh.
 """
 
 from shardkit.checkpoint.universal.adapters import DDPLayout, PlainLayout, layout_of
-from shardkit.checkpoint.universal.layout import LayoutAdapter, ParamEntry, register_layout
+from shardkit.checkpoint.universal.layout import (
+    LayoutAdapter,
+    ParamEntry,
+    Purpose,
+    register_layout,
+    session_of,
+)
 from shardkit.checkpoint.universal.loader import LoadedCheckpoint, load_universal
 from shardkit.checkpoint.universal.meta import FORMAT
 from shardkit.checkpoint.universal.writer import save_universal
@@ -37,9 +43,11 @@ __all__ = [
     "LoadedCheckpoint",
     "ParamEntry",
     "PlainLayout",
+    "Purpose",
     "TensorView",
     "layout_of",
     "load_universal",
     "register_layout",
     "save_universal",
+    "session_of",
 ]

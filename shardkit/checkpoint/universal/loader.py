@@ -26,6 +26,10 @@
 8. The commit: in-memory copies of what was read into the model and the optimizer
    state, then the param groups' hyperparameters, then ``after_load``. The cost:
    this rank's share of the checkpoint is held once more during the load.
+
+Why this module is long: load_universal's steps (the Note above) run in order over one
+staging object, each a function under 90 lines; what stands alone is already apart
+(plan.py, shardfile.py, optim_state.py, meta.py).
 """
 
 from __future__ import annotations
@@ -258,7 +262,9 @@ def _check_format(ckpt: Path, manifest: Manifest) -> None:
             ckpt,
             "format",
             f"{ckpt} is not a universal checkpoint (layout format {fmt!r}, this shardkit "
-            f"reads {FORMAT!r}); save it with save_universal",
+            f"reads {FORMAT!r}); save it with save_universal, or convert a checkpoint of "
+            f"the previous release's sharded formats: python -m shardkit.checkpoint "
+            f"convert {ckpt} <new root>",
         )
 
 
@@ -449,6 +455,7 @@ def load_universal(
     *,
     group: dist.ProcessGroup | None = None,
     strict: bool = True,
+    require_optimizer_state: bool = False,
 ) -> LoadedCheckpoint:
     """Load a universal checkpoint into ``model`` (and ``optimizer``), whatever the
     layout and world size it was saved with.
@@ -464,6 +471,11 @@ def load_universal(
         strict: default True: every key of the model must be in the checkpoint and
             the other way round. False: missing keys keep their values, extra keys
             are ignored.
+        require_optimizer_state: default False: a checkpoint saved without optimizer
+            state loads the model and leaves ``optimizer`` as it is. True (with an
+            ``optimizer``): such a checkpoint is refused (``CheckpointMismatchError``,
+            problem ``optimizer``), as the wrappers' ``load_fsdp_sharded`` /
+            ``OSS.load_sharded`` do.
 
     Returns:
         :class:`LoadedCheckpoint`: ``step``, ``saved_world_size``, ``saved_strategy``,
@@ -475,7 +487,8 @@ def load_universal(
             directory given).
         CheckpointMismatchError: not a universal checkpoint; missing, unexpected or
             reshaped keys; saved pieces that do not cover a tensor; param groups that
-            mix saved groups of different hyperparameters.
+            mix saved groups of different hyperparameters; no optimizer state saved
+            (with ``require_optimizer_state``).
         CheckpointUnsafeError: this rank's extra file holds something other than
             tensors and plain containers.
         CheckpointError: (problem ``load``) another rank failed; (problem
@@ -511,6 +524,8 @@ def load_universal(
             try:
                 all_keys: set[str] = set().union(*(keys for keys, _ in held))
                 all_groups = merge_group_keys(g for _, g in held)
+                if require_optimizer_state and optimizer is not None:
+                    _require_optimizer_state(ckpt, manifest)
                 plan = _plan_local(
                     ckpt, manifest, entries, all_keys, all_groups, optimizer, rank, strict
                 )
@@ -531,6 +546,16 @@ def load_universal(
         del staged
         adapter.after_load()
         return plan.loaded
+
+
+def _require_optimizer_state(ckpt: Path, manifest: Manifest) -> None:
+    if not manifest.layout.get("optimizer"):
+        raise CheckpointMismatchError(
+            ckpt,
+            "optimizer",
+            f"{ckpt}: the checkpoint has no optimizer state (saved with optimizer=None); "
+            "load the model only, without an optimizer",
+        )
 
 
 def _read_failed(ckpt: Path, err: Exception) -> CheckpointError:

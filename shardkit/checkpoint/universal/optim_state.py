@@ -114,6 +114,13 @@ def optimizer_class(optimizer: Any) -> str:
     return type(optimizer).__name__
 
 
+def optimizer_param_key(index: int) -> str:
+    """The key of an optimizer's parameter saved without a model (``OSS.save_sharded``:
+    ``save_universal(root, step, None, oss)``): ``"params.<index>"``, ``index`` its
+    position in a plain ``torch.optim`` state dict (the concatenated param groups)."""
+    return f"params.{index}"
+
+
 def optimizer_params(optimizer: Any) -> dict[int, int]:
     """``{id(param): group index}`` over ``optimizer.param_groups``."""
     return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}

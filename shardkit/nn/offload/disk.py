@@ -2,9 +2,11 @@
 
 Directory layout (``<name>`` is ``slice<i>`` or ``shared``, ``<g>`` the generation)::
 
-    manifest.json             generation, layouts, file names, optimizer class
+    manifest.json             generation, layouts, file names, optimizer class and
+                              optimizer-state layouts
     <name>.params.g<g>        raw bytes of the slice's flat parameter buffer
-    <name>.optim.g<g>.pt      the slice's optimizer state dict (torch.save), after step 1
+    <name>.optim.g<g>         the slice's optimizer state, packed (after step 1; see
+                              [Note: the optimizer-state file] in shardkit.optim.file_backed)
     buffers.g<g>.pt           module buffers (BatchNorm statistics, ...), torch.save
     <name>.grad               gradients accumulated since the last zero_grad (scratch)
 
@@ -18,8 +20,8 @@ unreferenced generation ``g + 1`` files and the scratch gradient files.
 [Note: what is resident]
 Parameters are read into the slice's compute buffer (``readinto``, no second copy) and
 the buffer is freed after use; gradients are added into ``<name>.grad`` through a
-shared memory map, which is unmapped right away; optimizer state is loaded with
-``torch.load(mmap=True)``. So a step holds one slice's parameters, gradients and
+shared memory map, which is unmapped right away; optimizer state is read through a
+private memory map. So a step holds one slice's parameters, gradients and
 optimizer state at a time, plus the pinned ``shared`` group.
 """
 
@@ -31,7 +33,6 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -41,10 +42,12 @@ from shardkit.checkpoint.generations import MANIFEST, GenerationStore, check_wri
 from shardkit.nn.offload.flat import LayoutEntry, SliceLayout
 from shardkit.nn.offload.slices import Slice
 from shardkit.nn.offload.tiers import Tier
+from shardkit.optim.file_backed import StateByIndex, StateLayout, read_state, write_state
 
 __all__ = ["MANIFEST", "DiskTier", "check_writable", "remove_offloaded"]
 
-FORMAT = "shardkit.offload/1"
+FORMAT = "shardkit.offload/2"  # /1: optimizer state as torch.save files
+_FORMATS = ("shardkit.offload/1", FORMAT)  # what remove_offloaded deletes
 _OWNED = re.compile(r"^(\.?(slice\d+|shared|buffers)\..*|\.manifest\.json\..*\.tmp)$")
 
 
@@ -77,6 +80,7 @@ class DiskTier(Tier):
         self.directory = self.store.directory
         self.resume = resume
         self.optimizer_class: str | None = None
+        self.optim_layouts: dict[str, StateLayout | None] = {}  # slice -> its state file's
         self.buffers: dict[str, torch.Tensor] = {}
         self.grads_present: dict[str, set[int]] = {}
         self._init_fn: Callable[[nn.Module], None] | None = None
@@ -134,6 +138,7 @@ class DiskTier(Tier):
         manifest = self.store.open()
         self._check_layouts(manifest["layouts"])
         self.optimizer_class = manifest.get("optimizer_class")
+        self.optim_layouts = manifest["optim_layouts"]
         for s in self.slices:
             if s.pinned:
                 self._read_pinned(s)
@@ -220,31 +225,39 @@ class DiskTier(Tier):
 
     # -- generations -------------------------------------------------------------------
 
-    def step_slice(self, s: Slice, generation: int, optim_state: dict[str, Any]) -> None:
+    def step_slice(self, s: Slice, generation: int, optim_state: StateByIndex) -> None:
         """Write generation ``generation`` of resident ``s``: parameters and optimizer state."""
         self.write_params(s, generation)
         self.write_optim_state(s, generation, optim_state)
 
     def write_optim_state(
-        self, s: Slice, generation: int, optim_state: dict[str, Any] | None
+        self, s: Slice, generation: int, optim_state: StateByIndex | None
     ) -> None:
-        """Write generation ``generation`` of ``s``'s optimizer state (an
-        ``optimizer.state_dict()``; None: no state, as before step 1); not committed."""
+        """Write generation ``generation`` of ``s``'s optimizer state (per parameter
+        index; None: no state, as before step 1); not committed."""
         if optim_state is None:
             self.store.files.setdefault(s.name, {})["optim"] = None
+            self.optim_layouts[s.name] = None
             return
-        name = self.store.name(s.name, "optim", generation, ".pt")
-        atomic_save(optim_state, self.directory / name)
-
-    def load_optim_state(self, s: Slice) -> dict[str, Any] | None:
-        """The committed optimizer state of ``s`` (memory-mapped), or None before step 1."""
-        path = self.store.path(s.name, "optim")
-        if path is None:
-            return None
-        state: dict[str, Any] = torch.load(
-            path, mmap=True, weights_only=True, map_location=self.device
+        self.optim_layouts[s.name] = write_state(
+            self.store, s.name, generation, optim_state, f"OffloadModel {s.name}"
         )
-        return state
+
+    def load_optim_state(self, s: Slice, device: torch.device | None = None) -> StateByIndex | None:
+        """The committed optimizer state of ``s`` per parameter index (views of a private
+        memory map on the CPU, copied to ``device``: default the compute device), or
+        None before step 1."""
+        layout = self.optim_layouts.get(s.name)
+        if layout is None or self.store.path(s.name, "optim") is None:
+            return None
+        state = read_state(self.store, s.name, layout, mapped=True)
+        target = self.device if device is None else device
+        if target.type == "cpu":
+            return state
+        return {
+            i: {k: v.to(target) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+            for i, values in state.items()
+        }
 
     def commit(self, generation: int, optimizer_class: str | None = None) -> None:
         """Make ``generation`` the committed one (atomic), then delete the older files."""
@@ -255,6 +268,7 @@ class DiskTier(Tier):
             generation,
             keep=self._scratch_files(generation),
             optimizer_class=self.optimizer_class,
+            optim_layouts=self.optim_layouts,
             layouts={s.name: s.layout.to_json() for s in self.slices},
             buffers=f"buffers.g{generation}.pt",
         )
@@ -311,7 +325,7 @@ def remove_offloaded(directory: str | os.PathLike[str]) -> bool:
     if not manifest.is_file():
         return False
     fmt = json.loads(manifest.read_text()).get("format")
-    if fmt != FORMAT:
+    if fmt not in _FORMATS:
         raise ValueError(
             f"{str(directory)!r} holds {MANIFEST} of format {fmt!r}, not an offloaded "
             f"model ({FORMAT!r}); not deleting it"

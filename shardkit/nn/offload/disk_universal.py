@@ -9,7 +9,7 @@ file, while the universal checkpoint reads and fills ``param.data`` and
 never of memory:
 
 - saving: the committed generation's parameter file (a private mapping, only read)
-  and the committed optimizer state (``torch.load(mmap=True)``). The writer copies
+  and the committed optimizer state (a private mapping of its file). The writer copies
   them into its shard file piece by piece: the kernel pages each slice in as it is
   written and may drop it again, so the model is never resident at once.
 - loading into generation ``g + 1``: a copy of generation ``g``'s parameter file per
@@ -43,6 +43,7 @@ from shardkit.nn.offload.disk import DiskTier
 from shardkit.nn.offload.flat import SliceLayout
 from shardkit.nn.offload.optim import SlicedOptimizer
 from shardkit.nn.offload.slices import Slice, SliceState
+from shardkit.optim.file_backed import StateByIndex, StateLayout
 
 __all__ = ["DiskSession", "disk_session"]
 
@@ -100,6 +101,7 @@ class DiskSession:
         self.committed = False
         self._scalars: set[str] = set()  # state a complete entry has (AdamW: step)
         self._files: dict[str, dict[str, str | None]] | None = None
+        self._layouts: dict[str, StateLayout | None] = {}
 
     def open(self) -> None:
         """Point every parameter at its file and fill the optimizer's ``state``.
@@ -118,6 +120,7 @@ class DiskSession:
         names: set[str] = set()
         if self.purpose == "load":
             self._files = copy.deepcopy(self.tier.store.files)  # generation g's, for close()
+            self._layouts = copy.deepcopy(self.tier.optim_layouts)
             if self.optimizer is not None:
                 names, self._scalars = _state_names(self.optimizer)
         for s in self.tier.slices:
@@ -127,14 +130,9 @@ class DiskSession:
             else:
                 self._open_target(s, names)
 
-    def _committed_state(self, s: Slice) -> dict[int, dict[str, Any]]:
+    def _committed_state(self, s: Slice) -> StateByIndex:
         """The committed optimizer state of ``s`` per parameter index, memory-mapped."""
-        path = self.tier.store.path(s.name, "optim")
-        if path is None:
-            return {}
-        saved = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-        state: dict[int, dict[str, Any]] = saved["state"]
-        return state
+        return self.tier.load_optim_state(s, torch.device("cpu")) or {}
 
     def _open_committed(self, s: Slice) -> None:
         if not s.pinned:
@@ -211,21 +209,18 @@ class DiskSession:
         self.tier.commit(g, class_name)
         self.committed = True
 
-    def _slice_state(self, s: Slice) -> dict[str, Any] | None:
-        """The loaded optimizer state of ``s`` as a step writes it (an ``optimizer_class``
-        ``state_dict()``), copied out of the scratch files; None when no parameter has
-        complete state (loaded from a checkpoint saved before step 1)."""
+    def _slice_state(self, s: Slice) -> StateByIndex | None:
+        """The loaded optimizer state of ``s`` per parameter index, as a step writes it
+        (read from the scratch files); None when no parameter has complete state
+        (loaded from a checkpoint saved before step 1)."""
         assert self.optimizer is not None
-        instance = self.optimizer.slice_optimizer(s)
-        for p in s.parameters:
-            state = self.optimizer.state.get(p)
-            if state is None or self._scalars - state.keys():
+        state: StateByIndex = {}
+        for i, p in enumerate(s.parameters):
+            held = self.optimizer.state.get(p)
+            if held is None or self._scalars - held.keys():
                 continue
-            instance.state[p] = {
-                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()
-            }
-        saved = instance.state_dict()
-        return saved if saved["state"] else None
+            state[i] = dict(held)
+        return state or None
 
     def close(self) -> None:
         """Placeholders back, the optimizer's ``state`` empty; after a failed load, the
@@ -242,6 +237,7 @@ class DiskSession:
                     path.unlink()
             if self._files is not None:  # a commit that failed half-way named new files
                 self.tier.store.files = self._files
+                self.tier.optim_layouts = self._layouts
 
 
 @contextlib.contextmanager

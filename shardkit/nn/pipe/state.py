@@ -7,7 +7,7 @@ its part by picking its own keys from the whole.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -32,12 +32,22 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def consolidated_state_dict(
-    module: nn.Module, *, process_group: ProcessGroup | None = None, dst: int = 0
+    module: nn.Module,
+    *,
+    process_group: ProcessGroup | None = None,
+    dst: int = 0,
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict, gathered from every stage onto stage ``dst``.
 
     Collective over the pipeline's ``process_group`` (default: world): every stage
     calls it with its stage module (possibly DDP-wrapped). Tensors are copied to CPU.
+
+    Args:
+        transform: ``transform(key, tensor)`` applied to each of this stage's tensors,
+            in key order, before the gather: e.g. a tensor-parallel part all-gathered
+            to the full tensor (a collective over the tensor-parallel group, whose
+            ranks hold the same stage and so call it for the same keys). Default None.
 
     Returns:
         On rank ``dst`` of the group: the merged state dict, keys as in the plain
@@ -48,7 +58,10 @@ def consolidated_state_dict(
     """
     group = process_group if process_group is not None else dist.group.WORLD
     assert group is not None
-    local = {k: v.detach().cpu().clone() for k, v in unwrap(module).state_dict().items()}
+    state = unwrap(module).state_dict()
+    if transform is not None:
+        state = {k: transform(k, v) for k, v in sorted(state.items())}
+    local = {k: v.detach().cpu().clone() for k, v in state.items()}
     is_dst = dist.get_rank(group) == dst
     parts: list[dict[str, torch.Tensor] | None] = (
         [None] * dist.get_world_size(group) if is_dst else []

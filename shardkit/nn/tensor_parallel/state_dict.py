@@ -6,27 +6,30 @@ files that load back at any tensor-parallel degree.
   into the unsplit model with ``load_state_dict``.
 - :func:`load_consolidated_state_dict` loads a plain model's state dict into a
   tensor-parallel model: each rank keeps its shard (no communication).
-- :func:`save_sharded` writes one file per tensor-parallel rank (``tp-<r>-of-<T>.pt``:
-  the rank's tensors and, per split tensor, its ``(partition_dim, partition_stride)``);
-  :func:`load_sharded` reads every file, merges the shards and keeps this rank's shard
-  at the *current* degree, so a checkpoint written at degree 2 loads at 1 (a plain
-  model, e.g. under FSDP over 4 data-parallel ranks), 2 or 4.
+- :func:`save_sharded` / :func:`load_sharded`: calls to the universal checkpoint
+  (:func:`~shardkit.checkpoint.universal.save_universal` /
+  :func:`~shardkit.checkpoint.universal.load_universal` over the tensor-parallel
+  group): each rank writes its parts under the plain model's keys, and a load at any
+  degree reads only the byte ranges of its own parts, so a checkpoint written at
+  degree 2 loads at 1 (a plain model, e.g. under FSDP over 4 data-parallel ranks), 2
+  or 4, and into any other strategy with ``load_universal``. Until this release the
+  files were ``tp-<r>-of-<T>.pt``; ``python -m shardkit.checkpoint convert`` turns
+  such a directory into a universal checkpoint.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from shardkit.checkpoint.atomic import atomic_save
+from shardkit.checkpoint.universal import load_universal, save_universal
+from shardkit.checkpoint.universal.shardfile import shard_file_name
 from shardkit.nn.tensor_parallel.groups import TPGroup, rank_and_size, resolve_group
 from shardkit.nn.tensor_parallel.partition import (
     full_tensor,
     is_tensor_parallel,
-    merge_shards,
     shard,
     split_of,
 )
@@ -37,8 +40,6 @@ __all__ = [
     "load_sharded",
     "save_sharded",
 ]
-
-_FILE = re.compile(r"tp-(\d+)-of-(\d+)\.pt")
 
 
 def consolidated_state_dict(
@@ -103,59 +104,57 @@ def load_consolidated_state_dict(
     _load_full(model, state_dict, process_group, strict)
 
 
-def save_sharded(model: nn.Module, directory: str | Path, process_group: TPGroup = None) -> Path:
-    """Write this tensor-parallel rank's tensors to ``directory/tp-<r>-of-<T>.pt``.
+def save_sharded(
+    model: nn.Module,
+    directory: str | Path,
+    process_group: TPGroup = None,
+    *,
+    step: int = 0,
+    keep: int = 0,
+) -> Path:
+    """Save the tensor-parallel ``model`` as a universal checkpoint under ``directory``:
+    ``save_universal(directory, step, model, keep=keep, group=process_group)``.
 
-    No communication. Call it on the ranks of one tensor-parallel group (e.g.
-    data-parallel rank 0); the other replicas hold the same shards.
+    A collective over the tensor-parallel group: call it on the ranks of one
+    tensor-parallel group (e.g. data-parallel rank 0; the other replicas hold the same
+    parts). Each rank writes its parts, and 1/T of each tensor every rank holds whole,
+    to ``directory/ckpt-<step>/shard-<r>-of-<T>.safetensors``; rank 0 writes the
+    manifest and ``directory/latest``.
+
+    Args:
+        process_group: the tensor-parallel group; default None (the mesh's, else the
+            world group).
+        step: the training step; default 0.
+        keep: committed checkpoints to keep (the newest); default 0: all.
 
     Returns:
-        The file written.
+        The file this rank wrote.
+
+    Raises:
+        CheckpointError, ValueError: see ``save_universal``.
     """
-    rank, world = rank_and_size(resolve_group(process_group))
-    tensors, layout = {}, {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        tensors[name] = t.detach().clone()
-        if is_tensor_parallel(t):
-            layout[name] = split_of(t)
-    path = Path(directory) / f"tp-{rank}-of-{world}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_save({"tensors": tensors, "layout": layout}, path)
-    return path
+    group = resolve_group(process_group)
+    rank, world = rank_and_size(group)
+    ckpt = save_universal(directory, step, model, keep=keep, group=group)
+    return ckpt / shard_file_name(rank, world)
 
 
 def load_sharded(
     model: nn.Module, directory: str | Path, process_group: TPGroup = None, strict: bool = True
 ) -> None:
-    """Load what :func:`save_sharded` wrote, at any tensor-parallel degree of ``model``
-    (a plain model is degree 1).
+    """Load what :func:`save_sharded` wrote (the newest intact step under
+    ``directory``), or any universal checkpoint, at the tensor-parallel degree of
+    ``model`` (a plain model is degree 1): ``load_universal(directory, model,
+    group=process_group, strict=strict)``.
+
+    A collective over ``process_group`` (default None: the mesh's tensor-parallel
+    group, else the world group); each rank reads the byte ranges of its own parts.
 
     Raises:
-        FileNotFoundError: the directory lacks some rank's file (the missing ranks named).
-        KeyError, ValueError: as :func:`load_consolidated_state_dict`.
+        CheckpointMismatchError: with ``strict``, keys that differ; another full shape;
+            an old-format directory (convert it: ``python -m shardkit.checkpoint
+            convert``).
+        FileNotFoundError, CheckpointCorruptError, CheckpointError: see
+            ``load_universal``.
     """
-    found = {}
-    for path in Path(directory).iterdir():
-        match = _FILE.fullmatch(path.name)
-        if match:
-            found[(int(match[1]), int(match[2]))] = path
-    degrees = {w for _, w in found}
-    if len(degrees) != 1:
-        raise FileNotFoundError(
-            f"{directory}: expected tp-<r>-of-<T>.pt of one degree T; found {sorted(found)}"
-        )
-    (saved_world,) = degrees
-    missing = [r for r in range(saved_world) if (r, saved_world) not in found]
-    if missing:
-        raise FileNotFoundError(
-            f"{directory}: no file for tensor-parallel ranks {missing} of {saved_world}"
-        )
-    files = [torch.load(found[(r, saved_world)], weights_only=True) for r in range(saved_world)]
-    full = {}
-    for name, first in files[0]["tensors"].items():
-        if name in files[0]["layout"]:
-            dim, stride = files[0]["layout"][name]
-            full[name] = merge_shards([f["tensors"][name] for f in files], dim, stride)
-        else:
-            full[name] = first
-    _load_full(model, full, process_group, strict)
+    load_universal(directory, model, group=resolve_group(process_group), strict=strict)

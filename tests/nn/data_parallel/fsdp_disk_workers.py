@@ -80,7 +80,7 @@ def _expected_optim_bytes(model: FSDP, optim: str) -> int:
             start, end = unit.handle.layout.piece(index, unit.rank)
             numel = end - start
             sizes += [numel * 4, numel * 4, 4] if optim == "adamw" else [numel * 4]
-        total += _aligned_size(sizes) if unit.disk is not None else 0
+        total += _aligned_size(sizes) if not unit.store.in_memory else 0
     return total
 
 

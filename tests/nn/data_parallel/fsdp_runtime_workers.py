@@ -34,7 +34,7 @@ BF16 = {"mixed_precision": True, "compute_dtype": torch.bfloat16}
 
 def sharded_checkpoint() -> tuple[Callable[..., Any], Callable[..., Any]]:
     """``save_fsdp_sharded, load_fsdp_sharded`` (one line to change if they move)."""
-    from shardkit.checkpoint.fsdp import load_fsdp_sharded, save_fsdp_sharded
+    from shardkit.nn.data_parallel.fully_sharded import load_fsdp_sharded, save_fsdp_sharded
 
     return save_fsdp_sharded, load_fsdp_sharded
 

@@ -19,6 +19,7 @@ from torch import nn
 from shardkit.nn.checkpoint import CheckpointWrapper, checkpoint_wrapper
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+from shardkit.nn.data_parallel.fully_sharded import reduction as fsdp_reduction
 from shardkit.nn.data_parallel.fully_sharded import unit as fsdp_unit
 from shardkit.nn.data_parallel.fully_sharded.unit import runtime_of
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
@@ -63,7 +64,7 @@ def wrap_fsdp(model: nn.Module, cfg: dict[str, Any]) -> FSDP:
 @contextlib.contextmanager
 def spy_collectives(seen: dict[str, set[str]]) -> Iterator[None]:
     """Record the dtypes FSDP all-gathers and reduce-scatters while inside."""
-    gather, scatter = fsdp_unit.all_gather_flat, fsdp_unit.reduce_scatter_flat
+    gather, scatter = fsdp_unit.all_gather_flat, fsdp_reduction.reduce_scatter_flat
 
     def spy_gather(full: torch.Tensor, shard: torch.Tensor, *a: Any, **k: Any) -> Any:
         seen["all_gather"].add(str(full.dtype))
@@ -73,11 +74,12 @@ def spy_collectives(seen: dict[str, set[str]]) -> Iterator[None]:
         seen["reduce_scatter"].add(str(flat.dtype))
         return scatter(out, flat, *a, **k)
 
-    fsdp_unit.all_gather_flat, fsdp_unit.reduce_scatter_flat = spy_gather, spy_scatter  # type: ignore[assignment]
+    fsdp_unit.all_gather_flat = spy_gather  # type: ignore[assignment]
+    fsdp_reduction.reduce_scatter_flat = spy_scatter  # type: ignore[assignment]
     try:
         yield
     finally:
-        fsdp_unit.all_gather_flat, fsdp_unit.reduce_scatter_flat = gather, scatter
+        fsdp_unit.all_gather_flat, fsdp_reduction.reduce_scatter_flat = gather, scatter
 
 
 def watch_forward(module: nn.Module, seen: dict[str, set[str]]) -> None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from shardkit.distributed.hybrid import hybrid_groups
 from shardkit.nn import FullyShardedDataParallel as FSDP
 from shardkit.nn.data_parallel.fully_sharded import load_fsdp_sharded, save_fsdp_sharded
+from shardkit.nn.data_parallel.fully_sharded import reduction as fsdp_reduction
 from shardkit.nn.data_parallel.fully_sharded import unit as fsdp_unit
 from shardkit.testing.compare import assert_state_dicts_close
 from tests.nn.data_parallel.fsdp_workers import (
@@ -50,7 +51,7 @@ def _wrapped(
 
 
 def _cross_replica_reduces(step: Any) -> int:
-    return count_calls(fsdp_unit, "all_reduce_sum", step)
+    return count_calls(fsdp_reduction, "all_reduce_sum", step)
 
 
 def _train(

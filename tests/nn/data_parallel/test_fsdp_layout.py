@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardkit.checkpoint.flat import read_flat_range
+from shardkit.checkpoint.legacy.flat import read_flat_range
 from shardkit.nn.data_parallel.fully_sharded import FlatLayout
 
 numels = st.lists(st.integers(0, 40), min_size=0, max_size=6)

@@ -4,7 +4,9 @@
 a rank that cannot build its record (the other ranks used to wait in the save's
 collective until the group timeout), a writers' save that fails (the other replica
 used to wait in a barrier until the timeout), and the path a non-writing replica gets
-back (it was ``ckpt-<step>`` unpadded, a directory that does not exist).
+back (it was ``ckpt-<step>`` unpadded, a directory that does not exist). The save is
+``save_universal`` now: the failures are injected into the FSDP layout's ``entries``
+and the universal writer's commit.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import pytest
 import torch.distributed as dist
 
 from shardkit.checkpoint.manifest import CheckpointError
+from shardkit.checkpoint.universal import writer as universal_writer
 from shardkit.distributed.hybrid import hybrid_groups
 from shardkit.nn.data_parallel.fully_sharded import sharded_checkpoint as sc
+from shardkit.nn.data_parallel.fully_sharded.universal_layout import FSDPLayout
 from tests.nn.data_parallel.fsdp_workers import tiny_gpt, wrap_model
 
 
@@ -65,7 +69,7 @@ def _failing_commit(root: Any, step: int, *args: Any, **kwargs: Any) -> Any:
     raise CheckpointError(ckpt, "save", f"saving {ckpt} failed, disk full")
 
 
-_BUILD, _COMMIT = sc._shard_record, sc.save_checkpoint
+_BUILD, _COMMIT = FSDPLayout.entries, universal_writer.save_checkpoint
 
 
 def _case(hybrid: bool) -> dict[str, Any]:
@@ -75,18 +79,18 @@ def _case(hybrid: bool) -> dict[str, Any]:
     dist.broadcast_object_list(directory)
     path = sc.save_fsdp_sharded(model, directory[0], step=1)
     out[f"{key}/path"] = (str(path), path.is_file())
-    sc._shard_record = _failing_build  # type: ignore[assignment]
+    FSDPLayout.entries = _failing_build  # type: ignore[method-assign]
     try:
         out[f"{key}/build"] = _attempt(model, directory[0], 2)
     finally:
-        sc._shard_record = _BUILD  # type: ignore[assignment]
+        FSDPLayout.entries = _BUILD  # type: ignore[method-assign]
     out[f"{key}/build/latest"] = _latest(directory[0])
     if hybrid:
-        sc.save_checkpoint = _failing_commit  # type: ignore[assignment]
+        universal_writer.save_checkpoint = _failing_commit  # type: ignore[assignment]
         try:
             out["hybrid/commit"] = _attempt(model, directory[0], 3)
         finally:
-            sc.save_checkpoint = _COMMIT  # type: ignore[assignment]
+            universal_writer.save_checkpoint = _COMMIT
         out["hybrid/writer"] = writer
     out[f"{key}/directory"] = directory[0]
     return out

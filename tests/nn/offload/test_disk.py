@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import shardkit.checkpoint.generations as generations
-from shardkit.nn.offload import OffloadModel
+from shardkit.nn.offload import OffloadModel, remove_offloaded
 from shardkit.testing import assert_state_dicts_close
 from tests.nn.offload.common import optimizer_for, plain_state, tiny, train, wrap
 
@@ -87,3 +87,17 @@ def test_gradients_live_in_files_and_zero_grad_deletes_them(tmp_path: Path) -> N
     assert all(p.numel() == 0 and p.grad is None for p in om.parameters())  # nothing resident
     opt.zero_grad()
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".grad")]
+
+
+def test_directory_of_the_earlier_format_is_named_and_removable(tmp_path: Path) -> None:
+    """A directory whose optimizer state is in torch.save files (format
+    shardkit.offload/1) does not reopen; the error names both formats."""
+    om, _ = wrap(tiny(), offload_device=tmp_path, num_slices=3)
+    train(om, optimizer_for(om, "adamw"), 1)
+    del om
+    manifest = tmp_path / generations.MANIFEST
+    manifest.write_text(manifest.read_text().replace("shardkit.offload/2", "shardkit.offload/1"))
+    with pytest.raises(ValueError, match="'shardkit.offload/1', not 'shardkit.offload/2'"):
+        _reopen(tmp_path)
+    assert remove_offloaded(tmp_path) is True
+    assert not manifest.exists()

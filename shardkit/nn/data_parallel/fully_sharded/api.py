@@ -5,6 +5,11 @@ unit's flat parameter and its views), ``collectives`` (all-gather, reduce-scatte
 ``unit`` (the runtime that owns a unit's state and runs its phase hooks), ``root``
 (what the units under one root share), ``state_dict`` and ``optim_state``
 (checkpoints), and this class: the thin ``nn.Module`` front.
+
+Why this module is long: FullyShardedDataParallel is FairScale's public class, and each
+of its many public methods (state dicts, summon_full_params, no_sync, clip_grad_norm_,
+...) keeps its FairScale docstring and forwards to the unit runtime in a few lines; the
+logic lives in the modules below.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from shardkit.nn.data_parallel.fully_sharded.precision import (
     cast_buffers,
     cast_floating,
 )
+from shardkit.nn.data_parallel.fully_sharded.reduction import pick_reducer
 from shardkit.nn.data_parallel.fully_sharded.sharing import (
     check_same_device_and_dtype,
     collect_params,
@@ -71,6 +77,7 @@ from shardkit.nn.data_parallel.fully_sharded.sharing import (
     walk_unit,
 )
 from shardkit.nn.data_parallel.fully_sharded.state import TrainingState
+from shardkit.nn.data_parallel.fully_sharded.store import MemoryStore, ShardStore
 from shardkit.nn.data_parallel.fully_sharded.unit import (
     WRAPPED,
     UnitRuntime,
@@ -316,19 +323,31 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         mark_taken(originals, infos, label, handle.sharded_params)
         for param in originals:  # release the replaced parameters' memory
             param.data = param.data.new_empty(0)
-        runtime = UnitRuntime(
+        return UnitRuntime(
             self,
             handle,
             self._config,
+            self._shard_store(handle, label),
+            pick_reducer(
+                self._config.grad_compression,
+                group,
+                self._replicate_group,
+                label,
+                handle.sharded_params,
+            ),
             group,
             casts,
             label,
             self._replicate_group,
             self._secondary_group,
         )
-        if self._disk_offload is not None and infos:
-            runtime.disk = self._disk_offload.attach(handle, label, group)
-        return runtime
+
+    def _shard_store(self, handle: FlatParamHandle, label: str) -> ShardStore:
+        """The unit's shard store, picked once from the options: the disk tier's files
+        (``disk_offload``, a unit holding parameters) or memory."""
+        if self._disk_offload is not None and handle.infos:
+            return self._disk_offload.attach(handle, label, self._process_group)
+        return MemoryStore(handle)
 
     def _prepare_unit(
         self, module: nn.Module, label: str
@@ -483,7 +502,7 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         :meth:`no_replica_sync` is the context-manager form. No effect without replicas.
         """
         for unit in units_in(self):
-            unit.requires_all_reduce = requires_all_reduce
+            unit.reducer.requires_all_reduce = requires_all_reduce
 
     @contextlib.contextmanager
     def no_replica_sync(self) -> Iterator[None]:
@@ -541,7 +560,7 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
                 the rank it failed on.
         """
         units = units_in(self)
-        kept = [u.handle.local_shard for u in units if u.disk is None]
+        kept = [u.handle.local_shard for u in units if u.store.in_memory]
         kept += [buf for _, buf in self.named_buffers()]
         before = [t.detach().clone() for t in kept]
 

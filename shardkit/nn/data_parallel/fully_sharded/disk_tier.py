@@ -6,7 +6,8 @@ unit's local shard (its 1/N of the parameters) and its optimizer state live in f
 a :class:`~shardkit.checkpoint.generations.GenerationStore`, one directory per rank,
 and are read in only while the unit runs.
 
-One step of a unit (``DiskUnit`` hooks, called by :class:`~.unit.UnitRuntime`)::
+One step of a unit (``DiskUnit``: the unit's :class:`~.store.ShardStore`, its hooks
+called by :class:`~.unit.UnitRuntime`)::
 
     forward      read shard (prefetched on a background thread while the previous
                  unit computes) -> all-gather -> drop the shard -> run -> free full
@@ -26,8 +27,9 @@ backward made, and which refuses a second backward before that acknowledgement (
 gradient-accumulation loop would otherwise update once per micro-batch: accumulate
 inside ``model.no_sync()`` instead). Element-wise optimizers only (SGD, Adam, AdamW,
 Adagrad, RMSprop): each unit is stepped by its own instance, built over the unit's
-sharded parameters with the state read from its file, as OffloadModel's sliced
-optimizer does. Gradient clipping by the global norm would need every unit's gradient
+sharded parameters with the state read from its file: the file-backed optimizer of
+:mod:`shardkit.optim.file_backed`, OffloadModel's disk tier's too (a unit is its
+"piece"). Gradient clipping by the global norm would need every unit's gradient
 first and is not available.
 
 [Note: what is resident]
@@ -37,11 +39,14 @@ OffloadModel's disk tier; at most the running unit, the prefetched one and the u
 whose gradient reduction is in flight hold their shard, plus one unit's optimizer state
 during its step. Reads and writes go through ``readinto`` / ``write`` (no memory map),
 so the page cache, not the process, holds file pages.
+
+Why this module is long: the disk tier's classes (DiskOffload the user passes, DiskUnit
+with a unit's files and prefetch, DiskOptimizer) share the file layout and generation
+rules this docstring states; it becomes the disk shard-store policy.
 """
 
 from __future__ import annotations
 
-import inspect
 import re
 import time
 from collections.abc import Sequence
@@ -52,13 +57,13 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.profiler import record_function
 
-from shardkit.checkpoint.generations import GenerationStore, packed_offsets, read_into
+from shardkit.checkpoint.generations import GenerationStore, read_into
 from shardkit.distributed.collectives import group_size
-from shardkit.distributed.optim_guard import exempt_optimizer
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
+from shardkit.nn.data_parallel.fully_sharded.store import ShardStore
+from shardkit.optim.file_backed import FileBackedOptimizer, read_state, write_state
 
 __all__ = [
     "DiskOffload",
@@ -312,12 +317,13 @@ class DiskOffload:
             self._reader = None
 
 
-class DiskOptimizer(torch.optim.Optimizer):
+class DiskOptimizer(FileBackedOptimizer):
     """The optimizer of a disk tier: hyperparameters for the units' steps in backward.
 
-    A ``torch.optim.Optimizer`` with one parameter group (the sharded parameters of
-    every unit) holding the hyperparameters; edit them between steps by hand or with an
-    LR scheduler. Its ``state`` stays empty: the state lives in the units' files. Made by
+    The file-backed optimizer (:class:`~shardkit.optim.file_backed.FileBackedOptimizer`,
+    as OffloadModel's) over the sharded parameters of every unit: ``param_groups[0]``
+    holds the hyperparameters; edit them between steps by hand or with an LR scheduler.
+    Its ``state`` stays empty: the state lives in the units' files. Made by
     :meth:`DiskOffload.optimizer`; see [Note: stepping inside backward].
 
     Raises:
@@ -330,30 +336,16 @@ class DiskOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         defaults: dict[str, Any],
     ) -> None:
-        name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
-        if tier.optimizer_class not in (None, name):
-            raise ValueError(
-                f"the disk_offload directory holds optimizer state of {tier.optimizer_class}, "
-                f"not {name}; resume with the same optimizer class"
-            )
-        tier.optimizer_class = name
         params = [p for u in tier.units for p in u.handle.sharded_params]
-        # every hyperparameter of the class, not only those passed: an edit of
-        # param_groups[0] (a scheduler, a momentum warm-up) must reach the units' steps
-        # (the class's defaults that its constructor takes: AdamW's hold a fixed
-        # ``decoupled_weight_decay`` too)
-        full = optimizer_class([nn.Parameter(torch.zeros(1))], **defaults).defaults
-        accepted = inspect.signature(optimizer_class.__init__).parameters
-        super().__init__(params, {k: v for k, v in full.items() if k in accepted})
+        super().__init__(
+            params,
+            optimizer_class,
+            defaults,
+            stored_class=tier.optimizer_class,
+            where="the disk_offload directory",
+        )
+        tier.optimizer_class = self.class_name
         self.tier = tier
-        self.optimizer_class = optimizer_class
-        self._hyper_keys = {k for k in full if k in accepted}
-        exempt_optimizer(self)  # its parameters are placeholders between units' steps
-
-    def hyperparameters(self) -> dict[str, Any]:
-        """The hyperparameters the next unit step uses (``param_groups[0]``'s)."""
-        group = self.param_groups[0]
-        return {k: group[k] for k in self._hyper_keys}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: each unit's gradient is dropped right after its step."""
@@ -372,7 +364,8 @@ class DiskOptimizer(torch.optim.Optimizer):
 
 
 class DiskUnit:
-    """One unit's files and residency on a :class:`DiskOffload` (one per unit).
+    """One unit's files and residency on a :class:`DiskOffload` (one per unit): the
+    unit's :class:`~.store.ShardStore` (see [Note: the shard-store hooks] there).
 
     Args:
         tier: the tier.
@@ -393,6 +386,8 @@ class DiskUnit:
         self.optim_layout: dict[str, Any] | None = None
         self._reading: Future[int] | None = None
         self._placeholder = shard.new_empty(0)
+
+    in_memory = False
 
     def describe(self) -> dict[str, Any]:
         """The unit's manifest record: layout and optimizer-state layout."""
@@ -429,17 +424,19 @@ class DiskUnit:
         self.optim_layout = stored["optim"]
 
     # residency -----------------------------------------------------------------------
-    def prefetch(self) -> None:
-        """Start reading the shard on the background thread (no-op if resident)."""
+    def prefetch(self) -> bool:
+        """Start reading the shard on the background thread (no-op if resident).
+        Returns False: the all-gather waits for :meth:`before_gather`."""
         if self.resident or not self.tier.prefetch:
-            return
+            return False
         path = self.tier.store.path(self.entry, "params")
         assert path is not None
         self._allocate()
         self._reading = self.tier.read_async(path, self.handle.local_shard)
         self.tier.store.bytes_read += self.nbytes
+        return False
 
-    def load(self) -> None:
+    def before_gather(self) -> None:
         """Make the local shard resident (waits for a prefetch, or reads now)."""
         if self._reading is not None:
             start = time.perf_counter()
@@ -484,6 +481,17 @@ class DiskUnit:
         if in_forward:
             self.release()
 
+    def check_backward_allowed(self, label: str) -> None:
+        """Refuse a backward while the tier's previous step is not acknowledged (see
+        :meth:`DiskOffload.check_backward_allowed`)."""
+        self.tier.check_backward_allowed(label)
+
+    def end_backward(self) -> None:
+        """The backward pass ended: drop the shard; the tier commits the step (once,
+        whichever of its units ends first)."""
+        self.release()
+        self.tier.end_backward()
+
     def end_summon(self) -> None:
         """Leaving ``summon_full_params``: drop the shard.
 
@@ -502,78 +510,37 @@ class DiskUnit:
 
     # the step ------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, grad_shard: torch.Tensor, divide_by: float) -> None:
+    def accept_grad_shard(self, grad_shard: torch.Tensor, divide_by: float) -> None:
         """The reduced gradient shard ``(S,)`` is complete: step this unit and write its
         shard and optimizer state as the next generation (see [Note: stepping inside
         backward])."""
         tier = self.tier
         optimizer = tier.begin_unit_step(self)
         with record_function("FSDP::disk_step"):
-            self.load()
+            self.before_gather()
             handle = self.handle
             handle.accumulate_grad_shard(grad_shard, divide_by=divide_by)
             params = handle.sharded_params
-            hyper = optimizer.hyperparameters()
-            inner = optimizer.optimizer_class(params, **hyper)
-            exempt_optimizer(inner)
-            self._read_state(inner, params)
-            inner.step()
+            layout = self.optim_layout
+            state = {} if layout is None else read_state(tier.store, self.entry, layout)
+            new_state = optimizer.step_piece(params, state)
+            del state
             for param in params:
                 param.grad = None
             generation = tier.generation + 1
             tier.store.write(self.entry, "params", generation, handle.local_shard)
-            self._write_state(inner, params, generation)
-            del inner
+            self.optim_layout = write_state(
+                tier.store, self.entry, generation, new_state, self.label
+            )
+            del new_state
             self.release()
-
-    def _read_state(self, inner: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
-        layout = self.optim_layout
-        if layout is None:
-            return
-        flat = torch.empty(layout["nbytes"], dtype=torch.uint8)
-        self.tier.store.read(self.entry, "optim", flat)
-        for index, key, dtype, shape, offset in layout["tensors"]:
-            kind = getattr(torch, dtype.removeprefix("torch."))
-            nbytes = torch.Size(shape).numel() * kind.itemsize
-            value = flat[offset : offset + nbytes].view(kind).view(shape)
-            inner.state[params[index]][key] = value
-        for index, key, value in layout["values"]:
-            inner.state[params[index]][key] = value
-
-    def _write_state(
-        self, inner: torch.optim.Optimizer, params: list[nn.Parameter], generation: int
-    ) -> None:
-        tensors: list[tuple[int, str, torch.Tensor]] = []
-        values: list[list[Any]] = []
-        for index, param in enumerate(params):
-            for key, value in sorted(inner.state.get(param, {}).items()):
-                if isinstance(value, torch.Tensor):
-                    tensors.append((index, key, value.contiguous()))
-                elif value is None or isinstance(value, (bool, int, float)):
-                    values.append([index, key, value])
-                else:
-                    raise TypeError(
-                        f"{self.label}: optimizer state {key!r} is a {type(value).__name__}; "
-                        "the disk tier stores tensors, numbers and None only"
-                    )
-        flats = [t for _, _, t in tensors]
-        offsets, total = packed_offsets([t.numel() * t.element_size() for t in flats])
-        self.tier.store.write_packed(self.entry, "optim", generation, flats)
-        self.optim_layout = {
-            "nbytes": total,
-            "tensors": [
-                [i, k, str(t.dtype), list(t.shape), o]
-                for (i, k, t), o in zip(tensors, offsets, strict=True)
-            ],
-            "values": values,
-        }
 
 
 class TieredUnit(Protocol):
     """What :func:`check_one_tier` reads of a unit (``UnitRuntime`` has it)."""
 
     label: str
-    disk: DiskUnit | None
+    store: ShardStore
     handle: FlatParamHandle
 
 
@@ -586,15 +553,15 @@ def check_one_tier(units: Sequence[TieredUnit]) -> None:
         ValueError: naming a unit on disk and one not (or on another tier).
     """
     holding = [u for u in units if u.handle.infos]
-    tiers = {id(u.disk.tier) if u.disk is not None else None for u in holding}
+    tiers = {id(tier) if (tier := _tier_of(u)) is not None else None for u in holding}
     if len(tiers) <= 1:
         return
-    on_disk = next(u for u in holding if u.disk is not None)
-    tier = on_disk.disk.tier if on_disk.disk is not None else None
-    other = next(u for u in holding if u.disk is None or u.disk.tier is not tier)
+    on_disk = next(u for u in holding if _tier_of(u) is not None)
+    tier = _tier_of(on_disk)
+    other = next(u for u in holding if _tier_of(u) is not tier)
     raise ValueError(
         f"{on_disk.label} is on a disk tier but {other.label} is "
-        f"{'in memory' if other.disk is None else 'on another one'}: pass the same "
+        f"{'in memory' if _tier_of(other) is None else 'on another one'}: pass the same "
         "disk_offload=DiskOffload(...) to every FSDP unit of the model, the root included "
         "(with auto_wrap: to enable_wrap and to the outer FSDP)"
     )
@@ -626,15 +593,20 @@ def refuse_on_disk(units: Sequence[TieredUnit], what: str) -> None:
         RuntimeError: a unit is on a disk tier; names the entry point, the reason, the
             directory and what to use instead.
     """
-    on_disk = next((u for u in units if u.disk is not None), None)
-    if on_disk is None or on_disk.disk is None:
+    tier = next((t for u in units if (t := _tier_of(u)) is not None), None)
+    if tier is None:
         return
     raise RuntimeError(
         f"{what}() is not available with disk_offload: {_NOT_ON_DISK[what]} "
-        f"({str(on_disk.disk.tier.store.directory.parent)!r}). The directory is the "
+        f"({str(tier.store.directory.parent)!r}). The directory is the "
         "checkpoint (DiskOffload(directory, resume=True) continues from it, optimizer "
         "state included); model.state_dict() gives the full weights"
     )
+
+
+def _tier_of(unit: TieredUnit) -> DiskOffload | None:
+    """The disk tier ``unit``'s store is on, None for a unit in memory."""
+    return unit.store.tier if isinstance(unit.store, DiskUnit) else None
 
 
 def _check_same_generation(generation: int, group: dist.ProcessGroup | None) -> None:

@@ -24,6 +24,10 @@ optimizers that take a norm per tensor (LAMB, LARS), factor the second moment
 tensor. FairScale's flat parameters hide the names too; torch's FSDP2 shards each
 parameter on dim 0 (per-parameter padding, a copy after each all-gather) and has the
 same limitation on dim 0.
+
+Why this module is long: FlatParamHandle is one object (the flat buffer, its shard and
+the views over both) whose methods keep the views and buffers in step; split over files,
+that one invariant would be too. It is just over the limit.
 """
 
 from __future__ import annotations

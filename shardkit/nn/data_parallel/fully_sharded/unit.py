@@ -65,6 +65,10 @@ wrapping: a user freezes or unfreezes through the parameters ``named_parameters(
 returns (the sharded ones) or, between forward and backward, the module's attributes
 (the unsharded ones). :meth:`UnitRuntime.refresh_trainable` adopts a change on
 either, and the root checks that every rank made the same one (see ``root``).
+
+Why this module is long: UnitRuntime is the one object that owns a unit's state, and its
+phase hooks are its methods by design (state changes only through them); this docstring
+(the step table, the notes) is 70 of its lines.
 """
 
 from __future__ import annotations
@@ -82,20 +86,18 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit.distributed.collectives import group_size
-from shardkit.distributed.optim_guard import add_step_check
 from shardkit.memory import heap_trim_point
 from shardkit.nn.data_parallel.fully_sharded.collectives import (
     Pending,
     all_gather_flat,
-    all_reduce_sum,
-    reduce_scatter_flat,
 )
 from shardkit.nn.data_parallel.fully_sharded.config import FSDPConfig
-from shardkit.nn.data_parallel.fully_sharded.disk_tier import DiskUnit
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
 from shardkit.nn.data_parallel.fully_sharded.precision import BufferCast
+from shardkit.nn.data_parallel.fully_sharded.reduction import ShardReducer
 from shardkit.nn.data_parallel.fully_sharded.root import RootState
 from shardkit.nn.data_parallel.fully_sharded.state import ShardedState, TrainingState
+from shardkit.nn.data_parallel.fully_sharded.store import ShardStore
 
 __all__ = [
     "WRAPPED",
@@ -178,6 +180,10 @@ class UnitRuntime:
         module: the unit's ``nn.Module`` (registered: :func:`runtime_of` finds this).
         handle: the unit's flat parameter (see :mod:`.flat_param`).
         config: the unit's options.
+        store: where the local shard lives between the unit's runs (see :mod:`.store`;
+            picked by the front from the options).
+        reducer: reduces the unit's gradient into this rank's shard (see
+            :mod:`.reduction`; picked by the front from the options).
         process_group: the ranks sharing the unit (None: world).
         buffer_casts: buffers cast to the mixed-precision buffer dtype (for state dicts).
         label: "the FSDP unit wrapping <class>", for messages.
@@ -193,6 +199,8 @@ class UnitRuntime:
         module: nn.Module,
         handle: FlatParamHandle,
         config: FSDPConfig,
+        store: ShardStore,
+        reducer: ShardReducer,
         process_group: dist.ProcessGroup | None,
         buffer_casts: list[BufferCast],
         label: str,
@@ -202,6 +210,8 @@ class UnitRuntime:
         self.module = module
         self.handle = handle
         self.config = config
+        self.store = store
+        self.reducer = reducer
         self.process_group = process_group
         self.rank = handle.rank
         self.world_size = handle.layout.world_size
@@ -210,8 +220,6 @@ class UnitRuntime:
         self._secondary: torch.Tensor | None = None  # kept from forward for backward
         replicas = 1 if replicate_group is None else group_size(replicate_group)
         self.data_parallel_size = self.world_size * replicas  # gradients average over these
-        self.requires_all_reduce = True  # across replicas; False defers (accumulation)
-        self._deferred: torch.Tensor | None = None  # reduced shards not yet all-reduced
         self.key: tuple[str, int] = ("fsdp", 0)  # names its reductions for a compressor
         self.path = ""  # the unit's module path in its root's model (set by the root)
         self.buffer_casts = buffer_casts
@@ -230,7 +238,6 @@ class UnitRuntime:
         self._full_version = 0
         self._gathered_shard_version = 0
         self._saved_shard: torch.Tensor | None = None
-        self.disk: DiskUnit | None = None  # the disk tier's hooks (set by the front)
         self._update_trainable()
         _RUNTIMES[module] = self
 
@@ -268,8 +275,7 @@ class UnitRuntime:
         handle = self.handle
         if self.sharded_state is ShardedState.SHARDED:
             handle.alloc_full()
-            if self.disk is not None:
-                self.disk.load()
+            self.store.before_gather()
             self._gathered_shard_version = self.shard_version
             source, group = self._gather_source()
             self.pending_unshard = (
@@ -282,8 +288,7 @@ class UnitRuntime:
                 return
         assert self.pending_unshard is not None
         self.pending_unshard.wait()
-        if self.disk is not None:
-            self.disk.after_gather(in_forward=self.training_state is TrainingState.FORWARD)
+        self.store.after_gather(in_forward=self.training_state is TrainingState.FORWARD)
         handle.use_unsharded()
         self._full_version = int(handle.full_flat._version)
         self.sharded_state = ShardedState.UNSHARDED
@@ -311,13 +316,10 @@ class UnitRuntime:
             self._secondary = None
 
     def prefetch(self) -> None:
-        """Issue the all-gather without waiting (a no-op unless SHARDED); on the disk
-        tier, start reading the shard instead (the all-gather waits for ``unshard``)."""
-        if self.sharded_state is ShardedState.SHARDED:
-            if self.disk is not None:
-                self.disk.prefetch()
-            else:
-                self.unshard(async_op=True)
+        """Issue the all-gather without waiting (a no-op unless SHARDED), unless the shard
+        store is still bringing the shard in (then the all-gather waits for ``unshard``)."""
+        if self.sharded_state is ShardedState.SHARDED and self.store.prefetch():
+            self.unshard(async_op=True)
 
     def reshard(self) -> None:
         """Any state -> SHARDED: the sharded parameters installed, the full buffer freed
@@ -400,7 +402,8 @@ class UnitRuntime:
         Raises:
             ParametersChangedError: the local shard was written (a load, an optimizer
                 step) since the forward whose backward this is.
-            RuntimeError: on a disk tier, a second backward before ``optimizer.step()``.
+            RuntimeError: the shard store refuses the backward (on a disk tier: a second
+                backward before ``optimizer.step()``).
         """
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
@@ -411,8 +414,7 @@ class UnitRuntime:
                 "neither set of weights. Run backward before loading or stepping, or run the "
                 "forward again after the change"
             )
-        if self.disk is not None:  # before any state changes: the refusal leaves none
-            self.disk.tier.check_backward_allowed(self.label)
+        self.store.check_backward_allowed(self.label)  # before any state changes
         with record_function("FSDP::pre_backward"):
             root = self._root()
             root.queue_finalize()
@@ -445,64 +447,31 @@ class UnitRuntime:
     def end_backward(self) -> None:
         """From ``finalize_backward``: every reduction is done; shard and go idle."""
         self.reshard()
-        if self.disk is not None:  # every unit stepped: the tier commits (once)
-            self.disk.release()
-            self.disk.tier.end_backward()
+        self.store.end_backward()
         self.training_state = TrainingState.IDLE
 
     def _reduce_grads(self) -> None:
-        """Reduce-scatter the flat gradient in the reduce dtype; the reduced shard is
-        all-reduced across replicas (hybrid sharding; deferred while
-        ``requires_all_reduce`` is False), cast to the master dtype, moved to the shard
-        device and accumulated into the sharded grads."""
+        """Reduce the flat gradient in the reduce dtype with the unit's reducer (see
+        [Note: the gradient reducers] in ``reduction``): reduce-scatter, then across
+        replicas, then into the shard store (cast to the master dtype, moved to the
+        shard device, accumulated or stepped)."""
         handle, root = self.handle, self._root()
         pre, post = self.config.divide_factors(self.data_parallel_size)
         flat = handle.take_flat_grad()
         if pre != 1.0:
             flat.div_(pre)
-        distributed = self.world_size > 1
-        shard = flat.new_empty(handle.layout.shard_numel) if distributed else flat
-
-        def then() -> None:
-            self._finish_reduction(shard, post)
-
-        compressor = self.config.grad_compression
-        if distributed and compressor is not None and self.replicate_group is None:
-            shapes = handle.flat_shapes()
-            compressor.reduce_scatter(shard, flat, self.process_group, key=self.key, shapes=shapes)
-            pending = Pending(nbytes=0)  # synchronous: done, ``then`` runs at the wait
-        elif distributed:
-            pending = reduce_scatter_flat(shard, flat, self.process_group, async_op=True)
-        else:
-            pending = Pending(nbytes=0)
-        pending.then = then
+        shard, pending = self.reducer.reduce_scatter(
+            flat, handle.layout.shard_numel, self.key, handle.flat_shapes
+        )
+        pending.then = functools.partial(self._finish_reduction, shard, post)
         root.add_pending(pending, self.config.bucket_cap_mb * 2**20)
 
     def _finish_reduction(self, shard: torch.Tensor, divide_by: float) -> None:
-        """The reduced shard ``(S,)`` of this rank: across replicas, then into ``.grad``."""
-        if self.replicate_group is None:
-            if self.disk is not None:  # accumulate, then step the unit (disk tier)
-                self.disk.step(shard, divide_by)
-            else:
-                self.handle.accumulate_grad_shard(shard, divide_by=divide_by)
-            return
-        total = shard if self._deferred is None else self._deferred.add_(shard)
-        if not self.requires_all_reduce:
-            self._deferred = total
-            _watch_deferred(self)
-            return
-        self._deferred = None
-        _DEFERRED.pop(self, None)
-        compressor = self.config.grad_compression
-        if compressor is not None:  # synchronous (see the compressor's contract)
-            shapes = self.handle.shard_shapes()
-            compressor.all_reduce(total, self.replicate_group, key=self.key, shapes=shapes)
-            self.handle.accumulate_grad_shard(total, divide_by=divide_by)
-            return
-        # asynchronous: the next unit's backward overlaps it; finalize_backward waits
-        pending = all_reduce_sum(total, self.replicate_group, async_op=True)
-        pending.then = functools.partial(self.handle.accumulate_grad_shard, total, divide_by)
-        self._root().pending.append(pending)
+        """The reduced shard ``(S,)`` of this rank: across replicas, then to the store."""
+        deliver = functools.partial(self.store.accept_grad_shard, divide_by=divide_by)
+        later = self.reducer.across_replicas(shard, self.key, self.handle.shard_shapes, deliver)
+        if later is not None:  # an all-reduce in flight: finalize_backward waits for it
+            self._root().pending.append(later)
 
     # the trainable set -----------------------------------------------------------
     def refresh_trainable(self) -> bool:
@@ -565,8 +534,7 @@ class UnitRuntime:
         self.training_state = TrainingState.IDLE
         self.reshard()
         handle.use_full_precision(False)
-        if self.disk is not None:
-            self.disk.end_summon()
+        self.store.end_summon()
 
     def _full_written(self) -> bool:
         """The full buffer was written since it was gathered (its version moved)."""
@@ -575,34 +543,6 @@ class UnitRuntime:
     def busy(self) -> bool:
         """True unless IDLE (forward, backward or a summon is under way)."""
         return self.training_state is not TrainingState.IDLE
-
-
-_DEFERRED: Any = WeakIdKeyDictionary()  # units holding deferred gradient shards -> None
-
-
-def _watch_deferred(unit: UnitRuntime) -> None:
-    _DEFERRED[unit] = None
-    add_step_check(_refuse_step_with_deferred)  # the one optimizer-step guard
-
-
-def _refuse_step_with_deferred(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-    """Optimizer step pre-hook: a step over parameters whose gradient shards still wait
-    for the cross-replica all-reduce would use a part of the gradient only.
-
-    Raises:
-        RuntimeError: naming the unit and the fix.
-    """
-    if not _DEFERRED:
-        return
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for unit in list(_DEFERRED):
-        if unit._deferred is not None and any(id(p) in held for p in unit.handle.sharded_params):
-            raise RuntimeError(
-                f"{unit.label}: optimizer.step() while its gradient is still deferred "
-                "(no_replica_sync / set_requires_all_reduce(False)): the gradient would "
-                "miss the other replicas' part. Run the last micro-batch's backward with "
-                "the cross-replica all-reduce enabled, then step"
-            )
 
 
 @contextlib.contextmanager

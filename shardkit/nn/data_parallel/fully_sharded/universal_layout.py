@@ -22,8 +22,7 @@ optimizer state on this rank (the step and the empty element-wise state), so eve
 rank's optimizer holds the saving run's state for every parameter.
 
 Keys are those of the unwrapped model's state dict (tied weights: their first key),
-from :func:`.sharded_checkpoint._state_dict_keys`, the map the FSDP sharded checkpoint
-uses, whatever the nesting (``FSDP(FSDP(m))`` has ``m``'s keys).
+from :func:`state_dict_keys`, whatever the nesting (``FSDP(FSDP(m))`` has ``m``'s keys).
 """
 
 from __future__ import annotations
@@ -31,16 +30,46 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from shardkit.checkpoint.universal.layout import ParamEntry, strategy_name
 from shardkit.checkpoint.universal.optim_state import optimizer_params
 from shardkit.distributed.shard_descriptor import TensorView, ranks_of, view_of, writes_replica
-from shardkit.nn.data_parallel.fully_sharded.sharded_checkpoint import _state_dict_keys
-from shardkit.nn.data_parallel.fully_sharded.unit import UnitRuntime, named_units
+from shardkit.nn.data_parallel.fully_sharded.unit import (
+    UnitRuntime,
+    as_sharded,
+    named_units,
+    units_in,
+    unwrapped_module,
+)
 
-__all__ = ["FSDPLayout"]
+__all__ = ["FSDPLayout", "state_dict_keys"]
+
+
+def state_dict_keys(model: nn.Module) -> tuple[dict[int, list[str]], dict[int, str]]:
+    """The plain model's state-dict keys of every sharded parameter (every name of a
+    tied one) and persistent buffer, by object id, from the module tree as it stands
+    (no gathering: ``keep_vars`` state dict of the wrapped module, units in gathering
+    mode so that their own state-dict hooks let it through). The keys are the plain
+    model's however many units wrap it directly (``FSDP(FSDP(m))``)."""
+    units = units_in(model)
+    for unit in units:
+        unit.gathering_state_dict = True
+    try:
+        raw = nn.Module.state_dict(unwrapped_module(model), keep_vars=True)
+    finally:
+        for unit in units:
+            unit.gathering_state_dict = False
+    params: dict[int, list[str]] = {}
+    buffers: dict[int, str] = {}
+    for key, value in raw.items():
+        if isinstance(value, nn.Parameter):
+            params.setdefault(id(as_sharded(units, value)), []).append(key)
+        elif isinstance(value, torch.Tensor):
+            buffers[id(value)] = key
+    return params, buffers
 
 
 class FSDPLayout:
@@ -59,7 +88,7 @@ class FSDPLayout:
         self.units = named_units(model)
         if "flat_param" not in self.units:
             raise TypeError(f"expected a root FullyShardedDataParallel; got {type(model).__name__}")
-        on_disk = [label for label, unit in self.units.items() if unit.disk is not None]
+        on_disk = [label for label, unit in self.units.items() if not unit.store.in_memory]
         if on_disk:
             raise ValueError(
                 f"the universal checkpoint does not save or load FSDP units on the disk tier "
@@ -82,7 +111,7 @@ class FSDPLayout:
     def entries(self) -> Iterator[ParamEntry]:
         """One entry per original parameter (an empty one where this rank holds none of
         its elements), then buffers."""
-        param_keys, buffer_keys = _state_dict_keys(self.model)
+        param_keys, buffer_keys = state_dict_keys(self.model)
         for unit in self.units.values():
             yield from self._unit_entries(unit, param_keys)
         for buf in self.model.buffers():
@@ -124,7 +153,7 @@ class FSDPLayout:
     def aliases(self) -> dict[str, str]:
         """Tied keys, ``{other key: first key}`` (a GPT's ``lm_head.weight`` ->
         ``wte.weight``), for the manifest (``convert`` writes every name)."""
-        param_keys, _ = _state_dict_keys(self.model)
+        param_keys, _ = state_dict_keys(self.model)
         return {k: keys[0] for keys in param_keys.values() for k in keys[1:]}
 
     def after_load(self) -> None:

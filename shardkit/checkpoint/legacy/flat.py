@@ -1,4 +1,4 @@
-"""Reading a range of a flat tensor saved as equal shards (any sharded flat format)."""
+"""Reading a range of a flat tensor saved as equal shards (the previous release's FSDP format)."""
 
 from __future__ import annotations
 
