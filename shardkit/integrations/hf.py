@@ -26,12 +26,14 @@ as accelerate applies it), clipping by the global norm (the wrapper's own
 ``clip_grad_norm``), evaluation, ``save_model()`` (a plain HF checkpoint:
 ``from_pretrained`` loads it on one process) and checkpoints that
 ``resume_from_checkpoint`` continues from exactly (the model in HF format, the optimizer
-state sharded: ``optimizer.rank<r>-of-<n>.pt`` per rank, resumed at the same world size
-and strategy). Each log line gains every rank's model-state bytes
-(``model_state_bytes/rank<r>/<category>``). The Trainer's ``accelerator.unwrap_model``
-sees through shardkit's wrappers, so what the Trainer decides from the model's class
-(label smoothing with a causal LM's label shift, the model card) is what it decides
-under DDP.
+state as a universal checkpoint in ``shardkit-optimizer/``, :data:`OPTIMIZER_DIR`,
+saved with the model by :func:`~shardkit.checkpoint.universal.save_universal`: resumed
+at any world size, by any strategy). A checkpoint of the previous release (per-rank
+``optimizer.rank<r>-of-<n>.pt`` files) is refused. Each log line gains every rank's
+model-state bytes (``model_state_bytes/rank<r>/<category>``). The Trainer's
+``accelerator.unwrap_model`` sees through shardkit's wrappers, so what the Trainer
+decides from the model's class (label smoothing with a causal LM's label shift, the
+model card) is what it decides under DDP.
 
 [Note: models without ``_no_split_modules``]
 A model class that names no block class in ``_no_split_modules`` (DistilBERT, ALBERT,
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -78,6 +81,7 @@ except ImportError as error:
         "shardkit.integrations.hf", error.name or "transformers", "pip install -e '.[hf]'"
     ) from error
 
+from shardkit.checkpoint.universal import load_universal, save_universal
 from shardkit.memory import model_state_bytes
 from shardkit.nn import (
     FullyShardedDataParallel,
@@ -90,22 +94,23 @@ from shardkit.nn.wrap import AutoWrapPolicy
 from shardkit.optim import OSS, register_reduce_to_owner_hook
 
 __all__ = [
+    "OPTIMIZER_DIR",
     "STRATEGIES",
     "ShardkitConfig",
     "ShardkitTrainer",
     "block_classes",
     "fsdp_wrap_policy",
-    "optimizer_shard_name",
 ]
 
 Strategy = Literal["oss", "sdp", "fsdp"]
 STRATEGIES: tuple[str, ...] = ("oss", "sdp", "fsdp")
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
+OPTIMIZER_DIR = "shardkit-optimizer"
+"""The universal checkpoint root of the optimizer state in a Trainer checkpoint directory."""
 
 
-def optimizer_shard_name(rank: int, world_size: int) -> str:
-    """The file of one rank's optimizer state in a checkpoint directory."""
-    return f"optimizer.rank{rank}-of-{world_size}.pt"
+# the per-rank optimizer files of the previous release (refused, see _load_optimizer_...)
+_OLD_OPTIMIZER_FILE = re.compile(r"optimizer\.rank\d+-of-\d+\.pt")
 
 
 @dataclass(frozen=True)
@@ -381,44 +386,50 @@ class ShardkitTrainer(Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The optimizer state as a universal checkpoint in
+        ``<output_dir>/shardkit-optimizer/ckpt-<global step>`` (with the model, keyed by
+        the plain model's names: it loads at any world size and strategy), and the
+        scheduler as the Trainer writes it. A collective: every rank calls it."""
         if self.shardkit is None:
             super()._save_optimizer_and_scheduler(output_dir)
             return
-        optimizer = cast(torch.optim.Optimizer, self.sharded_optimizer)
-        rank, world = dist.get_rank(), dist.get_world_size()
-        state = (
-            optimizer.sharded_state_dict() if isinstance(optimizer, OSS) else optimizer.state_dict()
+        save_universal(
+            os.path.join(output_dir, OPTIMIZER_DIR),
+            self.state.global_step,
+            self.sharded_module,
+            self.sharded_optimizer,
+            keep=1,
         )
-        os.makedirs(output_dir, exist_ok=True)
-        payload = {"strategy": self.shardkit.strategy, "world_size": world, "optimizer": state}
-        torch.save(payload, os.path.join(output_dir, optimizer_shard_name(rank, world)))
         if self.args.should_save:
             scheduler = cast(torch.optim.lr_scheduler.LRScheduler, self.lr_scheduler)
             torch.save(scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The optimizer state of ``<checkpoint>/shardkit-optimizer`` (saved at any world
+        size, by any strategy) and the scheduler; nothing when no optimizer state was
+        saved (``save_only_model``), as the Trainer does.
+
+        Raises:
+            ValueError: ``checkpoint`` holds the previous release's per-rank optimizer
+                files (``optimizer.rank<r>-of-<n>.pt``).
+        """
         if self.shardkit is None or checkpoint is None:
             super()._load_optimizer_and_scheduler(checkpoint)
             return
-        rank, world = dist.get_rank(), dist.get_world_size()
-        path = os.path.join(checkpoint, optimizer_shard_name(rank, world))
-        if not os.path.isfile(path):
-            saved = sorted(n for n in os.listdir(checkpoint) if n.startswith("optimizer"))
-            if saved:
-                raise ValueError(
-                    f"{checkpoint} holds {saved}, not {optimizer_shard_name(rank, world)}: resume "
-                    "with the world size and strategy that wrote it"
-                )
-            return  # no optimizer state saved (save_only_model): as the Trainer does
-        device = self.args.device  # an indexed CPU device ("cpu:0") is not a map_location
-        location = "cpu" if device.type == "cpu" else device
-        payload = torch.load(path, map_location=location, weights_only=True)
-        if payload["strategy"] != self.shardkit.strategy:
+        old = sorted(n for n in os.listdir(checkpoint) if _OLD_OPTIMIZER_FILE.fullmatch(n))
+        if old:
             raise ValueError(
-                f"{path} was written by shardkit strategy {payload['strategy']!r}, this "
-                f"run uses {self.shardkit.strategy!r}"
+                f"{checkpoint} holds per-rank optimizer files of an older shardkit release "
+                f"({', '.join(old)}), which this release does not read: resume it with that "
+                "release, or resume without its optimizer state (delete those files; the "
+                "optimizer starts fresh)"
             )
-        cast(torch.optim.Optimizer, self.sharded_optimizer).load_state_dict(payload["optimizer"])
+        directory = os.path.join(checkpoint, OPTIMIZER_DIR)
+        if not os.path.isdir(directory):
+            return  # no optimizer state saved (save_only_model): as the Trainer does
+        load_universal(
+            directory, self.sharded_module, self.sharded_optimizer, require_optimizer_state=True
+        )
         scheduler = torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
         cast(torch.optim.lr_scheduler.LRScheduler, self.lr_scheduler).load_state_dict(scheduler)
 

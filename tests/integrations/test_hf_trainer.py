@@ -6,8 +6,9 @@ GPT-2, BERT, T5 (seq2seq, tied embeddings) and DistilBERT sequence classificatio
 the Trainer's own DDP run on the same seed: the logged losses, gradient norms and the
 eval loss and metrics. Also: bf16 (autocast, as accelerate applies it) against DDP in
 bf16; label smoothing (the Trainer shifts a causal LM's labels, deciding by the
-unwrapped model's class); a run resumed from a checkpoint (sharded optimizer state)
-against an uninterrupted one; ``save_model()`` loaded by ``from_pretrained`` on one
+unwrapped model's class); a run resumed from a checkpoint (the optimizer state as a
+universal checkpoint) against an uninterrupted one, by the same strategy and by
+another; a checkpoint of the previous release refused; ``save_model()`` loaded by ``from_pretrained`` on one
 process reproduces the eval loss, and writes the tensors the DDP run's save writes;
 every rank's model-state bytes in the logs.
 
@@ -23,6 +24,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -232,7 +234,9 @@ def _unit_count(trainer: Any) -> int:
     return sum(isinstance(m, FullyShardedDataParallel) for m in trainer.sharded_module.modules())
 
 
-def _worker(out_path: str, groups: tuple[str, ...] = ("base", "families", "smoothing")) -> None:
+def _worker(
+    out_path: str, groups: tuple[str, ...] = ("base", "resume", "families", "smoothing")
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -246,6 +250,8 @@ def _worker(out_path: str, groups: tuple[str, ...] = ("base", "families", "smoot
 
     if "base" in groups:
         _base(root, results, keep)
+    if "resume" in groups:
+        _resume(root, results, keep)
     if "families" in groups:
         _families(root, results, keep)
     if "smoothing" in groups:
@@ -305,8 +311,55 @@ def _label_smoothing(root: Path, keep: Any) -> None:
         )
 
 
+def _resume(root: Path, results: dict[str, Any], keep: Any) -> None:
+    """GPT-2, 6 steps straight vs 3 steps (checkpoint-3) then resumed to 6: by the same
+    strategy; the sdp checkpoint resumed by fsdp; a checkpoint holding the previous
+    release's per-rank optimizer files."""
+    import torch.distributed as dist
+
+    long = {"max_steps": 6, "save_strategy": "steps", "save_steps": 3}
+    for strategy in ("sdp", "fsdp"):
+        keep(
+            f"resume/{strategy}/straight",
+            _train("gpt2", strategy, str(root / f"straight-{strategy}"), **long),
+        )
+        split = str(root / f"split-{strategy}")
+        _train("gpt2", strategy, split, **long)  # writes checkpoint-3 (and -6)
+        ckpt = os.path.join(split, "checkpoint-3")
+        if dist.get_rank() == 0:
+            results[f"resume/{strategy}/files"] = sorted(os.listdir(ckpt))
+            optim = Path(ckpt, "shardkit-optimizer")
+            results[f"resume/{strategy}/optimizer_files"] = sorted(os.listdir(optim))
+        resumed = _train("gpt2", strategy, split + "-resumed", **long, resume_from_checkpoint=ckpt)
+        keep(f"resume/{strategy}/resumed", resumed)
+    # another strategy: sdp's checkpoint (OSS shards by parameter) resumed by fsdp (flat
+    # shards by element)
+    sdp_ckpt = str(root / "split-sdp" / "checkpoint-3")
+    across = _train(
+        "gpt2", "fsdp", str(root / "sdp-to-fsdp"), **long, resume_from_checkpoint=sdp_ckpt
+    )
+    keep("resume/sdp-to-fsdp/resumed", across)
+    # the previous release's checkpoint: per-rank optimizer files, refused
+    old = root / "old-release"
+    if dist.get_rank() == 0:
+        shutil.copytree(sdp_ckpt, old, ignore=shutil.ignore_patterns("shardkit-optimizer"))
+    dist.barrier()
+    # the control: without optimizer state (as save_only_model leaves it) Adam starts fresh
+    fresh = _train("gpt2", "sdp", str(root / "fresh"), **long, resume_from_checkpoint=str(old))
+    keep("resume/sdp/fresh-optimizer", fresh)
+    if dist.get_rank() == 0:
+        for rank in range(2):
+            (old / f"optimizer.rank{rank}-of-2.pt").write_bytes(b"old")
+    dist.barrier()
+    try:
+        _train("gpt2", "sdp", str(root / "old-resumed"), **long, resume_from_checkpoint=str(old))
+        results.setdefault("errors", {})["old"] = "no error"
+    except ValueError as err:
+        results.setdefault("errors", {})["old"] = f"ValueError: {err}"
+
+
 def _base(root: Path, results: dict[str, Any], keep: Any) -> None:
-    """GPT-2 and BERT: each strategy, bf16, resume, ``save_model()`` and a bad strategy."""
+    """GPT-2 and BERT: each strategy, bf16, ``save_model()`` and a bad strategy."""
     import torch.distributed as dist
 
     for name in ("gpt2", "bert"):
@@ -339,20 +392,6 @@ def _base(root: Path, results: dict[str, Any], keep: Any) -> None:
             f"gpt2/{strategy}/bf16",
             _train("gpt2", strategy, str(root / f"bf16-{strategy}"), bf16=True),
         )
-    # resume: 6 steps straight vs 3 steps (checkpoint) then resumed to 6
-    for strategy in ("sdp", "fsdp"):
-        long = {"max_steps": 6, "save_strategy": "steps", "save_steps": 3}
-        keep(
-            f"resume/{strategy}/straight",
-            _train("gpt2", strategy, str(root / f"straight-{strategy}"), **long),
-        )
-        split = str(root / f"split-{strategy}")
-        _train("gpt2", strategy, split, **long)  # writes checkpoint-3 (and -6)
-        ckpt = os.path.join(split, "checkpoint-3")
-        if dist.get_rank() == 0:
-            results[f"resume/{strategy}/files"] = sorted(os.listdir(ckpt))
-        resumed = _train("gpt2", strategy, split + "-resumed", **long, resume_from_checkpoint=ckpt)
-        keep(f"resume/{strategy}/resumed", resumed)
     try:
         _trainer("gpt2", "zero", str(root / "zero"))
         results.setdefault("errors", {})["zero"] = "no error"
@@ -515,11 +554,15 @@ def test_bf16_matches_ddp_bf16(results: dict[str, Any], strategy: str) -> None:
 
 @pytest.mark.parametrize("strategy", ["sdp", "fsdp"])
 def test_resume_equals_uninterrupted(results: dict[str, Any], strategy: str) -> None:
-    """Resuming from checkpoint-3 (HF model + this rank's optimizer shard per rank)
-    gives steps 4-6 with the losses of the uninterrupted run."""
+    """Resuming from checkpoint-3 (HF model + the optimizer state as a universal
+    checkpoint in ``shardkit-optimizer/``, the current step only) gives steps 4-6 with
+    the losses of the uninterrupted run."""
     files = results[f"resume/{strategy}/files"]
-    assert {"optimizer.rank0-of-2.pt", "optimizer.rank1-of-2.pt", "scheduler.pt"} <= set(files)
+    assert {"shardkit-optimizer", "scheduler.pt"} <= set(files)
+    assert not [f for f in files if f.startswith("optimizer.")]
     assert "model.safetensors" in files and "trainer_state.json" in files
+    # keep=1: the current step only
+    assert results[f"resume/{strategy}/optimizer_files"] == ["ckpt-000003", "latest"]
     straight = results[f"resume/{strategy}/straight"]["loss"]
     resumed = results[f"resume/{strategy}/resumed"]["loss"]
     # the resumed run took steps 4-6 only (its log history holds 1-3 from the checkpoint)
@@ -529,6 +572,31 @@ def test_resume_equals_uninterrupted(results: dict[str, Any], strategy: str) -> 
     assert _close(resumed[3:], straight[3:], 1e-6), (resumed, straight)
     eval_straight = results[f"resume/{strategy}/straight"]["eval_loss"]
     assert abs(results[f"resume/{strategy}/resumed"]["eval_loss"] - eval_straight) < 1e-6
+
+
+def test_resume_by_another_strategy_equals_uninterrupted(results: dict[str, Any]) -> None:
+    """sdp's checkpoint-3 resumed by fsdp (same 2 ranks): steps 4-6 have the losses of
+    the uninterrupted sdp run (fp32, 1e-5), so the optimizer state really moved (a fresh
+    Adam would differ at step 4 by far more)."""
+    straight = results["resume/sdp/straight"]
+    resumed = results["resume/sdp-to-fsdp/resumed"]
+    assert resumed["steps_run"] == 3
+    assert len(resumed["loss"]) == 6
+    assert _close(resumed["loss"][3:], straight["loss"][3:], 1e-5), (resumed, straight)
+    assert abs(resumed["eval_loss"] - straight["eval_loss"]) < 1e-5
+    # the control: the same resume without the optimizer state departs from it
+    fresh = results["resume/sdp/fresh-optimizer"]
+    assert not _close(fresh["loss"][4:], straight["loss"][4:], 1e-3), (fresh, straight)
+
+
+def test_previous_release_checkpoint_is_refused(results: dict[str, Any]) -> None:
+    """A checkpoint holding ``optimizer.rank<r>-of-<n>.pt`` (the previous release's
+    format) fails with one line saying what to do."""
+    message = results["errors"]["old"]
+    assert message.startswith("ValueError: "), message
+    assert "optimizer.rank0-of-2.pt, optimizer.rank1-of-2.pt" in message
+    assert "resume it with that release" in message and "starts fresh" in message
+    assert "\n" not in message
 
 
 def test_unknown_strategy_is_refused(results: dict[str, Any]) -> None:
