@@ -234,9 +234,10 @@ def _unit_count(trainer: Any) -> int:
     return sum(isinstance(m, FullyShardedDataParallel) for m in trainer.sharded_module.modules())
 
 
-def _worker(
-    out_path: str, groups: tuple[str, ...] = ("base", "resume", "families", "smoothing")
-) -> None:
+DEFAULT_GROUPS = ("base", "resume", "families", "smoothing")
+
+
+def _worker(out_path: str, groups: tuple[str, ...] = DEFAULT_GROUPS) -> None:
     import torch
     import torch.distributed as dist
 
@@ -252,6 +253,8 @@ def _worker(
         _base(root, results, keep)
     if "resume" in groups:
         _resume(root, results, keep)
+    if "one_rank" in groups:
+        _one_rank(root, keep)
     if "families" in groups:
         _families(root, results, keep)
     if "smoothing" in groups:
@@ -328,6 +331,7 @@ def _resume(root: Path, results: dict[str, Any], keep: Any) -> None:
         ckpt = os.path.join(split, "checkpoint-3")
         if dist.get_rank() == 0:
             results[f"resume/{strategy}/files"] = sorted(os.listdir(ckpt))
+            results[f"resume/{strategy}/checkpoint"] = ckpt
             optim = Path(ckpt, "shardkit-optimizer")
             results[f"resume/{strategy}/optimizer_files"] = sorted(os.listdir(optim))
         resumed = _train("gpt2", strategy, split + "-resumed", **long, resume_from_checkpoint=ckpt)
@@ -356,6 +360,19 @@ def _resume(root: Path, results: dict[str, Any], keep: Any) -> None:
         results.setdefault("errors", {})["old"] = "no error"
     except ValueError as err:
         results.setdefault("errors", {})["old"] = f"ValueError: {err}"
+
+
+def _one_rank(root: Path, keep: Any) -> None:
+    """On 1 rank (the same global batch: 4 per device): the 2-rank fsdp checkpoint-3
+    resumed by fsdp, the 2-rank sdp one by oss."""
+    long = {"max_steps": 6, "save_strategy": "no", "per_device_train_batch_size": 2 * BATCH}
+    for saved, strategy in (("fsdp", "fsdp"), ("sdp", "oss")):
+        ckpt = str(root / f"split-{saved}" / "checkpoint-3")
+        out = str(root / f"one-rank-{saved}-to-{strategy}")
+        keep(
+            f"{saved}-to-{strategy}",
+            _train("gpt2", strategy, out, **long, resume_from_checkpoint=ckpt),
+        )
 
 
 def _base(root: Path, results: dict[str, Any], keep: Any) -> None:
@@ -400,16 +417,16 @@ def _base(root: Path, results: dict[str, Any], keep: Any) -> None:
 
 
 # -- the test ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("hf_trainer") / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+def _run_workers(out: Path, nproc: int, *groups: str) -> dict[str, Any]:
+    """Run this file's worker on ``nproc`` ranks under torchrun (``groups``: default
+    every group of the 2-rank run); what it measured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]
     )
     proc = subprocess.run(
-        [*cmd, __file__, "--worker", str(out)],
+        [*cmd, str(nproc), __file__, "--worker", str(out), *groups],
         capture_output=True,
         text=True,
         timeout=280,
@@ -417,6 +434,18 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     return dict(json.loads(out.read_text()))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run_workers(tmp_path_factory.mktemp("hf_trainer") / "results.json", 2)
+
+
+@pytest.fixture(scope="module")
+def one_rank(results: dict[str, Any]) -> dict[str, Any]:
+    """The 2-rank run's checkpoints resumed on 1 rank (its own torchrun)."""
+    root = Path(results["resume/fsdp/checkpoint"]).parents[1]
+    return _run_workers(root / "one-rank.json", 1, "one_rank")
 
 
 def _close(a: list[float], b: list[float], tol: float) -> bool:
@@ -589,6 +618,20 @@ def test_resume_by_another_strategy_equals_uninterrupted(results: dict[str, Any]
     assert not _close(fresh["loss"][4:], straight["loss"][4:], 1e-3), (fresh, straight)
 
 
+@pytest.mark.parametrize(("saved", "strategy"), [("fsdp", "fsdp"), ("sdp", "oss")])
+def test_resume_at_another_world_size_equals_uninterrupted(
+    results: dict[str, Any], one_rank: dict[str, Any], saved: str, strategy: str
+) -> None:
+    """A checkpoint-3 of 2 ranks resumed on 1 rank (same global batch): steps 4-6 and
+    the eval loss equal the uninterrupted 2-rank run's (fp32, 1e-5)."""
+    straight = results[f"resume/{saved}/straight"]
+    resumed = one_rank[f"{saved}-to-{strategy}"]
+    assert resumed["steps_run"] == 3
+    assert len(resumed["loss"]) == 6
+    assert _close(resumed["loss"][3:], straight["loss"][3:], 1e-5), (resumed, straight)
+    assert abs(resumed["eval_loss"] - straight["eval_loss"]) < 1e-5
+
+
 def test_previous_release_checkpoint_is_refused(results: dict[str, Any]) -> None:
     """A checkpoint holding ``optimizer.rank<r>-of-<n>.pt`` (the previous release's
     format) fails with one line saying what to do."""
@@ -605,4 +648,4 @@ def test_unknown_strategy_is_refused(results: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _worker(sys.argv[2])
+    _worker(sys.argv[2], tuple(sys.argv[3:]) or DEFAULT_GROUPS)
