@@ -103,6 +103,12 @@ class StrategyConfig:
         dp_replicate: fsdp, hsdp, pipe: the mesh's ``dp_replicate`` (replicas of the
             shards: hybrid sharding above 1). None: inferred. Default None.
         pp: pipe: the mesh's ``pp`` (pipeline stages). None: inferred. Default None.
+        moe_experts: experts per MoE layer (``examples/gpt_moe.py``); 0: the dense
+            GPT. Default 0.
+        moe_top_k: experts per token. Default 1.
+        moe_every: an MoE in every ``moe_every``-th block. Default 1 (all).
+        ep: the mesh's expert-parallel degree (``ParallelDims.ep``: it splits
+            ``dp_shard``; the experts are split over it). Default 1.
     """
 
     name: str = "ddp"
@@ -119,6 +125,10 @@ class StrategyConfig:
     dp_shard: int | None = None
     dp_replicate: int | None = None
     pp: int | None = None
+    moe_experts: int = 0
+    moe_top_k: int = 1
+    moe_every: int = 1
+    ep: int = 1
 
 
 class Strategy:

@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from gpt_moe import MoEGPT, moe_error
 from gpt_stage_init import materialize_stage
 from gpt_strategy import (
     PRECISIONS,
@@ -63,6 +64,7 @@ from shardkit.models import GPT, Block, gpt_stages, gpt_unit_init_fn
 from shardkit.nn import tensor_parallel as tp
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel, MixedPrecision
+from shardkit.nn.moe import all_reduce_expert_gradients, ignore_experts_in_ddp
 from shardkit.nn.offload import OffloadModel, remove_offloaded
 from shardkit.optim import OSS, register_reduce_to_owner_hook
 from shardkit.optim.grad_scaler import ShardedGradScaler
@@ -129,7 +131,9 @@ def parallel_dims(config: StrategyConfig, world_size: int) -> ParallelDims:
     elif config.name == "pipe" and pp is None:
         others = (dpr or 1) * (dps or 1) * tp_
         pp = world_size // others if world_size % others == 0 else world_size
-    return ParallelDims(world_size, pp=pp or 1, dp_replicate=dpr or 1, dp_shard=dps or -1, tp=tp_)
+    return ParallelDims(
+        world_size, pp=pp or 1, dp_replicate=dpr or 1, dp_shard=dps or -1, tp=tp_, ep=config.ep
+    )
 
 
 def strategy_mesh(config: StrategyConfig) -> ProcessMesh:
@@ -148,15 +152,36 @@ def data_parallel_group() -> dist.ProcessGroup | None:
     return mesh.group("dp") if mesh is not None and mesh.size("tp") > 1 else None
 
 
+class _MoEDDPStrategy(Strategy):
+    """torch DDP over the dense parameters, the experts (which DDP ignores) averaged
+    over the mesh's ``edp`` group before each step (``shardkit.nn.moe``'s [Note: why
+    experts are not data parallel over dp])."""
+
+    def __init__(self, *args: Any, edp: dist.ProcessGroup, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.edp = edp
+
+    def before_step(self) -> None:
+        all_reduce_expert_gradients(self.model, self.edp)
+
+
 def _ddp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
-    """torch DistributedDataParallel + AdamW: every rank holds the full model state."""
+    """torch DistributedDataParallel + AdamW: every rank holds the full model state
+    (with ``--moe-experts``: the experts are left out of DDP and averaged over the
+    mesh's ``edp`` group, each rank holding its ``--ep`` share of them)."""
     device_ids = [device] if device.type == "cuda" else None
+    moe = isinstance(model, MoEGPT)
+    if moe:
+        ignore_experts_in_ddp(model)
     module = DistributedDataParallel(
         model, device_ids=device_ids, process_group=data_parallel_group()
     )
     if config.grad_compression is not None:
         register_ddp_comm_hook(module, config.grad_compression)
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(config))
+    if moe:
+        edp = strategy_mesh(config).group("edp")
+        return _MoEDDPStrategy(module=module, optimizer=optimizer, model=model, edp=edp)
     return Strategy(module=module, optimizer=optimizer, model=model)
 
 
@@ -289,6 +314,13 @@ def _parallelize(
     a meta GPT initialised unit by unit) and the ``pipeline``."""
     fsdp = data_parallel == "fsdp"
     kwargs: dict[str, Any] = {}
+    if fsdp and isinstance(model, MoEGPT):  # experts: a unit of their own over edp
+        for layer in model.moe_layers():
+            layer.moe.experts = FullyShardedDataParallel(  # type: ignore[assignment]
+                layer.moe.experts,
+                process_group=mesh.group("edp"),
+                mixed_precision=fsdp_policy(config.precision),
+            )
     if fsdp:  # a GPT built on meta is materialised unit by unit (deferred initialisation)
         meta = any(p.is_meta for p in model.parameters())
         kwargs["param_init_fn"] = gpt_unit_init_fn if meta else None
@@ -528,6 +560,11 @@ def option_error(config: StrategyConfig) -> str | None:
             f"({_OPTION_ROLE[option]}), not {spec.name!r}; drop {_flag(option)} {value} or "
             f"use --strategy {owners[0]}"
         )
+    problem = moe_error(
+        config.moe_experts, config.moe_top_k, config.moe_every, config.ep, config.tp, config.name
+    )
+    if problem is not None:
+        return problem
     if config.offload_dir is not None and not config.offload_dir.strip():
         return (
             "--offload-dir needs a directory (got an empty string), e.g. --offload-dir /tmp/offload"
@@ -566,6 +603,8 @@ def build_strategy(model: GPT, config: StrategyConfig, device: torch.device) -> 
         raise ValueError(problem)
     spec = STRATEGIES[config.name]
     mesh = ProcessMesh(parallel_dims(config, dist.get_world_size()))
+    if isinstance(model, MoEGPT) and mesh.size("ep") > 1:
+        model.split_experts(mesh.group("ep"))  # each rank keeps its experts
     split: dict[str, tuple[int, int]] = {}
     if not spec.composes:
         split = _parallelize(model, config, mesh, "none", device).split_tensors

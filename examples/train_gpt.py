@@ -40,6 +40,7 @@ from gpt_checkpoint import (
 )
 from gpt_data import VOCAB_SIZE, BatchSampler, InputError, eval_windows, load_bytes, split_tokens
 from gpt_dist import Env, all_gather_ints, setup_distributed
+from gpt_moe import AUX_LOSS_COEF, MoEGPT, MoESettings, active_and_total, moe_step_stats
 from gpt_report import SAMPLE_PROMPT, StepProfiler, parse_steps, plot_metrics, sample_text
 from strategies import (
     PRECISIONS,
@@ -207,6 +208,10 @@ def parse_args(argv: list[str] | None) -> JobConfig:
         choices=["bf16", "fp16", "powersgd", "int8"],
         help="ddp/oss/sdp/fsdp/hsdp: compress the gradient reduction (hsdp: across nodes)",
     )
+    add("--moe-experts", type=_non_negative, default=0, help="experts per MoE MLP; 0: dense")
+    add("--moe-top-k", type=_positive, default=opt.moe_top_k, help="MoE: experts per token")
+    add("--moe-every", type=_positive, default=opt.moe_every, help="MoE in every N-th block")
+    add("--ep", type=_positive, default=opt.ep, help="expert-parallel degree (splits dp_shard)")
     add("--profile-steps", default=None, metavar="A:B", help="torch.profiler trace of steps A..B")
     flags = vars(p.parse_args(argv))
     flags["strategy"] = flags["strategy"] or shorthand(flags)
@@ -240,6 +245,8 @@ class History:
     train_loss: list[list[float]] = field(default_factory=list)
     val_loss: list[list[float]] = field(default_factory=list)
     tokens_per_s: list[list[float]] = field(default_factory=list)
+    moe_aux_loss: list[list[float]] = field(default_factory=list)  # summed over layers
+    moe_dropped: list[list[float]] = field(default_factory=list)  # share of choices dropped
 
 
 @dataclass(frozen=True)
@@ -368,6 +375,7 @@ class Run:
     val_tokens: torch.Tensor
     num_params: int  # of the whole model, counted before a strategy shards it
     mesh: dict[str, int]  # the degrees the strategy runs on (pp, dp_replicate, dp_shard, tp)
+    moe_params: tuple[int, int] = (0, 0)  # MoE: active (per token) and total parameters
     history: History = field(default_factory=History)
     step: int = 0
     steps_this_run: int = 0
@@ -469,12 +477,17 @@ def build_run(config: JobConfig, env: Env, train: torch.Tensor, val: torch.Tenso
     random.seed(config.seed + env.rank)
     shape = gpt_config(config.model_size, vocab_size=VOCAB_SIZE, block_size=config.seq_len)
     meta = STRATEGIES[config.strategy.name].meta_init == "default"
-    if meta and config.strategy.tp == 1:  # allocates its part only (--tp splits a real GPT)
+    opt = config.strategy
+    if opt.moe_experts:  # each MoE layer from its own seed: the same at every --ep
+        moe = MoESettings(opt.moe_experts, opt.moe_top_k, opt.moe_every, config.seed)
+        model: GPT = MoEGPT(shape, moe).to(env.device)
+    elif meta and opt.tp == 1:  # allocates its part only (--tp splits a real GPT)
         with torch.device("meta"):
             model = GPT(shape)
     else:
         model = GPT(shape).to(env.device)
     num_params = model.num_parameters()
+    moe_params = active_and_total(model) if isinstance(model, MoEGPT) else (0, 0)
     strategy = build_strategy(model, config.strategy, env.device)  # + precision, checkpointing
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         strategy.optimizer, lambda s: lr_factor(s, config.warmup, config.steps)
@@ -484,7 +497,19 @@ def build_run(config: JobConfig, env: Env, train: torch.Tensor, val: torch.Tenso
     dims = parallel_dims(config.strategy, env.world_size)
     mesh = {d: getattr(dims, d) for d in ("pp", "dp_replicate", "dp_shard", "tp")}
     return Run(
-        config, env, model, strategy, scheduler, plan, sampler, val_xy, train, val, num_params, mesh
+        config,
+        env,
+        model,
+        strategy,
+        scheduler,
+        plan,
+        sampler,
+        val_xy,
+        train,
+        val,
+        num_params,
+        mesh,
+        moe_params,
     )
 
 
@@ -777,12 +802,22 @@ def train_loop(run: Run, out_dir: Path) -> None:
                 window_steps + 1,
             )
             run.history.train_loss.append([run.step, loss])
+            moe_note = ""
+            if isinstance(run.model, MoEGPT):  # the last micro-batch's, mean over ranks
+                aux, dropped = moe_step_stats(run.model, run.env.device)
+                run.history.moe_aux_loss.append([run.step, aux])
+                run.history.moe_dropped.append([run.step, dropped])
+                moe_note = f" | aux {aux:.4f} | dropped {dropped:.3f}"
             profiler.after_step(run.step)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
             tps = window_steps * tokens_per_step / window_s
             if config.log_every and run.step % config.log_every == 0:
-                say(run, f"step {run.step:5d}/{config.steps} | train {loss:.4f} | {tps:,.0f} tok/s")
+                say(
+                    run,
+                    f"step {run.step:5d}/{config.steps} | train {loss:.4f}{moe_note} | "
+                    f"{tps:,.0f} tok/s",
+                )
             if (
                 config.eval_every and run.step % config.eval_every == 0
             ) or run.step == config.steps:
@@ -808,11 +843,14 @@ def summary(run: Run, wall_s: float) -> dict[str, Any]:
         "grad_accum": run.plan.accumulation,
         "model_size": config.model_size,
         "param_count": run.num_params,
+        "active_param_count": run.moe_params[0] or run.num_params,  # MoE: per token
         "step": run.step,
         "start_step": run.step - run.steps_this_run,
         "train_loss": h.train_loss,
         "val_loss": h.val_loss,
         "tokens_per_s": h.tokens_per_s,
+        "moe_aux_loss": h.moe_aux_loss,
+        "moe_dropped": h.moe_dropped,
         "tokens_per_s_run": tokens / run.train_time_s if run.train_time_s else 0.0,
         "train_time_s": run.train_time_s,
         "wall_s": wall_s,
@@ -824,7 +862,9 @@ def summary(run: Run, wall_s: float) -> dict[str, Any]:
 def finish(run: Run, out_dir: Path, wall_s: float) -> None:
     """metrics.json and the summary (rank 0); model.pt once the last step is done."""
     metrics = summary(run, wall_s)
-    state = run.strategy.consolidated_model_state() if run.step == run.config.steps else None
+    plain = not isinstance(run.model, MoEGPT)  # model.pt and the sample: the plain GPT's
+    last = run.step == run.config.steps and plain
+    state = run.strategy.consolidated_model_state() if last else None
     if run.env.rank != 0:
         return
     with atomic_write(out_dir / "metrics.json", "w") as handle:
@@ -840,6 +880,8 @@ def finish(run: Run, out_dir: Path, wall_s: float) -> None:
     losses = final_losses(run.history, run.steps_this_run)
     speed = f"{metrics['tokens_per_s_run']:,.0f} tok/s, " if run.steps_this_run else ""
     say(run, f"done: step {run.step}, {losses}, {speed}{wall_s:.1f} s; wrote {wrote}")
+    if not plain:
+        say(run, "MoE: no model.pt or sample (the checkpoints hold the experts)")
     if state is not None:  # the trained model continues a prompt: did it learn?
         config = run.config
         text = sample_text(state, config.model_size, VOCAB_SIZE, config.seq_len, SAMPLE_PROMPT)
@@ -873,10 +915,18 @@ def run_job(
     tp_note = f" | tensor parallel {degree} (data parallel {env.world_size // degree})"
     mesh = " x ".join(f"{d} {n}" for d, n in run.mesh.items() if n > 1)
     mesh_note = f" | mesh {mesh}" if STRATEGIES[config.strategy.name].composes and mesh else ""
+    moe_note = ""
+    if isinstance(run.model, MoEGPT):
+        s, (active, total) = run.model.moe_settings, run.moe_params
+        moe_note = (
+            f" | MoE {s.experts} experts top-{s.top_k} every {s.every} block(s), ep "
+            f"{config.strategy.ep}, aux loss x {AUX_LOSS_COEF}: {active:,} active / "
+            f"{total:,} total parameters"
+        )
     say(
         run,
         f"{config.model_size} GPT: {run.num_params:,} parameters | strategy "
-        f"{config.strategy.name}{tp_note if degree > 1 else ''}{mesh_note} | "
+        f"{config.strategy.name}{tp_note if degree > 1 else ''}{mesh_note}{moe_note} | "
         f"{env.world_size} rank(s) on "
         f"{env.device.type} | {run.plan.describe()}, {config.seq_len} tokens each | "
         f"{len(data[0]):,} train / "

@@ -222,7 +222,7 @@ def parallelize_model(
     if mesh.size("tp") > 1:
         assert tp_plan is not None
         tp.parallelize(model, tp_plan, process_group=mesh.group("tp"))
-    split = _split_tensors(model)
+    split = _split_tensors(model) if mesh.size("tp") > 1 else {}  # (expert views: not tp)
     if activation_checkpointing:
         _wrap_instances(model, tuple(activation_checkpointing))
     if pipeline is not None:

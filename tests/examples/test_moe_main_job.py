@@ -1,0 +1,93 @@
+"""The main job with ``--moe-experts``: each Block's MLP an ``MoE``; the expert-parallel
+run (``--ep 2``) follows the ``--ep 1`` run under ddp (experts out of DDP, averaged over
+``edp``) and fsdp (experts in a unit over ``edp``), and bad MoE flags are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import train_gpt
+from gpt_moe import MoEGPT, MoESettings, active_and_total
+
+from shardkit.models import gpt_config
+
+STEPS = 2
+COMMON = [
+    *("--model-size", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1"),
+    *("--steps", str(STEPS), "--eval-every", "0", "--save-every", "0"),
+    *("--moe-experts", "4", "--moe-top-k", "2"),
+]
+
+
+def _metrics(out_dir: Path) -> dict[str, Any]:
+    return json.loads((out_dir / "metrics.json").read_text())
+
+
+def _run_main(argvs: list[list[str]]) -> list[int]:
+    return [train_gpt.main(argv) for argv in argvs]
+
+
+def test_ep2_follows_ep1_under_ddp_and_fsdp(rank_pool: Any, tmp_path: Path) -> None:
+    runs = [(s, ep) for s in ("ddp", "fsdp") for ep in (1, 2)]
+    argvs = [
+        [*COMMON, "--strategy", s, "--ep", str(ep), "--out-dir", str(tmp_path / f"{s}{ep}")]
+        for s, ep in runs
+    ]
+    assert rank_pool(2).run(_run_main, argvs, timeout_s=240) == [[0] * 4] * 2
+    model = MoEGPT(gpt_config("tiny", vocab_size=256, block_size=32), MoESettings(4, 2))
+    active, total = active_and_total(model)
+    # 4 blocks x 4 experts x (2 x 128 x 512) expert weights; a token uses 2 of 4
+    assert total - active == 4 * 2 * (2 * 128 * 512), (active, total)
+    m = {run: _metrics(tmp_path / f"{run[0]}{run[1]}") for run in runs}
+    for s in ("ddp", "fsdp"):
+        one, two = m[(s, 1)], m[(s, 2)]
+        assert len(one["train_loss"]) == len(two["train_loss"]) == STEPS
+        assert abs(one["train_loss"][0][1] - two["train_loss"][0][1]) < 1e-5, (one, two)
+        assert abs(one["train_loss"][1][1] - two["train_loss"][1][1]) < 1e-4, (one, two)
+        assert abs(one["moe_aux_loss"][0][1] - two["moe_aux_loss"][0][1]) < 1e-5
+        assert one["moe_dropped"][0][1] == two["moe_dropped"][0][1]
+        assert 0.0 <= two["moe_dropped"][0][1] < 1.0
+        # 4 layers' load-balancing losses, each about k = 2 when balanced
+        assert 4.0 < two["moe_aux_loss"][0][1] < 16.0, two["moe_aux_loss"]
+        assert (two["param_count"], two["active_param_count"]) == (total, active)
+        assert two["args"]["ep"] == 2 and two["args"]["moe_experts"] == 4
+        assert not (tmp_path / f"{s}2" / "model.pt").exists()
+    # the same model and rows: ddp and fsdp agree too
+    assert abs(m[("ddp", 2)]["train_loss"][0][1] - m[("fsdp", 2)]["train_loss"][0][1]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--moe-experts", "3", "--ep", "3"], "ep (3) must divide dp_shard (1)"),  # 1 rank
+        (
+            ["--moe-experts", "3", "--ep", "2"],
+            "--moe-experts 3 does not split over --ep 2 ranks; choose an --ep that divides 3",
+        ),
+        (
+            ["--moe-experts", "2", "--moe-top-k", "3"],
+            "--moe-top-k 3 is more than the 2 experts; use --moe-top-k <= 2",
+        ),
+        (["--moe-top-k", "2"], "--moe-top-k, --moe-every and --ep need --moe-experts"),
+        (
+            ["--moe-experts", "4", "--strategy", "pipe"],
+            "--moe-experts applies to --strategy ddp / oss / sdp / fsdp / hsdp, not 'pipe'",
+        ),
+        (
+            ["--moe-experts", "4", "--ep", "2", "--strategy", "sdp"],
+            "--ep 2 with --strategy sdp",
+        ),
+    ],
+)
+def test_moe_refusals_one_line_exit_2(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = train_gpt.main([*argv, "--out-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2, argv
+    assert err.startswith("train_gpt.py: error: ") and err.count("\n") == 1, err
+    assert message in err, err
+    assert not (tmp_path / "out").exists()
