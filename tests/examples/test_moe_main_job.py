@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import train_gpt
+from gpt_dist import Env
 from gpt_moe import MoEGPT, MoESettings, active_and_total
 
 from shardkit.models import gpt_config
@@ -91,3 +93,19 @@ def test_moe_refusals_one_line_exit_2(
     assert err.startswith("train_gpt.py: error: ") and err.count("\n") == 1, err
     assert message in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_ddp_ep_checkpoints_refused_on_two_ranks() -> None:
+    """``--strategy ddp --ep 2`` trains (the parity test) but writes no checkpoint: a
+    run that would save or resume is refused before training."""
+    env = Env(rank=0, world_size=2, device=torch.device("cpu"), owns_group=False)
+    base = ["--moe-experts", "4", "--ep", "2", "--strategy", "ddp"]
+    for extra in (
+        [],
+        ["--save-every", "0", "--stop-after", "1"],
+        ["--save-every", "0", "--resume"],
+    ):
+        problem = train_gpt.launch_error(train_gpt.parse_args([*base, *extra]), env)
+        assert problem is not None and "--strategy ddp --ep 2 writes no checkpoint" in problem
+    for argv in ([*base, "--save-every", "0"], [*base[:-1], "fsdp"]):
+        assert train_gpt.launch_error(train_gpt.parse_args(argv), env) is None
