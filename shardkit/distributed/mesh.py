@@ -317,33 +317,20 @@ class ProcessMesh:
 
     def group(self, *dims: str, backend: str | None = None) -> dist.ProcessGroup:
         """The process group of the ranks that differ from this one only along ``dims``
-                (``"dp"`` means ``dp_replicate`` and ``dp_shard``).
+        (``"dp"`` means ``dp_replicate`` and ``dp_shard``; ``"ep"`` and ``"edp"`` are the
+        expert-parallel groups, see ``[Note: expert parallelism splits dp_shard]``).
 
-                A collective the first time a set of dimensions is asked for (see
-                ``[Note: expert parallelism splits dp_shard]
-        Expert parallelism does not multiply the world size (torchtitan's way): the ``ep``
-        ranks of an expert-parallel group are ``ep`` consecutive coordinates of one
-        ``dp_shard`` group, so ``dp_shard = dp_shard_mod_ep x ep`` with ``ep`` the faster::
+        A collective the first time a set of dimensions is asked for (see
+        ``[Note: creating groups]``); cached afterwards. The whole world is returned as
+        ``torch.distributed.group.WORLD``.
 
-            dps_i = dps_mod_ep_i * ep + ep_i
+        Args:
+            dims: dimension names, in any order.
+            backend: backend for this set's groups when they are created; default None
+                (the mesh's).
 
-        The two derived groups are ``"ep"`` (the ranks that exchange tokens by all-to-all and
-        each hold ``1/ep`` of the experts) and ``"edp"``, expert data parallel: the ranks that
-        hold the *same* experts, ``dp_replicate x dp_shard_mod_ep`` of them, over which the
-        experts' gradients are reduced. ``ep`` and ``edp`` together are the data-parallel
-        ranks (``"dp"``). With ``ep = 1`` (the default) ``"ep"`` is every rank alone and
-        ``"edp"`` is ``"dp"``; every other group is unchanged by ``ep``.
-
-        [Note: creating groups]``); cached afterwards. The whole world is returned as
-                ``torch.distributed.group.WORLD``.
-
-                Args:
-                    dims: dimension names, in any order.
-                    backend: backend for this set's groups when they are created; default None
-                        (the mesh's).
-
-                Raises:
-                    ValueError: an unknown dimension, or no dimension.
+        Raises:
+            ValueError: an unknown dimension, or no dimension.
         """
         if not dims:
             raise ValueError(f"name at least one dimension of {list(GROUP_NAMES)}")
