@@ -67,6 +67,7 @@ from shardkit.nn.pipe import (
     balance_by_size,
     stage_module,
 )
+from shardkit.nn.tensor_parallel.partition import split_of
 from shardkit.nn.tensor_parallel.plan import ParallelStyle
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 
@@ -285,9 +286,10 @@ def _check(
 
 
 def _split_tensors(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """``(partition_dim, partition_stride)`` of each tensor-parallel tensor, by key."""
+    """``(partition_dim, partition_stride)`` of each tensor-parallel tensor, by key, read
+    from its shard descriptor."""
     return {
-        name: (int(t.partition_dim), int(t.partition_stride))
+        name: split_of(t)
         for name, t in model.state_dict(keep_vars=True).items()
         if tp.is_tensor_parallel(t)
     }
