@@ -44,9 +44,14 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
     and state-dict keys are the LayerNorm's.
 
     Args:
-        normalized_shape, eps, elementwise_affine, bias, device, dtype: as ``nn.LayerNorm``.
+        normalized_shape: the trailing dimensions normalised over (``nn.LayerNorm``'s).
+        eps: added to the variance. Default 1e-5.
+        elementwise_affine: learn a weight (and a bias). Default True.
+        bias: learn a bias. Default True.
         process_group: the tensor-parallel group; default None (the mesh's, see
             :func:`~shardkit.nn.tensor_parallel.groups.resolve_group`).
+        device: of the parameters; default None (CPU).
+        dtype: of the parameters; default None (torch's default dtype).
 
     Shapes: input ``(..., *normalized_shape)``, any number of sequence positions; output
     the same shape.
