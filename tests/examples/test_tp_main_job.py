@@ -94,9 +94,9 @@ def test_tp2_fsdp_and_sdp_on_four_ranks(rank_pool: Any, tmp_path: Path) -> None:
         [*COMMON, "--tp", "2", "--strategy", name, "--out-dir", str(tmp_path / name)]
         for name in names
     ]
-    seq = tmp_path / "fsdp-sp"  # with sequence parallelism inside each FSDP unit
+    seq = tmp_path / "fsdp-sp"  # sequence parallelism in checkpointed FSDP units
     split.append([*COMMON, "--tp", "2", "--sequence-parallel", "--out-dir", str(seq)])
-    split[-1] += ["--strategy", "fsdp"]
+    split[-1] += ["--strategy", "fsdp", "--activation-checkpointing"]
     assert rank_pool(4).run(_run_main, split, timeout_s=200) == [[0, 0, 0]] * 4
     for name in names:
         _assert_follows(tmp_path / name, tmp_path / f"plain-{name}")

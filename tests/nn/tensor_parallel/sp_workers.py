@@ -23,6 +23,7 @@ from torch import nn
 
 from shardkit.models.gpt import GPT, Block, GPTConfig
 from shardkit.nn import tensor_parallel as tp
+from shardkit.nn.checkpoint import checkpoint_wrapper
 from shardkit.nn.tensor_parallel.partition import full_tensor, shard
 from tests.nn.tensor_parallel.tp_workers import (
     TINY,
@@ -341,4 +342,40 @@ def sp_activation_bytes(cfg: dict[str, Any]) -> dict[str, int]:
         "plain": _saved_bytes(lambda: ref(x)),
         "tp": _saved_bytes(lambda: blocks[False](x)),
         "sp": _saved_bytes(lambda: blocks[True](chunk)),
+    }
+
+
+def sp_checkpointed_dropout(cfg: dict[str, Any]) -> dict[str, float]:
+    """GPT with dropout under TP + SP (and attention dropout forked too), every block
+    checkpoint_wrapper'd against the same model without checkpointing, from the same
+    seeds: 2 steps' losses, every gradient and the tracker's state afterwards equal (the
+    recompute draws the forward's masks from the tracker's replayed state)."""
+    group = mesh_of(tp=cfg["tp"]).group("tp")
+    idx, tgt = _data()
+    runs = []
+    for ac in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**{**TINY, "dropout": 0.3}))
+        plan = tp.gpt_plan(fork_rng=True, sequence_parallel=True)
+        model = tp.parallelize(model, plan, group).train()
+        if ac:
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = checkpoint_wrapper(block)
+        tp.model_parallel_manual_seed(9, group)
+        losses = []
+        for step in range(2):
+            loss = model(idx[step, 0], tgt[step, 0])[1]
+            loss.backward()
+            losses.append(float(loss.detach()))
+        grads = {
+            n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+        }
+        tracker = tp.get_rng_tracker().get_states()["model-parallel-rng"]["cpu"].clone()
+        runs.append((losses, grads, tracker))
+    (l0, g0, t0), (l1, g1, t1) = runs
+    return {
+        "loss": max(abs(a - b) for a, b in zip(l0, l1, strict=True)),
+        "grads": max(diff(g0[n.replace("module.", "")], g) for n, g in g1.items()),
+        "n_grads": float(len(g1) == len(g0) == 28),
+        "tracker": float(torch.equal(t0, t1)),
     }

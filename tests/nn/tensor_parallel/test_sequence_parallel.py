@@ -17,7 +17,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
+from shardkit.nn import tensor_parallel as tp
+from shardkit.nn.checkpoint import checkpoint_wrapper
 from tests.nn.tensor_parallel import sp_workers as w
 
 DEGREES = [2, 4]
@@ -33,6 +37,7 @@ def _jobs() -> dict[str, tuple[str, dict[str, Any]]]:
         for name in (*WORKERS, "sp_activation_bytes"):
             jobs[f"{name}-{t}"] = (name, {"tp": t})
     jobs["dropout-2"] = ("sp_dropout", {"tp": 2})
+    jobs["checkpointed-4"] = ("sp_checkpointed_dropout", {"tp": 4})
     return jobs
 
 
@@ -143,3 +148,46 @@ def test_sp_dropout_streams(results: Any) -> None:
         assert r["masks_differ"] == 1.0
         assert 0.4 < r["drop_rate"] < 0.6
         assert r["tracker_advanced"] == 1.0 and r["default_same"] == 1.0
+
+
+def test_sp_dropout_under_activation_checkpointing(results: Any) -> None:
+    """Forked dropout in checkpointed blocks: the recompute draws the forward's masks,
+    so checkpointing changes neither the losses nor the gradients nor the tracker."""
+    for r in results["checkpointed-4"]:
+        assert r["loss"] == 0.0 and r["grads"] <= 1e-7 and r["n_grads"] == 1.0, r
+        assert r["tracker"] == 1.0, r
+
+
+def _forked_dropout_grads(checkpoint: str) -> tuple[torch.Tensor, ...]:
+    """One process, no group: a Linear and two forked dropouts, checkpointed as
+    ``checkpoint`` says ("none", "outer", "nested"), two backward passes; the last
+    output, the input's gradient and the tracker's state."""
+    torch.manual_seed(0)
+    inner = tp.parallelize(
+        nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)),
+        {"1": tp.SequenceParallel(fork_rng=True)},
+        None,
+    )
+    model: nn.Module = nn.Sequential(
+        checkpoint_wrapper(inner) if checkpoint == "nested" else inner, nn.Dropout(0.5)
+    )
+    model = tp.parallelize(model, {"1": tp.SequenceParallel(fork_rng=True)}, None)
+    if checkpoint != "none":
+        model = checkpoint_wrapper(model)
+    tp.model_parallel_manual_seed(3)
+    x = torch.ones(4, 8, requires_grad=True)
+    for _ in range(2):
+        out = model(x)
+        out.sum().backward()
+    assert x.grad is not None
+    return out, x.grad, tp.get_rng_tracker().get_states()["model-parallel-rng"]["cpu"]
+
+
+def test_tracker_fork_replays_in_nested_recomputes() -> None:
+    plain_out, plain_grad, plain_state = _forked_dropout_grads("none")
+    assert 0.5 < float((plain_out == 0).float().mean()) < 0.9  # both dropouts drew
+    for mode in ("outer", "nested"):
+        out, grad, state = _forked_dropout_grads(mode)
+        assert torch.equal(out, plain_out), mode
+        assert torch.equal(grad, plain_grad), mode
+        assert torch.equal(state, plain_state), mode
