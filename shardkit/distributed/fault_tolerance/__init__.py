@@ -3,7 +3,8 @@
 - :mod:`~shardkit.distributed.fault_tolerance.quorum`: the per-step quorum on a c10d
   store (:class:`Quorum`, :class:`Verdict`).
 - :mod:`~shardkit.distributed.fault_tolerance.transport`: gloo groups keyed by a store
-  prefix; a state sent from a live replica to a joiner.
+  prefix; a state sent from a live replica to a joiner; :func:`host_store` /
+  :func:`connect_store`, the quorum store's server and clients.
 - :mod:`~shardkit.distributed.fault_tolerance.replicas`: :class:`FaultTolerantReplicas`,
   one replica's side (quorum, healing, gradient averaging with redo).
 - :mod:`~shardkit.distributed.fault_tolerance.sampler`: :class:`ReplicaSampler`, the
@@ -56,6 +57,7 @@ from shardkit.distributed.fault_tolerance.replicas import (
     ReplicaStats,
 )
 from shardkit.distributed.fault_tolerance.sampler import ReplicaSampler
+from shardkit.distributed.fault_tolerance.transport import connect_store, host_store
 
 __all__ = [
     "FaultTolerantReplicas",
@@ -65,4 +67,6 @@ __all__ = [
     "ReplicaState",
     "ReplicaStats",
     "Verdict",
+    "connect_store",
+    "host_store",
 ]

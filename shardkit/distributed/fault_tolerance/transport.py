@@ -20,9 +20,17 @@ from typing import Any, Protocol, cast
 import torch
 
 # The c10d types: public in torch.distributed at run time, declared in this stub only.
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, Work
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCPStore, Work
 
-__all__ = ["GlooGroup", "Store", "gloo_group", "recv_state", "send_state"]
+__all__ = [
+    "GlooGroup",
+    "Store",
+    "connect_store",
+    "gloo_group",
+    "host_store",
+    "recv_state",
+    "send_state",
+]
 
 
 class GlooGroup(Protocol):
@@ -34,6 +42,31 @@ class GlooGroup(Protocol):
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> Work: ...
 
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> Work: ...
+
+
+def host_store(port: int, host: str = "0.0.0.0") -> TCPStore:
+    """Host the quorum store (a ``TCPStore`` server) on ``port``; 0 picks a free port
+    (read it from the returned store's ``port``). It must outlive the replicas."""
+    return TCPStore(host, port, is_master=True, wait_for_workers=False)
+
+
+def connect_store(address: str, timeout_s: float = 60.0) -> Store:
+    """A client of the quorum store at ``address`` (``"HOST:PORT"``).
+
+    Args:
+        address: e.g. ``"127.0.0.1:29600"``.
+        timeout_s: how long to wait for the server and for a blocking ``get`` or
+            ``wait``, in seconds. Default 60.
+
+    Raises:
+        ValueError: ``address`` is not ``HOST:PORT``.
+    """
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(
+            f"quorum store address {address!r}: expected HOST:PORT, e.g. 127.0.0.1:29600"
+        )
+    return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 def gloo_group(store: Store, prefix: str, rank: int, size: int, timeout_s: float) -> GlooGroup:
