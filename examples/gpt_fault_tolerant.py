@@ -93,6 +93,7 @@ def train_loop(
         state_dict=state_dict,
         load_state_dict=load_state_dict,
         timeout_s=config.ft_timeout,
+        initial_replicas=config.max_replicas,
         prefix=f"gpt-ft-{config.seed}",
     )
     log = (out_dir / "ft_steps.jsonl").open("a")

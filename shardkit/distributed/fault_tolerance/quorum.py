@@ -198,23 +198,46 @@ def admit(round_: int, arrivals: dict[int, Arrival], previous: Quorum | None) ->
     return Quorum(round_, step, members, heal, group_round)
 
 
-def _expected(
-    store: Store, prefix: str, round_: int, deadline: float
-) -> tuple[set[int] | None, Quorum | None]:
-    """Who round ``round_`` waits for: the previous round's members that voted (all of
-    them after a commit), and the previous quorum when its group may be reused. None
-    for the first round."""
+@dataclass(frozen=True)
+class _Expectation:
+    """What round ``r`` needs from round ``r - 1``.
+
+    Attributes:
+        members: the replicas it waits for (the previous members that voted); None for
+            round 0.
+        reusable: the previous quorum when its group may be reused (it committed).
+        step: the committed step a member must hold: the previous step, plus one when
+            it committed. A round without such a member never closes: replicas behind
+            it alone would start a second, diverging line of training.
+    """
+
+    members: set[int] | None
+    reusable: Quorum | None
+    step: int
+
+
+def _expected(store: Store, prefix: str, round_: int, deadline: float) -> _Expectation:
+    """Round ``round_``'s expectation, once round ``round_ - 1`` has its verdict.
+
+    Raises:
+        QuorumTimeoutError: no verdict before ``deadline``: every member of the
+            previous round is gone, and the state with them.
+    """
     if round_ == 0:
-        return None, None
+        return _Expectation(None, None, 0)
     previous = read_quorum(store, prefix, round_ - 1)
     verdict = read_verdict(store, prefix, round_ - 1)
     while (previous is None or verdict is None) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
         previous = read_quorum(store, prefix, round_ - 1)
         verdict = read_verdict(store, prefix, round_ - 1)
-    if previous is None or verdict is None:  # the previous members are all gone
-        return set(), None
-    return set(verdict.voters), previous if verdict.commit else None
+    if previous is None or verdict is None:
+        raise QuorumTimeoutError(
+            f"round {round_ - 1} of {prefix!r} has no verdict: every replica of it is gone, "
+            "and the training state with them; restart the job from a checkpoint"
+        )
+    step = previous.step + int(verdict.commit)
+    return _Expectation(set(verdict.voters), previous if verdict.commit else None, step)
 
 
 def join_round(
@@ -230,11 +253,12 @@ def join_round(
 ) -> Quorum:
     """Arrive at ``round_`` and return its decision (which may leave ``me`` out).
 
-    The round closes when every replica it expects has arrived and at least
-    ``min_replicas`` are admitted, or ``join_timeout_s`` after this replica's arrival
-    with at least ``min_replicas``; the first replica to see it closed writes the
-    decision, every other one reads it. The first round (0) expects
-    ``initial_replicas`` arrivals when given.
+    The round closes when every replica it expects has arrived, or ``join_timeout_s``
+    after this replica's arrival, provided at least ``min_replicas`` are admitted and
+    one of them holds the last committed step (never a quorum of replicas behind it
+    only); the first replica to see it closed writes the decision, every other one
+    reads it. The first round (0) waits for ``initial_replicas`` arrivals, when given,
+    up to ``quorum_timeout_s``.
 
     Raises:
         QuorumTimeoutError: no decision within ``quorum_timeout_s`` (fewer than
@@ -242,19 +266,24 @@ def join_round(
     """
     start = time.monotonic()
     _append(store, _key(prefix, round_, "arrivals"), f"{me.replica},{me.step},{int(me.redo)};")
-    expected, previous = _expected(store, prefix, round_, start + quorum_timeout_s)
+    expectation = _expected(store, prefix, round_, start + quorum_timeout_s)
+    expected = expectation.members
+    # Round 0 with a known size waits for it up to quorum_timeout_s.
+    first = expected is None and initial_replicas is not None
+    join_wait_s = quorum_timeout_s if first else join_timeout_s
     while True:
         decided = read_quorum(store, prefix, round_)
         if decided is not None:
             return decided
         arrivals = _arrivals(store, prefix, round_)
-        candidate = admit(round_, arrivals, previous)
+        candidate = admit(round_, arrivals, expectation.reusable)
         waited = time.monotonic() - start
         if expected is None:
             complete = initial_replicas is not None and len(arrivals) >= initial_replicas
         else:
             complete = expected <= set(arrivals)
-        if len(candidate.members) >= min_replicas and (complete or waited > join_timeout_s):
+        enough = len(candidate.members) >= min_replicas and candidate.step >= expectation.step
+        if enough and (complete or waited > join_wait_s):
             mine = _encode_quorum(candidate, me.replica)
             text = _decide_once(store, _key(prefix, round_, "decision"), mine)
             if text == mine:
@@ -263,8 +292,9 @@ def join_round(
         if waited > quorum_timeout_s:
             raise QuorumTimeoutError(
                 f"round {round_} of {prefix!r}: {len(candidate.members)} replica(s) "
-                f"{list(candidate.members)} arrived within {quorum_timeout_s:.1f} s, fewer "
-                f"than min_replicas={min_replicas}; start more replicas or lower min_replicas"
+                f"{list(candidate.members)} at step {candidate.step} arrived within "
+                f"{quorum_timeout_s:.1f} s; it needs min_replicas={min_replicas} and one "
+                f"replica at step {expectation.step}; start more replicas or lower min_replicas"
             )
         time.sleep(_POLL_S)
 

@@ -14,6 +14,7 @@ from shardkit.distributed.fault_tolerance.quorum import (
     QuorumTimeoutError,
     admit,
     join_round,
+    read_quorum,
     vote,
 )
 
@@ -91,7 +92,9 @@ def test_rounds_close_on_the_expected_members_and_verdicts_agree() -> None:
 
 def test_too_few_replicas_time_out_with_the_numbers() -> None:
     store = dist.HashStore()
-    with pytest.raises(QuorumTimeoutError, match=r"1 replica\(s\) \[0\] arrived .* min_replicas=2"):
+    with pytest.raises(
+        QuorumTimeoutError, match=r"1 replica\(s\) \[0\] at step 0 .* min_replicas=2"
+    ):
         join_round(
             store,
             "p",
@@ -101,3 +104,24 @@ def test_too_few_replicas_time_out_with_the_numbers() -> None:
             join_timeout_s=0.05,
             quorum_timeout_s=0.2,
         )
+
+
+def test_replicas_behind_never_form_a_quorum_of_their_own() -> None:
+    """Regression: replica 1 alone committed step 1 in round 0; replica 0 (a late
+    starter, step 0) arrived at round 1 and, after the join timeout, closed it alone at
+    step 0 while replica 1 was still between steps: two lines of training, merged
+    later at equal step counts with different weights. Now round 1 waits for a replica
+    at step 1, and replica 0 heals from it."""
+    store = dist.HashStore()
+    out: dict[int, Quorum] = {}
+    _join(store, 0, Arrival(1, 0, False), out, initial=1)
+    assert vote(store, "p", out[1], 1, True, 1.0).commit
+    late = threading.Thread(
+        target=_join, args=(store, 1, Arrival(0, 0, False), out), kwargs={"join": 0.05}
+    )
+    late.start()
+    late.join(timeout=0.5)
+    assert late.is_alive() and read_quorum(store, "p", 1) is None  # still waiting
+    _join(store, 1, Arrival(1, 1, False), out, join=0.05)
+    late.join()
+    assert out[0] == out[1] == Quorum(1, 1, (0, 1), ((0, 1),), group_round=1)
