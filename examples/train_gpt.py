@@ -40,6 +40,8 @@ from gpt_checkpoint import (
 )
 from gpt_data import VOCAB_SIZE, BatchSampler, InputError, eval_windows, load_bytes, split_tokens
 from gpt_dist import Env, all_gather_ints, setup_distributed
+from gpt_fault_tolerant import flag_error as ft_flag_error
+from gpt_fault_tolerant import train_loop as ft_train_loop
 from gpt_moe import AUX_LOSS_COEF, MoEGPT, MoESettings, active_and_total, moe_step_stats
 from gpt_report import SAMPLE_PROMPT, StepProfiler, parse_steps, plot_metrics, sample_text
 from gpt_sequence_parallel import sequence_parallel_error
@@ -110,6 +112,9 @@ class JobConfig:
         data: a text file or a directory of ``.txt`` files; None: the default text.
         profile_steps: ``"a:b"``: a ``torch.profiler`` trace of steps a..b per rank
             (``trace-rank<r>.json`` in ``out_dir``); None: no profiling.
+        fault_tolerant: ``HOST:PORT`` of the quorum store: this process is replica
+            ``replica_id`` of ``max_replicas`` (``examples/gpt_fault_tolerant.py``);
+            ``ft_timeout`` seconds drop a silent replica. None: off.
     """
 
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
@@ -130,6 +135,10 @@ class JobConfig:
     stop_after: int | None = None
     data: str | None = None
     profile_steps: str | None = None
+    fault_tolerant: str | None = None
+    replica_id: int = 0
+    max_replicas: int = 1
+    ft_timeout: float = 10.0
 
     @property
     def warmup(self) -> int:
@@ -215,6 +224,10 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--moe-every", type=_positive, default=opt.moe_every, help="MoE in every N-th block")
     add("--ep", type=_positive, default=opt.ep, help="expert-parallel degree (splits dp_shard)")
     add("--profile-steps", default=None, metavar="A:B", help="torch.profiler trace of steps A..B")
+    add("--fault-tolerant", default=None, metavar="HOST:PORT", help="quorum store: one replica")
+    add("--replica-id", type=_non_negative, default=0, help="--fault-tolerant: this replica")
+    add("--max-replicas", type=_positive, default=1, help="--fault-tolerant: replica ids")
+    add("--ft-timeout", type=float, default=job.ft_timeout, help="seconds: drop a replica")
     flags = vars(p.parse_args(argv))
     flags["strategy"] = flags["strategy"] or shorthand(flags)
     config = JobConfig.from_flags(flags)
@@ -450,6 +463,7 @@ def launch_error(config: JobConfig, env: Env) -> str | None:
     pipe's ``--chunks``) or with these paths (``--offload-dir`` a file, ``--resume``
     with ``--out-dir`` a checkpoint directory), or None; the same answer on every rank."""
     problem = tp_error(config, env.world_size) or mesh_error(config, env.world_size)
+    problem = problem or ft_flag_error(config, env.world_size)
     if problem is not None:
         return problem
     opt = config.strategy
@@ -479,7 +493,10 @@ def launch_error(config: JobConfig, env: Env) -> str | None:
 
 def data_parallel(config: JobConfig, env: Env) -> tuple[int, int]:
     """This rank's data-parallel rank and the data-parallel size: under ``--tp`` the
-    ``tp`` consecutive ranks of one tensor-parallel group feed the same rows."""
+    ``tp`` consecutive ranks of one tensor-parallel group feed the same rows; with
+    ``--fault-tolerant``, the replica id of ``--max-replicas``."""
+    if config.fault_tolerant is not None:
+        return config.replica_id, config.max_replicas
     return env.rank // config.strategy.tp, env.world_size // config.strategy.tp
 
 
@@ -945,7 +962,10 @@ def run_job(
         f"{len(data[0]):,} train / "
         f"{len(data[1]):,} val tokens",
     )
-    train_loop(run, out_dir)
+    if config.fault_tolerant is not None:
+        ft_train_loop(run, out_dir, report, say)
+    else:
+        train_loop(run, out_dir)
     finish(run, out_dir, time.perf_counter() - start)
 
 

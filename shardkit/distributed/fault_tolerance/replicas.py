@@ -1,0 +1,334 @@
+"""FaultTolerantReplicas: one data-parallel replica's side of the per-step quorum.
+
+A replica is one process (one model copy) here. Each step it arrives at a quorum
+(:mod:`~shardkit.distributed.fault_tolerance.quorum`), heals from a live member if it
+is behind, computes its gradients, and averages them over the quorum's members with
+:meth:`FaultTolerantReplicas.average_gradients`, which redoes the reduction with the
+survivors when a member fails, so every survivor applies the same average.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from shardkit.distributed.fault_tolerance.quorum import (
+    Arrival,
+    Quorum,
+    decided_rounds,
+    join_round,
+    vote,
+)
+from shardkit.distributed.fault_tolerance.transport import (
+    GlooGroup,
+    Store,
+    gloo_group,
+    recv_state,
+    send_state,
+)
+
+__all__ = ["FaultTolerantReplicas", "ReplicaState", "ReplicaStats"]
+
+_LOG = logging.getLogger(__name__)
+
+StateDictFn = Callable[[], Mapping[str, Any]]
+LoadStateDictFn = Callable[[Mapping[str, Any]], None]
+
+
+class ReplicaState(Enum):
+    """Where a replica is in its step.
+
+    - ``JOINING``: not a member of a quorum; the next :meth:`start_step` arrives at the
+      next undecided round (a new or restarted replica, or one dropped from a step).
+    - ``MEMBER``: in this step's quorum with the step's state; computing gradients.
+    - ``FAILED``: in this step's quorum, but its healing transfer failed: it reports a
+      failed reduction and becomes ``JOINING``.
+    """
+
+    JOINING = "joining"
+    MEMBER = "member"
+    FAILED = "failed"
+
+
+@dataclass
+class ReplicaStats:
+    """What this replica saw, for logs and benchmarks.
+
+    Attributes:
+        redone_reductions: reductions redone with fewer members after a failure.
+        dropped_steps: steps this replica was dropped from (it healed afterwards).
+        healed: states received from a peer; ``healed_bytes``: their total size.
+        served: states sent to joiners; ``served_bytes``: their total size.
+        contributors: per committed step, the number of replicas averaged.
+        heal_s: seconds spent receiving states.
+    """
+
+    redone_reductions: int = 0
+    dropped_steps: int = 0
+    healed: int = 0
+    healed_bytes: int = 0
+    served: int = 0
+    served_bytes: int = 0
+    heal_s: float = 0.0
+    contributors: list[int] = field(default_factory=list)
+
+
+class FaultTolerantReplicas:
+    """Average gradients over whichever data-parallel replicas are alive, step by step.
+
+    Example::
+
+        store = torch.distributed.TCPStore(host, port, is_master=False)
+        ft = FaultTolerantReplicas(store, replica_id, state_dict=get_state,
+                                   load_state_dict=set_state, min_replicas=1)
+        while ft.step < steps:
+            ft.start_step()                       # quorum; a joiner heals here
+            loss_fn(model(batch(ft.step, ft.replica_id))).backward()
+            if ft.average_gradients(model.parameters()):
+                optimizer.step()                  # every member applies the same average
+            optimizer.zero_grad()
+
+    Args:
+        store: the c10d store every replica reaches (a ``TCPStore``); it must outlive
+            the replicas (see the package docstring).
+        replica_id: this replica's id, ``>= 0``; a restarted replica reuses its id.
+        state_dict: returns the state a joiner needs (model and optimizer
+            ``state_dict()``; the step count is added by the manager).
+        load_state_dict: loads such a state into this replica.
+        min_replicas: replicas a quorum needs to close; default 1.
+        timeout_s: a collective's timeout and the window for the members' votes, in
+            seconds; default 10.
+        join_timeout_s: how long a quorum waits for the previous members before closing
+            without them, in seconds; default ``timeout_s``.
+        quorum_timeout_s: how long :meth:`start_step` waits for ``min_replicas`` before
+            raising, in seconds; default 300.
+        initial_replicas: the replicas launched together: the first quorum closes as
+            soon as this many arrived; default None (after ``join_timeout_s``).
+        prefix: the store prefix of this job's keys; default ``"shardkit-ft"``.
+
+    Raises:
+        ValueError: ``replica_id < 0``, ``min_replicas < 1`` or a timeout ``<= 0``.
+
+    Source: the design of torchft (PyTorch, 2024: per-step quorum through a
+    lighthouse, ``should_commit``, live recovery from a peer), written for gloo and a
+    plain c10d store.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        replica_id: int,
+        *,
+        state_dict: StateDictFn,
+        load_state_dict: LoadStateDictFn,
+        min_replicas: int = 1,
+        timeout_s: float = 10.0,
+        join_timeout_s: float | None = None,
+        quorum_timeout_s: float = 300.0,
+        initial_replicas: int | None = None,
+        prefix: str = "shardkit-ft",
+    ) -> None:
+        join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
+        if replica_id < 0 or min_replicas < 1:
+            raise ValueError(
+                f"FaultTolerantReplicas: replica_id={replica_id} and min_replicas={min_replicas}; "
+                "pass replica_id >= 0 and min_replicas >= 1"
+            )
+        if min(timeout_s, join_timeout_s, quorum_timeout_s) <= 0:
+            raise ValueError(
+                f"FaultTolerantReplicas: timeouts must be > 0 seconds; got timeout_s={timeout_s}, "
+                f"join_timeout_s={join_timeout_s}, quorum_timeout_s={quorum_timeout_s}"
+            )
+        self.store, self.replica_id, self.prefix = store, replica_id, prefix
+        self._state_dict, self._load_state_dict = state_dict, load_state_dict
+        self.min_replicas, self.timeout_s = min_replicas, timeout_s
+        self.join_timeout_s, self.quorum_timeout_s = join_timeout_s, quorum_timeout_s
+        self.initial_replicas = initial_replicas
+        self.step = 0
+        self.state = ReplicaState.JOINING
+        self.quorum: Quorum | None = None
+        self.stats = ReplicaStats()
+        self._group: tuple[int, GlooGroup] | None = None
+
+    # the quorum ----------------------------------------------------------------
+    @property
+    def num_members(self) -> int:
+        """The number of replicas in this step's quorum (0 before :meth:`start_step`)."""
+        return 0 if self.quorum is None else len(self.quorum.members)
+
+    def start_step(self) -> Quorum:
+        """Arrive at this step's quorum; heal first if this replica is behind.
+
+        Returns:
+            The quorum (its ``members`` train this step).
+
+        Raises:
+            QuorumTimeoutError: fewer than ``min_replicas`` replicas within
+                ``quorum_timeout_s``.
+        """
+        round_ = self._next_round()
+        while True:
+            quorum = self._join(round_, redo=False)
+            if self.replica_id in quorum.members:
+                break
+            round_ = quorum.round + 1  # a redo round: joiners wait for the next one
+        self.quorum, self.state = quorum, ReplicaState.MEMBER
+        self._serve_or_heal(quorum)
+        return quorum
+
+    def _next_round(self) -> int:
+        if self.state is ReplicaState.MEMBER and self.quorum is not None:
+            return self.quorum.round + 1
+        return decided_rounds(self.store, self.prefix)
+
+    def _join(self, round_: int, redo: bool) -> Quorum:
+        return join_round(
+            self.store,
+            self.prefix,
+            round_,
+            Arrival(self.replica_id, self.step, redo),
+            min_replicas=self.min_replicas,
+            join_timeout_s=self.join_timeout_s,
+            quorum_timeout_s=self.quorum_timeout_s,
+            initial_replicas=self.initial_replicas,
+        )
+
+    # healing -------------------------------------------------------------------
+    def _heal_group(self, quorum: Quorum, healer: int, rank: int) -> GlooGroup:
+        prefix = f"{self.prefix}/round/{quorum.round}/heal/{healer}"
+        return gloo_group(self.store, prefix, rank, 2, self.timeout_s)
+
+    def _served_state(self) -> dict[str, Any] | None:
+        """This replica's state and step for a healer, or None when ``state_dict`` failed."""
+        try:
+            return {"state": self._state_dict(), "step": self.step}
+        except RuntimeError as err:
+            _LOG.warning("replica %d: state_dict() failed: %s", self.replica_id, err)
+            return None
+
+    def _serve_or_heal(self, quorum: Quorum) -> None:
+        """Send the state to the members healing from this one, or receive it."""
+        for healer in quorum.healers_of(self.replica_id):
+            try:
+                group = self._heal_group(quorum, healer, 0)
+                state = self._served_state()
+                sent = send_state(group, state)  # None: the healer fails at once
+            except RuntimeError as err:  # the healer died: the reduction drops it
+                _LOG.warning(
+                    "replica %d: sending the state to replica %d failed: %s",
+                    self.replica_id,
+                    healer,
+                    err,
+                )
+                continue
+            self.stats.served += state is not None
+            self.stats.served_bytes += sent
+        if quorum.source_of(self.replica_id) is None:
+            return
+        start = time.monotonic()
+        try:
+            received, size = recv_state(self._heal_group(quorum, self.replica_id, 1))
+        except RuntimeError as err:
+            _LOG.warning("replica %d: receiving the state failed: %s", self.replica_id, err)
+            self.state = ReplicaState.FAILED
+            return
+        self._load_state_dict(received["state"])
+        self.step = int(received["step"])
+        self.stats.healed += 1
+        self.stats.healed_bytes += size
+        self.stats.heal_s += time.monotonic() - start
+
+    # the reduction ---------------------------------------------------------------
+    def _cross_replica_group(self, quorum: Quorum) -> GlooGroup:
+        if self._group is None or self._group[0] != quorum.group_round:
+            self._group = None  # closes the previous group's connections
+            prefix = f"{self.prefix}/round/{quorum.group_round}/group"
+            rank = quorum.rank_of(self.replica_id)
+            group = gloo_group(self.store, prefix, rank, len(quorum.members), self.timeout_s)
+            self._group = (quorum.group_round, group)
+        return self._group[1]
+
+    def _reduce(self, quorum: Quorum, local: torch.Tensor) -> torch.Tensor | None:
+        """The average of the members' ``local`` (summed after dividing each by the
+        member count, as DDP does), or None when the reduction failed here."""
+        averaged = local / len(quorum.members)
+        if len(quorum.members) == 1:
+            return averaged
+        try:
+            self._cross_replica_group(quorum).allreduce([averaged]).wait()
+        except RuntimeError as err:
+            _LOG.warning(
+                "replica %d: reduction in round %d failed: %s", self.replica_id, quorum.round, err
+            )
+            self._group = None
+            return None
+        return averaged
+
+    def average_gradients(self, parameters: Iterable[torch.Tensor]) -> bool:
+        """Average the gradients of ``parameters`` over this step's surviving members.
+
+        Parameters without a gradient count as zeros (every replica must pass the same
+        parameters in the same order). When a member fails or times out, the members
+        that reported in time redo the reduction among themselves, from their own
+        gradients, until one succeeds on all of them.
+
+        Returns:
+            True: the parameters' ``.grad`` hold the average over
+            ``len(self.quorum.members)`` replicas; apply the optimizer step (the step
+            count is advanced). False: this replica was dropped from the step; skip the
+            optimizer step, its state is replaced at its next :meth:`start_step`.
+
+        Raises:
+            RuntimeError: called before :meth:`start_step`.
+        """
+        if self.quorum is None or self.state is ReplicaState.JOINING:
+            raise RuntimeError(
+                "FaultTolerantReplicas.average_gradients: call start_step() first, once per step"
+            )
+        params = [p for p in parameters if p.requires_grad]
+        local = torch.cat([_grad_or_zeros(p).reshape(-1) for p in params]) if params else None
+        quorum = self.quorum
+        while True:
+            # A FAILED member takes part (its peers need not time out) but votes no.
+            result = None if local is None else self._reduce(quorum, local)
+            ok = self.state is ReplicaState.MEMBER and (local is None or result is not None)
+            verdict = vote(self.store, self.prefix, quorum, self.replica_id, ok, self.timeout_s)
+            if verdict.commit:
+                self._commit(params, result, quorum)
+                return True
+            if self.state is ReplicaState.FAILED or self.replica_id not in verdict.voters:
+                return self._drop()
+            self.stats.redone_reductions += 1
+            quorum = self._join(quorum.round + 1, redo=True)
+            if self.replica_id not in quorum.members:
+                return self._drop()
+            self.quorum = quorum
+
+    def _commit(
+        self, params: list[torch.Tensor], averaged: torch.Tensor | None, quorum: Quorum
+    ) -> None:
+        offset = 0
+        for p in params:
+            n = p.numel()
+            if averaged is not None:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.copy_(averaged[offset : offset + n].view_as(p))
+            offset += n
+        self.step += 1
+        self.stats.contributors.append(len(quorum.members))
+
+    def _drop(self) -> bool:
+        self.state, self.quorum, self._group = ReplicaState.JOINING, None, None
+        self.stats.dropped_steps += 1
+        return False
+
+
+def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)

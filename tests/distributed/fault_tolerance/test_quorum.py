@@ -1,0 +1,127 @@
+"""The quorum's decisions, in one process on a HashStore (the store's atomic operations
+decide; the replicas' arrival order does not change what is decided)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from shardkit.distributed.fault_tolerance.quorum import (
+    Arrival,
+    Quorum,
+    QuorumTimeoutError,
+    admit,
+    join_round,
+    read_quorum,
+    vote,
+)
+
+
+def _arrivals(*items: tuple[int, int, bool]) -> dict[int, Arrival]:
+    return {r: Arrival(r, s, redo) for r, s, redo in items}
+
+
+def test_admit_heals_the_replicas_behind_and_reuses_the_group() -> None:
+    previous = Quorum(4, 7, (0, 2), (), group_round=3)
+    same = admit(5, _arrivals((0, 8, False), (2, 8, False)), previous)
+    assert same == Quorum(5, 8, (0, 2), (), group_round=3)
+    # two joiners (a restart at step 0, a dropped one at 7) heal round-robin from 0 and 2
+    grown = admit(
+        5, _arrivals((2, 8, False), (0, 8, False), (3, 0, False), (1, 7, False)), previous
+    )
+    assert grown == Quorum(5, 8, (0, 1, 2, 3), ((1, 0), (3, 2)), group_round=5)
+    assert grown.source_of(3) == 2 and grown.source_of(0) is None and grown.healers_of(0) == [1]
+    # after a failed reduction nothing is reused (previous is None)
+    assert admit(6, _arrivals((0, 8, False), (2, 8, False)), None).group_round == 6
+
+
+def test_a_redo_round_admits_only_the_replicas_holding_that_steps_gradients() -> None:
+    quorum = admit(9, _arrivals((1, 4, False), (0, 5, True), (2, 5, True), (3, 4, True)), None)
+    assert quorum == Quorum(9, 5, (0, 2), (), group_round=9)
+
+
+def _join(store: dist.Store, round_: int, me: Arrival, out: dict[int, Quorum], **kw: float) -> None:
+    out[me.replica] = join_round(
+        store,
+        "p",
+        round_,
+        me,
+        min_replicas=1,
+        join_timeout_s=kw.get("join", 5.0),
+        quorum_timeout_s=10.0,
+        initial_replicas=int(kw.get("initial", 3)),
+    )
+
+
+def test_rounds_close_on_the_expected_members_and_verdicts_agree() -> None:
+    store = dist.HashStore()
+    out: dict[int, Quorum] = {}
+    threads = [
+        threading.Thread(target=_join, args=(store, 0, Arrival(r, 0, False), out)) for r in range(3)
+    ]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert {r: q.members for r, q in out.items()} == {r: (0, 1, 2) for r in range(3)}
+    first = out[0]
+    # replica 1 fails its reduction, replica 2 never votes: redo with 0 and 1
+    verdicts: dict[int, object] = {}
+    voters = [
+        threading.Thread(
+            target=lambda r=r, ok=ok: verdicts.update({r: vote(store, "p", first, r, ok, 0.3)})
+        )
+        for r, ok in ((0, True), (1, False))
+    ]
+    [t.start() for t in voters]
+    [t.join() for t in voters]
+    assert verdicts[0] == verdicts[1] and not verdicts[0].commit and verdicts[0].voters == (0, 1)
+    assert vote(store, "p", first, 2, True, 0.3) == verdicts[0]  # a late voter reads it
+    # round 1 expects the voters only: it closes at once with the redo arrivals
+    out.clear()
+    threads = [
+        threading.Thread(
+            target=_join, args=(store, 1, Arrival(r, 0, True), out), kwargs={"join": 60.0}
+        )
+        for r in (0, 1)
+    ]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert out[0] == out[1] == Quorum(1, 0, (0, 1), (), group_round=1)
+
+
+def test_too_few_replicas_time_out_with_the_numbers() -> None:
+    store = dist.HashStore()
+    with pytest.raises(
+        QuorumTimeoutError, match=r"1 replica\(s\) \[0\] at step 0 .* min_replicas=2"
+    ):
+        join_round(
+            store,
+            "p",
+            0,
+            Arrival(0, 0, False),
+            min_replicas=2,
+            join_timeout_s=0.05,
+            quorum_timeout_s=0.2,
+        )
+
+
+def test_replicas_behind_never_form_a_quorum_of_their_own() -> None:
+    """Regression: replica 1 alone committed step 1 in round 0; replica 0 (a late
+    starter, step 0) arrived at round 1 and, after the join timeout, closed it alone at
+    step 0 while replica 1 was still between steps: two lines of training, merged
+    later at equal step counts with different weights. Now round 1 waits for a replica
+    at step 1, and replica 0 heals from it."""
+    store = dist.HashStore()
+    out: dict[int, Quorum] = {}
+    _join(store, 0, Arrival(1, 0, False), out, initial=1)
+    assert vote(store, "p", out[1], 1, True, 1.0).commit
+    late = threading.Thread(
+        target=_join, args=(store, 1, Arrival(0, 0, False), out), kwargs={"join": 0.05}
+    )
+    late.start()
+    late.join(timeout=0.5)
+    assert late.is_alive() and read_quorum(store, "p", 1) is None  # still waiting
+    _join(store, 1, Arrival(1, 1, False), out, join=0.05)
+    late.join()
+    assert out[0] == out[1] == Quorum(1, 1, (0, 1), ((0, 1),), group_round=1)

@@ -1,0 +1,42 @@
+"""--fault-tolerant: flag combinations that cannot run are refused in one line (exit 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import train_gpt
+
+_FT = ["--fault-tolerant", "127.0.0.1:29600", "--max-replicas", "2", "--save-every", "0"]
+
+
+def _error(argv: list[str], world_size: int = 1) -> str | None:
+    env = train_gpt.Env(rank=0, world_size=world_size, device=torch.device("cpu"), owns_group=False)
+    return train_gpt.launch_error(train_gpt.parse_args(argv), env)
+
+
+def test_flag_combinations_are_checked() -> None:
+    assert _error(_FT) is None
+    assert _error([*_FT, "--replica-id", "1"]) is None
+    cases = [
+        (["--replica-id", "1"], "--replica-id / --max-replicas need --fault-tolerant HOST:PORT"),
+        ([*_FT[:-2], "--save-every", "0", "--strategy", "fsdp"], "runs --strategy ddp, not fsdp"),
+        ([*_FT, "--replica-id", "2"], "--replica-id 2 is not in [0, --max-replicas 2)"),
+        (["--fault-tolerant", "nohost", "--save-every", "0"], "expected HOST:PORT of the quorum"),
+        (_FT[:-2], "writes no checkpoints (a restarted replica receives the state"),
+    ]
+    for argv, message in cases:
+        got = _error(argv)
+        assert got is not None and message in got, (argv, got)
+    assert "launch one process per replica" in str(_error(_FT, world_size=2))
+    # the global batch is split over --max-replicas: 4 x 1 x 2
+    plan = train_gpt.batch_plan(train_gpt.parse_args([*_FT, "--batch-size", "4"]), 2)
+    assert plan.global_batch == 8
+
+
+def test_main_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = train_gpt.main([*_FT, "--strategy", "oss", "--out-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("train_gpt.py: error: --fault-tolerant runs --strategy ddp, not oss"), err
