@@ -334,10 +334,16 @@ class ProcessMesh:
         self._groups: dict[tuple[str, ...], tuple[dist.ProcessGroup, list[int]]] = {}
         self._created: list[dist.ProcessGroup] = []
 
+    def _key(self, dims: Iterable[str]) -> tuple[str, ...]:
+        """The cache key of ``dims``: their fine dimensions, without ``cp`` at ``cp = 1``
+        (so ``"dp_cp"`` is the very group ``"dp"`` is, and ``"dp_shard_cp"``
+        ``"dp_shard"``'s, when there is no context parallelism)."""
+        return tuple(d for d in fine_dims(dims) if d != "cp" or self.dims.cp > 1)
+
     def _entry(
         self, dims: tuple[str, ...], backend: str | None
     ) -> tuple[dist.ProcessGroup, list[int]]:
-        key = fine_dims(dims)
+        key = self._key(dims)
         if key not in self._groups:
             mine: tuple[dist.ProcessGroup, list[int]] | None = None
             for ranks in self.dims.group_ranks(dims):  # every rank, every group, same order
@@ -381,7 +387,7 @@ class ProcessMesh:
 
     def ranks(self, *dims: str) -> list[int]:
         """The global ranks of this rank's group of ``dims``, ascending (no collective)."""
-        key = fine_dims(dims)
+        key = self._key(dims)
         if key in self._groups:
             return list(self._groups[key][1])
         return next(r for r in self.dims.group_ranks(dims) if self.rank in r)

@@ -131,6 +131,10 @@ def run_mesh_configs(configs: list[dict[str, int]]) -> list[dict[str, Any]]:
                 "local_rank": mesh.local_rank(*dims),
                 "size": mesh.size(*dims),
             }
+        # without context parallelism the cp-joined groups are the very same groups
+        same = mesh.group("dp_cp") is mesh.group("dp")
+        same &= mesh.group("dp_shard_cp") is mesh.group("dp_shard")
+        result["cp_groups_shared"] = same
         mesh.destroy()
         out.append(result)
     return out
@@ -209,6 +213,7 @@ def test_mesh_groups_on_ranks(rank_pool: Any, world: int) -> None:
         for rank in range(world):
             result = per_rank[rank][i]
             assert tuple(result["coords"].values()) == _coords(rank, *full.values())
+            assert result["cp_groups_shared"] == (dims.cp == 1)
             for names in DIM_SETS:
                 expanded = EXPANDED.get(names[0], names) if len(names) == 1 else names
                 want = _expected(world, full, expanded, rank)

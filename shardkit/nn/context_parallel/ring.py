@@ -237,10 +237,12 @@ def ring_attention(
     """Softmax attention of this rank's queries over the whole sequence held by ``group``.
 
     Args:
-        q, k, v: ``(batch, heads, seq / P, head_dim)``, this rank's slice (SDPA's layout).
+        q: ``(batch, heads, seq / P, head_dim)``, this rank's queries (SDPA's layout).
             ``causal=True``: the zig-zag slice (chunks ``r`` and ``2P - 1 - r`` of ``2P``;
             see ``[Note: zig-zag causal layout]``); ``causal=False``: any slice, e.g. the
             contiguous one.
+        k: the same slice's keys, ``q``'s shape.
+        v: the same slice's values, ``q``'s shape.
         group: the context-parallel process group (``mesh.group("cp")``) of ``P`` ranks.
         causal: mask each query to the keys at or before its position. Default False.
         scale: the softmax scale; default ``1 / sqrt(head_dim)``.

@@ -84,10 +84,12 @@ class DistributedAttention(nn.Module):
         """Attention of this rank's query slice over the whole sequence.
 
         Args:
-            query, key, value: this rank's sequence slice, heads on ``scatter_idx``,
-                sequence on ``gather_idx`` (default ``(s/P, b, h, d)``).
-            args, kwargs: passed to ``local_attention`` (e.g. a mask over the whole
-                sequence).
+            query: this rank's sequence slice, heads on ``scatter_idx``, sequence on
+                ``gather_idx`` (default ``(s/P, b, h, d)``).
+            key: the same slice's keys, ``query``'s layout.
+            value: the same slice's values, ``query``'s layout.
+            *args: passed to ``local_attention`` (e.g. a mask over the whole sequence).
+            **kwargs: passed to ``local_attention``.
 
         Returns:
             This rank's slice of the output, ``query``'s layout and sequence length.
