@@ -15,6 +15,7 @@ from shardkit.nn.context_parallel import (
     combine_sequence,
     ring_attention,
     split_sequence,
+    token_mean_loss,
 )
 
 B, H, D = 2, 4, 8
@@ -150,3 +151,30 @@ def run_bad_inputs() -> list[str]:
     assert ok.shape == odd.shape
     mesh.destroy()
     return messages
+
+
+def run_token_mean_loss() -> dict[str, float]:
+    """``token_mean_loss`` over 4 ranks holding different numbers of counted tokens
+    (ignored labels) against single-process cross entropy over the whole batch: the
+    global loss, and each rank's logits gradient averaged over the ranks (as DDP does)
+    against its slice of the reference gradient."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(2, 8 * world, 11, generator=g)
+    targets = torch.randint(0, 11, (2, 8 * world), generator=g)
+    targets[:, : 8 * world // 2 + 3] = -100  # the first ranks count fewer tokens
+    ref = logits.clone().requires_grad_()
+    want = F.cross_entropy(ref.reshape(-1, 11), targets.reshape(-1), ignore_index=-100)
+    want.backward()
+    local = split_sequence(logits, rank, world, zigzag=False).requires_grad_()
+    loss, global_loss = token_mean_loss(
+        local, split_sequence(targets, rank, world, zigzag=False), None
+    )
+    loss.backward()
+    assert local.grad is not None and ref.grad is not None
+    grad = local.grad / world  # the data-parallel average
+    want_grad = split_sequence(ref.grad, rank, world, zigzag=False)
+    return {
+        "loss": abs(global_loss.item() - want.item()),
+        "grad": (grad - want_grad).abs().max().item(),
+    }

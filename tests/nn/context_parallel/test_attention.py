@@ -13,7 +13,11 @@ from typing import Any
 
 import torch
 
-from tests.nn.context_parallel.cp_workers import run_attention_parity, run_bad_inputs
+from tests.nn.context_parallel.cp_workers import (
+    run_attention_parity,
+    run_bad_inputs,
+    run_token_mean_loss,
+)
 
 CONFIGS: list[dict[str, Any]] = [
     {"cp": cp, "method": m, "causal": c, "seq": 16, "dtype": torch.float32}
@@ -63,3 +67,8 @@ def test_bad_inputs_raise_clear_errors(rank_pool: Any) -> None:
     assert "multiple of 2" in heads and "ring attention" in heads
     assert "keeps the sequence length" in length
     assert "divisible by 2 x cp" in odd
+
+
+def test_token_mean_loss_is_the_global_token_mean(rank_pool: Any) -> None:
+    for res in rank_pool(4).run(run_token_mean_loss):
+        assert res["loss"] < 1e-6 and res["grad"] < 1e-7, res
