@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardkit.compose import PipelineSplit, parallelize_model
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
+from shardkit.models import GPT, GPTConfig, gpt_stages
 from shardkit.nn.context_parallel import (
     DistributedAttention,
     combine_sequence,
@@ -150,6 +152,16 @@ def run_bad_inputs() -> list[str]:
     ok = ring_attention(odd, odd, odd, group, causal=False)
     assert ok.shape == odd.shape
     mesh.destroy()
+    # compose: context parallelism does not compose with a pipeline (refused, no group made)
+    piped = ProcessMesh(ParallelDims(world_size=world, pp=2, cp=2))
+    split = PipelineSplit(gpt_stages, lambda out, y: out.sum())
+    model = GPT(GPTConfig(n_layer=2))
+    messages.append(
+        _raises(
+            lambda: parallelize_model(model, piped, pipeline=split, data_parallel="ddp"),
+            r"a pipeline with cp 2 \(pp 2 x dp_replicate 1 x dp_shard 1 x cp 2 x tp 1\)",
+        )
+    )
     return messages
 
 

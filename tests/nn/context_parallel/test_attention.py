@@ -63,10 +63,11 @@ def test_parity_with_full_sequence_sdpa_and_each_other(rank_pool: Any) -> None:
 def test_bad_inputs_raise_clear_errors(rank_pool: Any) -> None:
     per_rank = rank_pool(4).run(run_bad_inputs)
     assert all(msgs == per_rank[0] for msgs in per_rank)
-    heads, length, odd = per_rank[0]
+    heads, length, odd, piped = per_rank[0]
     assert "multiple of 2" in heads and "ring attention" in heads
     assert "keeps the sequence length" in length
     assert "divisible by 2 x cp" in odd
+    assert "build the mesh with cp=1 or without pp" in piped
 
 
 def test_token_mean_loss_is_the_global_token_mean(rank_pool: Any) -> None:
