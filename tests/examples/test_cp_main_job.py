@@ -2,7 +2,7 @@
 (Ulysses or ring attention), the data-parallel reduction over ``dp_shard x cp``.
 
 One 4-rank spawn runs every config: the first-step loss at ``--cp 2`` (ddp, Ulysses)
-and ``--cp 4`` (fsdp, ring) equals the ``--cp 1`` run's (same global batch) within
+and ``--cp 4`` (fsdp, ring, activation checkpointing) equals the ``--cp 1`` run's (same global batch) within
 1e-5; a checkpoint written at ``--cp 2`` resumes at ``--cp 1`` and ends as the
 uninterrupted ``--cp 1`` run does. The context-parallel GPT against the plain GPT at
 cp = 2 and 4, both methods: logits, loss and every gradient. Bad ``--cp`` flags exit 2 with one line.
@@ -32,7 +32,10 @@ COMMON = [
 ]
 RUNS: dict[str, list[str]] = {
     "ddp-cp1": ["--strategy", "ddp"],
-    "fsdp-cp4-ring": ["--strategy", "fsdp", "--cp", "4", "--cp-method", "ring"],
+    "fsdp-cp4-ring": [
+        *("--strategy", "fsdp", "--cp", "4", "--cp-method", "ring"),
+        "--activation-checkpointing",  # the ring runs again in the recompute
+    ],
     # one step at cp 2, its checkpoint resumed at cp 1
     "save-cp2": ["--strategy", "ddp", "--cp", "2", "--cp-method", "ulysses", "--save-every", "1"],
 }
@@ -56,6 +59,7 @@ def test_cp_first_step_loss_equals_cp1_and_resumes_at_cp1(rank_pool: Any, tmp_pa
     assert len(ref["train_loss"]) == STEPS and ref["train_loss"][0][1] > 4.0  # ~ln 256
     ring = _metrics(tmp_path / "fsdp-cp4-ring")
     assert ring["args"]["cp"] == 4 and ring["args"]["cp_method"] == "ring"
+    assert ring["args"]["activation_checkpointing"]
     assert abs(ring["train_loss"][0][1] - ref["train_loss"][0][1]) < 1e-5, (ring, ref)
     assert abs(ring["train_loss"][1][1] - ref["train_loss"][1][1]) < 1e-4, (ring, ref)
     resumed = _metrics(save)  # the resumed run's metrics carry the cp-2 step before it
