@@ -97,6 +97,9 @@ class StrategyConfig:
             ``tp``). Above 1 the GPT is split over groups of ``tp`` consecutive ranks
             (``tp.gpt_plan()``) and the strategy reduces, shards or pipelines over the
             other ranks only. Default 1.
+        sequence_parallel: with ``tp`` > 1 (not pipe): Megatron-LM's sequence
+            parallelism, ``tp.gpt_plan(sequence_parallel=True)``
+            (``examples/gpt_sequence_parallel.py``). Default False.
         dp_shard: fsdp, hsdp, pipe: the mesh's ``dp_shard`` (ranks sharding each FSDP
             unit; pipe: stage replicas). None: inferred (:func:`parallel_dims`).
             Default None.
@@ -127,6 +130,7 @@ class StrategyConfig:
     shard_size: int | None = None
     grad_compression: str | None = None
     tp: int = 1
+    sequence_parallel: bool = False
     dp_shard: int | None = None
     dp_replicate: int | None = None
     pp: int | None = None

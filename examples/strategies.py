@@ -337,7 +337,7 @@ def _parallelize(
     return parallelize_model(
         model,
         mesh,
-        tp_plan=tp.gpt_plan(),
+        tp_plan=tp.gpt_plan(sequence_parallel=config.sequence_parallel),
         activation_checkpointing={Block} if config.activation_checkpointing else (),
         fsdp_units={Block},
         mixed_precision=fsdp_policy(config.precision) if fsdp else None,

@@ -43,6 +43,7 @@ from gpt_data import VOCAB_SIZE, BatchSampler, InputError, eval_windows, load_by
 from gpt_dist import Env, all_gather_ints, setup_distributed
 from gpt_moe import AUX_LOSS_COEF, MoEGPT, MoESettings, active_and_total, moe_step_stats
 from gpt_report import SAMPLE_PROMPT, StepProfiler, parse_steps, plot_metrics, sample_text
+from gpt_sequence_parallel import sequence_parallel_error
 from strategies import (
     PRECISIONS,
     STRATEGIES,
@@ -200,6 +201,7 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     )
     add("--shard-size", type=_positive, default=None, help="hsdp: ranks per shard group")
     add("--tp", type=_positive, default=opt.tp, help="tensor-parallel degree (not offload)")
+    add("--sequence-parallel", action="store_true", help="with --tp: Megatron-LM's sequence split")
     add("--dp-shard", type=_positive, default=None, help="fsdp/hsdp/pipe: ranks sharding")
     add("--dp-replicate", type=_positive, default=None, help="fsdp/hsdp/pipe: replicas")
     add("--pp", type=_positive, default=None, help="pipe: pipeline stages (default: the rest)")
@@ -224,7 +226,12 @@ def parse_args(argv: list[str] | None) -> JobConfig:
             parse_steps(config.profile_steps)
         except ValueError as err:
             raise InputError(str(err)) from None
-    problem = option_error(config.strategy) or _cp_error(config)
+    opt = config.strategy
+    problem = (
+        option_error(opt)
+        or sequence_parallel_error(opt.sequence_parallel, opt.tp, config.seq_len, opt.name)
+        or _cp_error(config)
+    )
     if problem is not None:
         raise InputError(problem)
     return config

@@ -106,9 +106,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Sizes come from the projection's output, not from x: under tensor parallelism
-        # qkv holds this rank's n_head heads only (shardkit.nn.tensor_parallel.gpt_plan).
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=2)
+        # qkv holds this rank's n_head heads only, and under sequence parallelism x is
+        # this rank's chunk of the sequence, qkv all of it (tensor_parallel.gpt_plan).
+        qkv = self.qkv(x)
+        b, t, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=2)
         q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in (q, k, v))
         if self.core is not None:
             y = self.core(q, k, v)

@@ -28,6 +28,15 @@ layers with bookkeeping of their own.
 the inputs' device) are replayed by ``torch.utils.checkpoint`` (``preserve_rng_state``),
 so dropout draws the same mask twice.
 
+[Note: other state replayed in the recompute]
+State of another kind that a region's forward reads and advances (the tensor-parallel
+RNG tracker's named generator states, ``shardkit.nn.tensor_parallel.random``) goes
+through :func:`replayed`: in a checkpointed region's forward, ``replayed(value)``
+records ``value`` and returns it; in that region's recompute, its n-th call returns
+what the n-th call of the forward recorded; outside any region it returns ``value``.
+Regions nest: a value passes through every open region, outermost first, so the
+recompute of an outer region hands an inner region the values of the first forward.
+
 [Note: the wrapper and the wrapped module]
 FairScale's ``checkpoint_wrapper`` patches ``forward`` on the module it is given and
 returns that same module, so ``isinstance(wrapped, MyBlock)`` holds. Here the wrapper
@@ -67,6 +76,7 @@ __all__ = [
     "is_checkpointing_disabled",
     "is_recomputing",
     "recomputing",
+    "replayed",
     "run_checkpointed",
 ]
 
@@ -105,13 +115,72 @@ def disable_checkpointing() -> Iterator[None]:
         _state.checkpointing_disabled = previous
 
 
+class _Frame:
+    """One open region for :func:`replayed`: recording its forward's values, or
+    replaying them in order (``[Note: other state replayed in the recompute]``)."""
+
+    def __init__(self, values: list[object], replay: bool) -> None:
+        self.values, self.replay, self.next = values, replay, 0
+
+    def pass_value(self, value: object) -> object:
+        if not self.replay:
+            self.values.append(value)
+            return value
+        if self.next >= len(self.values):
+            raise RuntimeError(
+                f"the recompute of a checkpointed region called replayed() more often than "
+                f"its forward ({len(self.values)} times): the region's forward must make "
+                "the same calls both times"
+            )
+        self.next += 1
+        return self.values[self.next - 1]
+
+
+def _frames() -> list[_Frame]:
+    if not hasattr(_state, "frames"):
+        _state.frames = []
+    frames: list[_Frame] = _state.frames
+    return frames
+
+
+def replayed(value: object) -> object:
+    """``value``, or in a checkpointed region's recompute what the forward passed here
+    (the n-th call of the recompute gets the n-th value of the forward; see ``[Note:
+    other state replayed in the recompute]``).
+
+    Example:
+        >>> start = replayed(my_generator_state)  # doctest: +SKIP
+
+    Raises:
+        RuntimeError: a recompute calls it more often than its forward did.
+    """
+    for frame in _frames():  # outermost first
+        value = frame.pass_value(value)
+    return value
+
+
+class _Recording:
+    """The forward context of one checkpointed call: :func:`replayed` records into
+    ``values``."""
+
+    def __init__(self, values: list[object]) -> None:
+        self.values = values
+
+    def __enter__(self) -> None:
+        _frames().append(_Frame(self.values, replay=False))
+
+    def __exit__(self, *exc: object) -> None:
+        _frames().pop()
+
+
 class _Recomputing:
     """The reusable context manager :func:`recomputing` returns (torch enters the one
     ``context_fn`` gave once per recompute, so a ``retain_graph`` backward enters it
-    again: a generator-based one would fail the second time)."""
+    again: a generator-based one would fail the second time). With ``values`` (what
+    the forward recorded), :func:`replayed` replays them inside."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    def __init__(self, module: nn.Module, values: list[object] | None = None) -> None:
+        self.module, self.values = module, values
         self._entries: list[tuple[bool, list[tuple[torch.Tensor, torch.Tensor]]]] = []
 
     def __enter__(self) -> None:
@@ -123,8 +192,12 @@ class _Recomputing:
         ]
         self._entries.append((is_recomputing(), saved))
         _state.recomputing = True
+        if self.values is not None:
+            _frames().append(_Frame(self.values, replay=True))
 
     def __exit__(self, *exc: object) -> None:
+        if self.values is not None:
+            _frames().pop()
         previous, saved = self._entries.pop()
         _state.recomputing = previous
         with torch.no_grad():
@@ -157,7 +230,8 @@ def run_checkpointed(
     ``torch.utils.checkpoint``, so keyword arguments, non-tensor outputs, inputs that do
     not require grad and nesting work; the recomputation autograd runs in backward
     happens inside :func:`recomputing` (``module``'s BatchNorm statistics restored) with
-    the forward's random number generator states.
+    the forward's random number generator states, and :func:`replayed` giving back the
+    forward's values.
 
     Args:
         module: the module whose state the call may change (its BatchNorm statistics
@@ -173,7 +247,8 @@ def run_checkpointed(
     def contexts() -> tuple[
         contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]
     ]:
-        return contextlib.nullcontext(), recomputing(module)
+        values: list[object] = []  # what replayed() sees in this call's forward
+        return _Recording(values), _Recomputing(module, values)
 
     return checkpoint(
         module if fn is None else fn,

@@ -60,13 +60,18 @@ def _assert_follows(tp_dir: Path, plain_dir: Path) -> None:
 def test_tp2_ddp_on_two_ranks_follows_the_plain_gpt(rank_pool: Any, tmp_path: Path) -> None:
     """``--tp 2`` on 2 ranks (data parallel 1) against the plain GPT on 1 rank: the same
     4 rows per step (sampler of data-parallel rank 0)."""
-    plain, split = tmp_path / "plain", tmp_path / "tp2"
+    plain, split, seq = tmp_path / "plain", tmp_path / "tp2", tmp_path / "tp2-sp"
     assert train_gpt.main([*COMMON, "--out-dir", str(plain)]) == 0  # 1 rank, in process
-    codes = rank_pool(2).run(
-        _run_main, [[*COMMON, "--tp", "2", "--out-dir", str(split)]], timeout_s=120
-    )
-    assert codes == [[0], [0]]
+    argvs = [
+        [*COMMON, "--tp", "2", "--out-dir", str(split)],
+        [*COMMON, "--tp", "2", "--sequence-parallel", "--out-dir", str(seq)],
+    ]
+    codes = rank_pool(2).run(_run_main, argvs, timeout_s=180)
+    assert codes == [[0, 0], [0, 0]]
     _assert_follows(split, plain)
+    _assert_follows(seq, plain)  # sequence parallelism: the same training
+    assert abs(_losses(seq)[0] - _losses(split)[0]) < 1e-5
+    assert _metrics(seq)["args"]["sequence_parallel"] is True
     m = _metrics(split)
     assert (m["world_size"], m["args"]["tp"]) == (2, 2)
     n = GPT(gpt_config("tiny", vocab_size=256, block_size=32)).num_parameters()
@@ -89,11 +94,16 @@ def test_tp2_fsdp_and_sdp_on_four_ranks(rank_pool: Any, tmp_path: Path) -> None:
         [*COMMON, "--tp", "2", "--strategy", name, "--out-dir", str(tmp_path / name)]
         for name in names
     ]
-    assert rank_pool(4).run(_run_main, split, timeout_s=150) == [[0, 0]] * 4
+    seq = tmp_path / "fsdp-sp"  # sequence parallelism in checkpointed FSDP units
+    split.append([*COMMON, "--tp", "2", "--sequence-parallel", "--out-dir", str(seq)])
+    split[-1] += ["--strategy", "fsdp", "--activation-checkpointing"]
+    assert rank_pool(4).run(_run_main, split, timeout_s=200) == [[0, 0, 0]] * 4
     for name in names:
         _assert_follows(tmp_path / name, tmp_path / f"plain-{name}")
         m = _metrics(tmp_path / name)
         assert (m["world_size"], m["strategy"], m["args"]["tp"]) == (4, name, 2)
+    _assert_follows(seq, tmp_path / "plain-fsdp")
+    assert abs(_losses(seq)[0] - _losses(tmp_path / "fsdp")[0]) < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -114,6 +124,21 @@ def test_tp2_fsdp_and_sdp_on_four_ranks(rank_pool: Any, tmp_path: Path) -> None:
             "(1) x tp (1) = 2 (the mesh of --strategy pipe)",
         ),
         (["--tp", "0"], "--tp: must be >= 1, got 0"),
+        (
+            ["--sequence-parallel"],
+            "--sequence-parallel splits each sequence over the tensor-parallel ranks; it "
+            "needs --tp > 1 (got --tp 1)",
+        ),
+        (
+            ["--sequence-parallel", "--tp", "2", "--seq-len", "31"],
+            "--seq-len 31 is not divisible by --tp 2 (--sequence-parallel splits each "
+            "sequence into 2 equal chunks); choose a --seq-len that is a multiple of 2",
+        ),
+        (
+            ["--sequence-parallel", "--tp", "2", "--strategy", "pipe"],
+            "--sequence-parallel applies to --strategy ddp / oss / sdp / fsdp / hsdp, not "
+            "'pipe' (sequence chunks through pipeline stages are not tested)",
+        ),
         (["--tp", "2"], "--tp 2 does not divide the world size 1; launch a multiple of 2"),
         (  # not a launch error: checked before training, like --tp's
             ["--strategy", "pipe", "--chunks", "100"],

@@ -1,12 +1,13 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, section 3), FairScale's names.
 
 - :mod:`~shardkit.nn.tensor_parallel.mappings`: the four region operators (copy / reduce /
-  scatter / gather);
+  scatter / gather) and the three of sequence parallelism;
 - :mod:`~shardkit.nn.tensor_parallel.linear`: :class:`ColumnParallelLinear`,
   :class:`RowParallelLinear`;
 - :mod:`~shardkit.nn.tensor_parallel.embedding`: :class:`VocabParallelEmbedding`,
   :class:`ParallelEmbedding`;
 - :mod:`~shardkit.nn.tensor_parallel.cross_entropy`: :func:`vocab_parallel_cross_entropy`;
+- :mod:`~shardkit.nn.tensor_parallel.sequence_parallel`: :class:`SequenceParallelLayerNorm`;
 - :mod:`~shardkit.nn.tensor_parallel.random`: the model-parallel RNG tracker;
 - :mod:`~shardkit.nn.tensor_parallel.plan`: :func:`parallelize` an existing model by a
   plan (:func:`gpt_plan` for the GPT);
@@ -27,10 +28,13 @@ from shardkit.nn.tensor_parallel.mappings import (
     copy_to_model_parallel_region,
     copy_to_tensor_parallel_region,
     gather_from_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_model_parallel_region,
     reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_model_parallel_region,
+    scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
 from shardkit.nn.tensor_parallel.partition import full_tensor, is_tensor_parallel, shard
@@ -38,6 +42,7 @@ from shardkit.nn.tensor_parallel.plan import (
     ColumnParallel,
     HeadParallel,
     RowParallel,
+    SequenceParallel,
     VocabParallel,
     gpt_plan,
     hf_gpt2_plan,
@@ -49,6 +54,7 @@ from shardkit.nn.tensor_parallel.random import (
     model_parallel_cuda_manual_seed,
     model_parallel_manual_seed,
 )
+from shardkit.nn.tensor_parallel.sequence_parallel import SequenceParallelLayerNorm
 from shardkit.nn.tensor_parallel.state_dict import (
     consolidated_state_dict,
     load_consolidated_state_dict,
@@ -63,6 +69,8 @@ __all__ = [
     "ParallelEmbedding",
     "RowParallel",
     "RowParallelLinear",
+    "SequenceParallel",
+    "SequenceParallelLayerNorm",
     "VocabParallel",
     "VocabParallelEmbedding",
     "clip_grad_norm_",
@@ -71,6 +79,7 @@ __all__ = [
     "copy_to_tensor_parallel_region",
     "full_tensor",
     "gather_from_model_parallel_region",
+    "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",
     "get_cuda_rng_tracker",
     "get_rng_tracker",
@@ -84,8 +93,10 @@ __all__ = [
     "parallelize",
     "reduce_from_model_parallel_region",
     "reduce_from_tensor_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
     "save_sharded",
     "scatter_to_model_parallel_region",
+    "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_parallel_region",
     "shard",
     "vocab_parallel_cross_entropy",

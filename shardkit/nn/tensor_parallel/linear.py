@@ -13,6 +13,14 @@
 A column-then-row pair (an MLP, or attention split by heads) costs one all-reduce in
 forward and one in backward.
 
+With ``sequence_parallel=True`` (Megatron-LM's flag; Korthikanti et al. 2022, section
+4.2.2) the activations outside the pair are split along the sequence dimension
+(``(b, s / T, h)`` on each rank): the column-parallel layer all-gathers its input along
+the sequence instead of ``f``, the row-parallel layer reduce-scatters its output along
+the sequence instead of ``g``'s all-reduce, and adds its bias (a replica) to its
+sequence chunk, the bias gradient summed over the group (see
+``[Note: sequence-parallel regions]`` in :mod:`~shardkit.nn.tensor_parallel.mappings`).
+
 [Note: init_method semantics]
 As FairScale (``fairscale.nn.model_parallel.layers``): the full *master* weight is
 created and initialised with ``init_method`` on every rank, then each rank keeps its
@@ -34,8 +42,10 @@ from shardkit.distributed.shard_descriptor import ranks_of
 from shardkit.nn.tensor_parallel.groups import TPGroup, rank_and_size, resolve_group
 from shardkit.nn.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
 from shardkit.nn.tensor_parallel.partition import divide, mark_tensor_parallel, shard
@@ -91,14 +101,20 @@ class ColumnParallelLinear(nn.Module):
             so each rank gets whole heads of each). Default 1.
         keep_master_weight_for_test: keep the master weight as ``self.master_weight``.
             Default False.
+        sequence_parallel: the input is this rank's chunk of the sequence,
+            ``(batch, seq / tp, in_features)``, all-gathered along dim 1 before the
+            matmul (reduce-scatter of its gradient in backward); the output covers the
+            whole sequence. Default False (the input is whole on every rank).
         process_group: the tensor-parallel group; default None (the mesh's, see
             :func:`~shardkit.nn.tensor_parallel.groups.resolve_group`).
         dtype: of the local shard; default None (torch's default dtype).
         device: of the local shard; default None (CPU).
 
-    Shapes: input ``(..., in_features)``; output ``(..., out_features)`` or
-    ``(..., out_features / tp)``. Parameters: ``weight`` ``(out_features / tp,
-    in_features)``, ``bias`` ``(out_features / tp,)``, marked tensor-parallel along dim 0.
+    Shapes: input ``(..., in_features)`` (``(batch, seq / tp, in_features)`` with
+    ``sequence_parallel``); output ``(..., out_features)`` or
+    ``(..., out_features / tp)`` over the whole sequence. Parameters: ``weight``
+    ``(out_features / tp, in_features)``, ``bias`` ``(out_features / tp,)``, marked
+    tensor-parallel along dim 0.
 
     Raises:
         ValueError: ``out_features`` not divisible by ``tp x stride`` (sizes named).
@@ -116,6 +132,7 @@ class ColumnParallelLinear(nn.Module):
         stride: int = 1,
         keep_master_weight_for_test: bool = False,
         *,
+        sequence_parallel: bool = False,
         process_group: TPGroup = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -125,6 +142,7 @@ class ColumnParallelLinear(nn.Module):
         world = rank_and_size(self.process_group)[1]
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.stride, self.world_size = gather_output, stride, world
+        self.sequence_parallel = sequence_parallel
         self.output_size_per_partition = (
             divide(
                 out_features, world * stride, f"ColumnParallelLinear out_features {out_features}"
@@ -151,6 +169,7 @@ class ColumnParallelLinear(nn.Module):
         *,
         gather_output: bool = True,
         stride: int = 1,
+        sequence_parallel: bool = False,
         process_group: TPGroup = None,
     ) -> ColumnParallelLinear:
         """The column-parallel version of ``linear``: this rank keeps its shard of
@@ -162,6 +181,7 @@ class ColumnParallelLinear(nn.Module):
             gather_output=gather_output,
             init_method=lambda w: w.copy_(linear.weight.detach()),
             stride=stride,
+            sequence_parallel=sequence_parallel,
             process_group=process_group,
             dtype=linear.weight.dtype,
             device=linear.weight.device,
@@ -173,7 +193,10 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_parallel_region(x, self.process_group)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.process_group)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.process_group)
         y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.process_group)
@@ -182,7 +205,8 @@ class ColumnParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"tp={self.world_size}, stride={self.stride}, gather_output={self.gather_output}"
+            f"tp={self.world_size}, stride={self.stride}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
         )
 
 
@@ -205,17 +229,25 @@ class RowParallelLinear(nn.Module):
             in place. Default ``torch.nn.init.xavier_normal_``.
         stride: interleaved blocks per rank along the input. Default 1.
         keep_master_weight_for_test: keep the master weight as ``self.master_weight``.
+        sequence_parallel: reduce-scatter the output along the sequence (dim 1) instead
+            of all-reducing it: each rank gets the sum for its chunk of the sequence,
+            ``(batch, seq / tp, out_features)``, and adds the bias there (its gradient
+            summed over the group in backward, so every rank's is the whole gradient).
+            Needs ``input_is_parallel``. Default False.
         process_group: the tensor-parallel group; default None (the mesh's).
         dtype: of the local shard; default None (torch's default dtype).
         device: of the local shard; default None (CPU).
 
     Shapes: input ``(..., in_features / tp)`` or ``(..., in_features)``; output
-    ``(..., out_features)``. Parameters: ``weight`` ``(out_features, in_features / tp)``
+    ``(..., out_features)`` (``(batch, seq / tp, out_features)`` with
+    ``sequence_parallel``). Parameters: ``weight`` ``(out_features, in_features / tp)``
     marked tensor-parallel along dim 1, ``bias`` ``(out_features,)`` a replica
     (its shard descriptor's replica group is the tensor-parallel group).
 
     Raises:
-        ValueError: ``in_features`` not divisible by ``tp x stride`` (sizes named).
+        ValueError: ``in_features`` not divisible by ``tp x stride`` (sizes named);
+            ``sequence_parallel`` without ``input_is_parallel``; in forward with
+            ``sequence_parallel``, a sequence length not divisible by ``tp``.
 
     Source: Shoeybi et al. 2019, "Megatron-LM", section 3 (``X_i A_i`` then ``g``).
     """
@@ -230,15 +262,23 @@ class RowParallelLinear(nn.Module):
         stride: int = 1,
         keep_master_weight_for_test: bool = False,
         *,
+        sequence_parallel: bool = False,
         process_group: TPGroup = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError(
+                "RowParallelLinear(sequence_parallel=True) needs input_is_parallel=True: "
+                "its input is the output of a column-parallel layer; pass "
+                "input_is_parallel=True"
+            )
         self.process_group = resolve_group(process_group)
         world = rank_and_size(self.process_group)[1]
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.stride, self.world_size = input_is_parallel, stride, world
+        self.sequence_parallel = sequence_parallel
         self.input_size_per_partition = (
             divide(in_features, world * stride, f"RowParallelLinear in_features {in_features}")
             * stride
@@ -264,6 +304,7 @@ class RowParallelLinear(nn.Module):
         *,
         input_is_parallel: bool = False,
         stride: int = 1,
+        sequence_parallel: bool = False,
         process_group: TPGroup = None,
     ) -> RowParallelLinear:
         """The row-parallel version of ``linear`` (the same on every rank)."""
@@ -274,6 +315,7 @@ class RowParallelLinear(nn.Module):
             input_is_parallel=input_is_parallel,
             init_method=lambda w: w.copy_(linear.weight.detach()),
             stride=stride,
+            sequence_parallel=sequence_parallel,
             process_group=process_group,
             dtype=linear.weight.dtype,
             device=linear.weight.device,
@@ -286,12 +328,20 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.process_group)
-        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.process_group)
-        return y if self.bias is None else y + self.bias
+        partial = F.linear(x, self.weight)
+        if not self.sequence_parallel:
+            y = reduce_from_tensor_parallel_region(partial, self.process_group)
+            return y if self.bias is None else y + self.bias
+        y = reduce_scatter_to_sequence_parallel_region(partial, self.process_group)
+        if self.bias is None:
+            return y
+        # each rank's chunk gives a partial bias gradient: summed over the group in backward
+        return y + copy_to_tensor_parallel_region(self.bias, self.process_group)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"tp={self.world_size}, stride={self.stride}, "
-            f"input_is_parallel={self.input_is_parallel}"
+            f"input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}"
         )

@@ -23,6 +23,23 @@ tensor-parallel rank): :func:`parallelize` records the tensor-parallel group as 
 replica group of every tensor it does not split (its shard descriptor, see
 :mod:`~shardkit.nn.tensor_parallel.universal_layout`), so a checkpoint writes each
 once, whatever data-parallel wrapper is put around the model.
+
+[Note: the GPT plan with sequence parallelism]
+``gpt_plan(sequence_parallel=True)`` keeps the residual stream split along the sequence
+between the tensor-parallel regions (Korthikanti et al. 2022, section 4.2.2): the
+embedding dropout (``drop``) scatters the summed embeddings to ``(b, s / T, h)`` and
+runs on the chunk; ``ln_1``, ``ln_2`` and ``ln_f`` become
+:class:`~shardkit.nn.tensor_parallel.SequenceParallelLayerNorm`; ``qkv``, ``mlp.0`` and
+the LM head all-gather their input along the sequence, ``proj`` and ``mlp.2``
+reduce-scatter their output; the MLP's dropout runs on the chunk. The dropouts of the
+sequence chunks draw from the RNG tracker's tensor-parallel stream (different positions
+on every rank, so they must not share masks; call
+:func:`~shardkit.nn.tensor_parallel.model_parallel_manual_seed` when ``dropout > 0``).
+Per block: 2 all-gathers and 2 reduce-scatters of ``b x s x h`` in forward and in
+backward, the bytes of TP's 4 all-reduces; plus one all-reduce of the LayerNorm and
+row-parallel-bias gradients (``6 h`` elements). Outside the blocks: one all-gather more
+than TP in backward (the scatter after the embedding; the LM head's input gather and
+its reduce-scatter replace one all-reduce).
 """
 
 from __future__ import annotations
@@ -39,8 +56,10 @@ from shardkit.distributed.shard_descriptor import ranks_of
 from shardkit.nn.tensor_parallel.embedding import VocabParallelEmbedding
 from shardkit.nn.tensor_parallel.groups import TPGroup, rank_and_size, resolve_group
 from shardkit.nn.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from shardkit.nn.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from shardkit.nn.tensor_parallel.partition import is_tensor_parallel
 from shardkit.nn.tensor_parallel.random import get_rng_tracker
+from shardkit.nn.tensor_parallel.sequence_parallel import SequenceParallelLayerNorm
 from shardkit.nn.tensor_parallel.universal_layout import record_replica
 
 __all__ = [
@@ -48,6 +67,7 @@ __all__ = [
     "HeadParallel",
     "ParallelStyle",
     "RowParallel",
+    "SequenceParallel",
     "VocabParallel",
     "gpt_plan",
     "hf_gpt2_plan",
@@ -62,10 +82,13 @@ class ColumnParallel:
     Attributes:
         gather_output: all-gather the output. Default False (a row-parallel layer follows).
         stride: interleaved blocks (3 for a fused ``[q | k | v]``). Default 1.
+        sequence_parallel: the input is a sequence chunk, all-gathered along dim 1
+            (:class:`ColumnParallelLinear`'s ``sequence_parallel``). Default False.
     """
 
     gather_output: bool = False
     stride: int = 1
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,9 +97,13 @@ class RowParallel:
 
     Attributes:
         input_is_parallel: the input is a column-parallel output. Default True.
+        sequence_parallel: reduce-scatter the output along the sequence (dim 1) instead
+            of all-reducing it (:class:`RowParallelLinear`'s ``sequence_parallel``).
+            Default False.
     """
 
     input_is_parallel: bool = True
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +135,30 @@ class HeadParallel:
     fork_rng: bool = False
 
 
+@dataclass(frozen=True)
+class SequenceParallel:
+    """Run a module on this rank's chunk of the sequence (dim 1): a LayerNorm (replaced
+    by :class:`SequenceParallelLayerNorm`, its gradients summed over the group) or a
+    module without parameters (dropout, an activation), Megatron-LM's sequence-parallel
+    region (Korthikanti et al. 2022, section 4.2.2).
+
+    Attributes:
+        scatter_input: split the module's first input along the sequence before it runs
+            (:func:`~shardkit.nn.tensor_parallel.scatter_to_sequence_parallel_region`):
+            where the region starts from an activation every rank holds whole (the
+            GPT's embedding dropout). Default False (the input is already a chunk).
+        fork_rng: in training mode, run the forward inside the RNG tracker's fork
+            (``[Note: two random streams]`` in
+            :mod:`~shardkit.nn.tensor_parallel.random`): a dropout on a sequence chunk
+            draws independent masks on each rank. An ``nn.Dropout`` of probability 0
+            draws nothing and gets no fork. Needs
+            :func:`~shardkit.nn.tensor_parallel.model_parallel_manual_seed`. Default False.
+    """
+
+    scatter_input: bool = False
+    fork_rng: bool = False
+
+
 _FORKS = "_tensor_parallel_rng_forks"
 
 
@@ -126,7 +177,45 @@ def _exit_rng_fork(module: nn.Module, args: object, output: object) -> None:
         forks.pop().__exit__(None, None, None)
 
 
-ParallelStyle = ColumnParallel | RowParallel | VocabParallel | HeadParallel
+def _register_fork(module: nn.Module) -> None:
+    """Run ``module``'s forward inside the tracker's fork in training mode."""
+    module.register_forward_pre_hook(_enter_rng_fork)
+    module.register_forward_hook(_exit_rng_fork, always_call=True)
+
+
+class _ScatterInput:
+    """Forward pre-hook of a ``SequenceParallel(scatter_input=True)`` module: its first
+    input replaced by this rank's sequence chunk."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+
+    def __call__(self, module: nn.Module, args: tuple[object, ...]) -> tuple[object, ...]:
+        first, *rest = args
+        assert isinstance(first, torch.Tensor)
+        return (scatter_to_sequence_parallel_region(first, self.group), *rest)
+
+
+def _sequence_parallel(
+    module: nn.Module, name: str, style: SequenceParallel, group: TPGroup
+) -> nn.Module:
+    if isinstance(module, nn.LayerNorm):
+        module = SequenceParallelLayerNorm.from_layer_norm(module, group)
+    elif any(True for _ in module.parameters()):
+        raise TypeError(
+            f"plan entry {style} matched {name!r}, a {type(module).__name__} with "
+            "parameters; on a sequence chunk only a LayerNorm (its gradients summed over "
+            "the group) or a module without parameters (dropout, activation) can run"
+        )
+    if style.scatter_input:
+        module.register_forward_pre_hook(_ScatterInput(group))
+    zero_dropout = isinstance(module, nn.Dropout) and module.p == 0.0
+    if style.fork_rng and not zero_dropout:
+        _register_fork(module)
+    return module
+
+
+ParallelStyle = ColumnParallel | RowParallel | VocabParallel | HeadParallel | SequenceParallel
 
 #: tied weights seen so far: id of the original tensor -> (dim, stride, the shard, the
 #: original, kept alive so that its id is not reused by another tensor)
@@ -197,9 +286,10 @@ def _apply(
         for attribute in style.also:
             setattr(module, attribute, getattr(module, attribute) // world)
         if style.fork_rng:
-            module.register_forward_pre_hook(_enter_rng_fork)
-            module.register_forward_hook(_exit_rng_fork, always_call=True)
+            _register_fork(module)
         return module
+    if isinstance(style, SequenceParallel):
+        return _sequence_parallel(module, name, style, group)
     if isinstance(style, VocabParallel):
         _expect(module, nn.Embedding, name, style)
         assert isinstance(module, nn.Embedding)
@@ -212,12 +302,19 @@ def _apply(
     assert isinstance(module, nn.Linear) and isinstance(original, torch.Tensor)
     if isinstance(style, ColumnParallel):
         col = ColumnParallelLinear.from_linear(
-            module, gather_output=style.gather_output, stride=style.stride, process_group=group
+            module,
+            gather_output=style.gather_output,
+            stride=style.stride,
+            sequence_parallel=style.sequence_parallel,
+            process_group=group,
         )
         col.weight = _tie(ties, original, col.weight, 0, style.stride)
         return col
     row = RowParallelLinear.from_linear(
-        module, input_is_parallel=style.input_is_parallel, process_group=group
+        module,
+        input_is_parallel=style.input_is_parallel,
+        sequence_parallel=style.sequence_parallel,
+        process_group=group,
     )
     row.weight = _tie(ties, original, row.weight, 1, 1)
     return row
@@ -272,7 +369,9 @@ def parallelize(
     return model
 
 
-def gpt_plan(loss_parallel: bool = False, fork_rng: bool = False) -> dict[str, ParallelStyle]:
+def gpt_plan(
+    loss_parallel: bool = False, fork_rng: bool = False, sequence_parallel: bool = False
+) -> dict[str, ParallelStyle]:
     """The plan for :class:`shardkit.models.gpt.GPT` (see ``[Note: the GPT plan]``).
 
     Args:
@@ -286,16 +385,32 @@ def gpt_plan(loss_parallel: bool = False, fork_rng: bool = False) -> dict[str, P
             GPT with ``dropout > 0``; call
             :func:`~shardkit.nn.tensor_parallel.model_parallel_manual_seed` first.
             Default False.
+        sequence_parallel: Megatron-LM's sequence parallelism (``[Note: the GPT plan
+            with sequence parallelism]``): LayerNorms, dropouts and the residual stream
+            on ``(b, s / tp, h)`` chunks, the same outputs and gradients and the same
+            bytes per block as without it, less activation memory. The sequence length
+            must be divisible by ``tp`` (a ``ValueError`` at the first forward
+            otherwise). Default False.
     """
-    return {
+    sp = sequence_parallel
+    plan: dict[str, ParallelStyle] = {
         "wte": VocabParallel(),
         "blocks.*.attn": HeadParallel("n_head", fork_rng=fork_rng),
-        "blocks.*.attn.qkv": ColumnParallel(stride=3),
-        "blocks.*.attn.proj": RowParallel(),
-        "blocks.*.mlp.0": ColumnParallel(),
-        "blocks.*.mlp.2": RowParallel(),
-        "lm_head": ColumnParallel(gather_output=not loss_parallel),
+        "blocks.*.attn.qkv": ColumnParallel(stride=3, sequence_parallel=sp),
+        "blocks.*.attn.proj": RowParallel(sequence_parallel=sp),
+        "blocks.*.mlp.0": ColumnParallel(sequence_parallel=sp),
+        "blocks.*.mlp.2": RowParallel(sequence_parallel=sp),
+        "lm_head": ColumnParallel(gather_output=not loss_parallel, sequence_parallel=sp),
     }
+    if sp:
+        plan |= {
+            "drop": SequenceParallel(scatter_input=True, fork_rng=True),
+            "blocks.*.ln_1": SequenceParallel(),
+            "blocks.*.ln_2": SequenceParallel(),
+            "blocks.*.mlp.3": SequenceParallel(fork_rng=True),
+            "ln_f": SequenceParallel(),
+        }
+    return plan
 
 
 def hf_gpt2_plan(

@@ -14,6 +14,17 @@ around region-local dropout.
 
 The tracker swaps the CPU generator's state and, where CUDA is available, the current
 CUDA device's, so the same code gives the same behaviour on gloo and NCCL.
+
+[Note: forks under activation checkpointing]
+``torch.utils.checkpoint`` replays the default generators in the recompute, not the
+tracker's state, which the forward has advanced meanwhile: a fork in the recompute
+would draw different dropout masks than in the forward (silently wrong gradients).
+:meth:`RNGStatesTracker.fork` therefore starts from
+:func:`shardkit.nn.checkpoint.replayed` of its state: in a checkpointed region's
+recompute, the state the same fork started from in the forward; and a fork in a
+recompute leaves the tracker's state where it was (the draws were made once already).
+This covers every region checkpointed by shardkit (``checkpoint_wrapper``, Pipe's and
+OffloadModel's checkpointing), as Megatron-LM's ``CheckpointFunction`` does for its own.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from contextlib import contextmanager
 
 import torch
 
+from shardkit.nn.checkpoint import is_recomputing, replayed
 from shardkit.nn.tensor_parallel.groups import TPGroup, rank_and_size, resolve_group
 
 __all__ = [
@@ -101,7 +113,10 @@ class RNGStatesTracker:
     @contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
         """Draw from state ``name`` inside the block; the default state resumes after it
-        exactly where it was, and ``name`` resumes where the block left it.
+        exactly where it was, and ``name`` resumes where the block left it. In the
+        recompute of an activation-checkpointed region the block draws what it drew in
+        the forward and ``name`` is left unchanged (``[Note: forks under activation
+        checkpointing]``).
 
         Raises:
             KeyError: no state ``name`` (call :func:`model_parallel_manual_seed`).
@@ -109,11 +124,14 @@ class RNGStatesTracker:
         if name not in self._states:
             raise KeyError(f"no random state {name!r}; call model_parallel_manual_seed(seed) first")
         saved = _current_states()
-        _set_states(self._states[name])
+        start = replayed(self._states[name])
+        assert isinstance(start, dict)
+        _set_states(start)
         try:
             yield
         finally:
-            self._states[name] = _current_states()
+            if not is_recomputing():
+                self._states[name] = _current_states()
             _set_states(saved)
 
 
