@@ -106,10 +106,13 @@ class MoEGPT(GPT):
         return torch.stack(losses).sum() if losses else torch.zeros(())
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As :meth:`GPT.forward`; the loss adds ``AUX_LOSS_COEF x`` :meth:`aux_loss`."""
-        logits, loss = super().forward(idx, targets)
+        logits, loss = super().forward(idx, targets, position_ids)
         if loss is not None:
             loss = loss + AUX_LOSS_COEF * self.aux_loss().to(loss.dtype)
         return logits, loss

@@ -112,6 +112,11 @@ class StrategyConfig:
         moe_every: an MoE in every ``moe_every``-th block. Default 1 (all).
         ep: the mesh's expert-parallel degree (``ParallelDims.ep``: it splits
             ``dp_shard``; the experts are split over it). Default 1.
+        cp: ddp, fsdp: the mesh's context-parallel degree (``ParallelDims.cp``): each
+            sequence split over ``cp`` ranks (``examples/gpt_context_parallel.py``).
+            Default 1.
+        cp_method: ``ulysses`` or ``ring``, the attention of ``cp > 1``. Default
+            ``ulysses``.
     """
 
     name: str = "ddp"
@@ -133,6 +138,8 @@ class StrategyConfig:
     moe_top_k: int = 1
     moe_every: int = 1
     ep: int = 1
+    cp: int = 1
+    cp_method: str = "ulysses"
 
 
 class Strategy:

@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from gpt_context_parallel import apply_context_parallel
 from gpt_moe import MoEGPT, moe_error
 from gpt_stage_init import materialize_stage
 from gpt_strategy import (
@@ -132,7 +133,13 @@ def parallel_dims(config: StrategyConfig, world_size: int) -> ParallelDims:
         others = (dpr or 1) * (dps or 1) * tp_
         pp = world_size // others if world_size % others == 0 else world_size
     return ParallelDims(
-        world_size, pp=pp or 1, dp_replicate=dpr or 1, dp_shard=dps or -1, tp=tp_, ep=config.ep
+        world_size,
+        pp=pp or 1,
+        dp_replicate=dpr or 1,
+        dp_shard=dps or -1,
+        tp=tp_,
+        ep=config.ep,
+        cp=config.cp,
     )
 
 
@@ -146,10 +153,11 @@ def strategy_mesh(config: StrategyConfig) -> ProcessMesh:
 
 def data_parallel_group() -> dist.ProcessGroup | None:
     """The group a data-parallel factory (ddp, oss, sdp) reduces or shards over: under
-    ``--tp`` > 1 the mesh's ``dp`` group (set by :func:`build_strategy` while the
-    factory runs), else None (the world)."""
+    ``--tp`` > 1 the mesh's ``dp_cp`` group (``dp`` and the ``--cp`` ranks, which hold
+    the same parameters; set by :func:`build_strategy` while the factory runs), else
+    None (the world)."""
     mesh = _MESH.get()
-    return mesh.group("dp") if mesh is not None and mesh.size("tp") > 1 else None
+    return mesh.group("dp_cp") if mesh is not None and mesh.size("tp") > 1 else None
 
 
 class _MoEDDPStrategy(Strategy):
@@ -605,6 +613,8 @@ def build_strategy(model: GPT, config: StrategyConfig, device: torch.device) -> 
     mesh = ProcessMesh(parallel_dims(config, dist.get_world_size()))
     if isinstance(model, MoEGPT) and mesh.size("ep") > 1:
         model.split_experts(mesh.group("ep"))  # each rank keeps its experts
+    if mesh.size("cp") > 1:  # attention over the cp group; inputs split by a pre-hook
+        apply_context_parallel(model, mesh.group("cp"), config.cp_method)
     split: dict[str, tuple[int, int]] = {}
     if not spec.composes:
         split = _parallelize(model, config, mesh, "none", device).split_tensors

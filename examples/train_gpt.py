@@ -38,6 +38,7 @@ from gpt_checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from gpt_context_parallel import CP_METHODS, cp_error
 from gpt_data import VOCAB_SIZE, BatchSampler, InputError, eval_windows, load_bytes, split_tokens
 from gpt_dist import Env, all_gather_ints, setup_distributed
 from gpt_fault_tolerant import flag_error as ft_flag_error
@@ -223,6 +224,8 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--moe-top-k", type=_positive, default=opt.moe_top_k, help="MoE: experts per token")
     add("--moe-every", type=_positive, default=opt.moe_every, help="MoE in every N-th block")
     add("--ep", type=_positive, default=opt.ep, help="expert-parallel degree (splits dp_shard)")
+    add("--cp", type=_positive, default=opt.cp, help="ddp/fsdp: context-parallel degree")
+    add("--cp-method", default=opt.cp_method, choices=list(CP_METHODS), help="--cp attention")
     add("--profile-steps", default=None, metavar="A:B", help="torch.profiler trace of steps A..B")
     add("--fault-tolerant", default=None, metavar="HOST:PORT", help="quorum store: one replica")
     add("--replica-id", type=_non_negative, default=0, help="--fault-tolerant: this replica")
@@ -237,12 +240,21 @@ def parse_args(argv: list[str] | None) -> JobConfig:
         except ValueError as err:
             raise InputError(str(err)) from None
     opt = config.strategy
-    problem = option_error(opt) or sequence_parallel_error(
-        opt.sequence_parallel, opt.tp, config.seq_len, opt.name
+    problem = (
+        option_error(opt)
+        or sequence_parallel_error(opt.sequence_parallel, opt.tp, config.seq_len, opt.name)
+        or _cp_error(config)
     )
     if problem is not None:
         raise InputError(problem)
     return config
+
+
+def _cp_error(config: JobConfig) -> str | None:
+    opt = config.strategy
+    heads = MODEL_SIZES[config.model_size]["n_head"]
+    moe = opt.moe_experts > 0
+    return cp_error(opt.cp, opt.cp_method, opt.name, config.seq_len, heads, opt.tp, moe)
 
 
 def shorthand(flags: dict[str, Any]) -> str:
@@ -493,11 +505,14 @@ def launch_error(config: JobConfig, env: Env) -> str | None:
 
 def data_parallel(config: JobConfig, env: Env) -> tuple[int, int]:
     """This rank's data-parallel rank and the data-parallel size: under ``--tp`` the
-    ``tp`` consecutive ranks of one tensor-parallel group feed the same rows; with
-    ``--fault-tolerant``, the replica id of ``--max-replicas``."""
+    ``tp`` consecutive ranks of one tensor-parallel group feed the same rows, under
+    ``--cp`` the ``cp x tp`` ranks of one context-parallel group (each then keeps its
+    part of every sequence); with ``--fault-tolerant``, the replica id of
+    ``--max-replicas``."""
     if config.fault_tolerant is not None:
         return config.replica_id, config.max_replicas
-    return env.rank // config.strategy.tp, env.world_size // config.strategy.tp
+    same_rows = config.strategy.tp * config.strategy.cp
+    return env.rank // same_rows, env.world_size // same_rows
 
 
 def build_run(config: JobConfig, env: Env, train: torch.Tensor, val: torch.Tensor) -> Run:

@@ -1,18 +1,23 @@
 """Apply parallelisms to a model from a process mesh, in one fixed, documented order.
 
 :func:`parallelize_model` reads the degrees of a :class:`~shardkit.distributed.mesh.ProcessMesh`
-(``pp x dp_replicate x dp_shard x tp``) and applies, in this order:
+(``pp x dp_replicate x dp_shard x cp x tp``) and applies, in this order:
 
 1. tensor parallel over ``mesh.group("tp")`` (``tp_plan``,
    :func:`shardkit.nn.tensor_parallel.parallelize`);
 2. activation checkpointing (``checkpoint_wrapper`` around every module of the
    ``activation_checkpointing`` classes);
-3. data parallel over ``dp_replicate x dp_shard`` (``data_parallel``): ``"fsdp"``
-   makes ``fsdp_units`` FSDP units and the rest a root unit, sharded over ``dp_shard``
-   and, when ``dp_replicate > 1``, hybrid (``HYBRID_SHARD`` over ``(dp_shard,
-   dp_replicate)``; with ``dp_shard`` 1 that is DDP-style replication with FSDP's
-   features: mixed precision, the flat-parameter checkpoint layout); ``"ddp"`` wraps
-   torch ``DistributedDataParallel`` over ``dp``; ``"none"`` leaves it to the caller;
+3. data parallel over ``dp_replicate x dp_shard x cp`` (``data_parallel``): ``"fsdp"``
+   makes ``fsdp_units`` FSDP units and the rest a root unit, sharded over
+   ``dp_shard_cp`` (``dp_shard x cp``: the context-parallel ranks hold the same
+   parameters, so they share the gradient reduction, as in torchtitan) and, when
+   ``dp_replicate > 1``, hybrid (``HYBRID_SHARD`` over ``(dp_shard_cp, dp_replicate)``;
+   with ``dp_shard x cp`` 1 that is DDP-style replication with FSDP's features: mixed
+   precision, the flat-parameter checkpoint layout); ``"ddp"`` wraps torch
+   ``DistributedDataParallel`` over ``dp_cp``; ``"none"`` leaves it to the caller. At
+   ``cp = 1`` these are the ``dp_shard`` and ``dp`` groups. The attention itself is
+   not changed here: the caller makes it context parallel over ``mesh.group("cp")``
+   (``shardkit.nn.context_parallel``);
 4. the pipeline split over ``pp`` (``pipeline``): this rank keeps its stage of the
    layers, and a :class:`~shardkit.nn.pipe.PipelineStage` with its schedule runs it.
 
@@ -30,7 +35,8 @@ acts on one stage's parameters.
 [Note: what composes]
 Every product of the four degrees runs, with these rules:
 
-- ``tp > 1`` needs ``tp_plan``; ``pp > 1`` needs ``pipeline``;
+- ``tp > 1`` needs ``tp_plan``; ``pp > 1`` needs ``pipeline``; ``cp > 1`` refuses a
+  pipeline (a stage would need the sequence split on its own ranks);
 - under a pipeline a stage is replicated over its data-parallel ranks
   (``data_parallel="ddp"``, over ``dp_replicate x dp_shard`` of them): a weight tied
   across stages (a GPT's token embedding and LM head) has its gradient summed between
@@ -228,19 +234,19 @@ def parallelize_model(
         _wrap_instances(model, tuple(activation_checkpointing))
     if pipeline is not None:
         return _pipelined(model, mesh, pipeline, split, device)
-    if data_parallel == "none" or (data_parallel == "ddp" and mesh.size("dp") == 1):
+    if data_parallel == "none" or (data_parallel == "ddp" and mesh.size("dp_cp") == 1):
         return ParallelModel(mesh, model, split)
     if data_parallel == "ddp":
-        return ParallelModel(mesh, _ddp(model, mesh.group("dp")), split)
+        return ParallelModel(mesh, _ddp(model, mesh.group("dp_cp")), split)
     units: set[type[nn.Module]] = set(fsdp_units)
     if units & set(activation_checkpointing):  # a checkpointed unit is met as its wrapper
         units.add(CheckpointWrapper)
     kwargs: dict[str, Any] = {**(fsdp_kwargs or {}), "mixed_precision": mixed_precision}
     if mesh.size("dp_replicate") > 1:
         kwargs["sharding_strategy"] = "HYBRID_SHARD"
-        kwargs["process_group"] = (mesh.group("dp_shard"), mesh.group("dp_replicate"))
+        kwargs["process_group"] = (mesh.group("dp_shard_cp"), mesh.group("dp_replicate"))
     else:
-        kwargs["process_group"] = mesh.group("dp_shard")
+        kwargs["process_group"] = mesh.group("dp_shard_cp")
     if units:
         with enable_wrap(wrapper_cls=FullyShardedDataParallel, **kwargs):
             model = auto_wrap(model, transformer_auto_wrap_policy(units))
@@ -256,13 +262,19 @@ def _check(
 ) -> None:
     """Raise the ValueError of ``[Note: what composes]`` for a combination that fails."""
     d = mesh.dims
-    degrees = f"pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp}"
+    cp = f" x cp {d.cp}" if d.cp > 1 else ""
+    degrees = f"pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard}{cp} x tp {d.tp}"
     if d.tp > 1 and tp_plan is None:
         raise ValueError(f"the mesh ({degrees}) has tp {d.tp} but no tp_plan was given")
     if d.pp > 1 and pipeline is None:
         raise ValueError(
             f"the mesh ({degrees}) has pp {d.pp} but no pipeline was given; pass "
             "pipeline=PipelineSplit(...) or build the mesh with pp=1"
+        )
+    if pipeline is not None and d.cp > 1:
+        raise ValueError(
+            f"a pipeline with cp {d.cp} ({degrees}): context parallelism is not composed "
+            "with the pipeline split; build the mesh with cp=1 or without pp"
         )
     if pipeline is not None and data_parallel == "none":
         raise ValueError(

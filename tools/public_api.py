@@ -28,6 +28,7 @@ PUBLIC_PACKAGES: tuple[str, ...] = (
     "shardkit.nn.offload",
     "shardkit.nn.pipe",
     "shardkit.nn.moe",
+    "shardkit.nn.context_parallel",
     "shardkit.nn.tensor_parallel",
     "shardkit.nn.wrap",
     "shardkit.nn.checkpoint",

@@ -1,23 +1,24 @@
-"""The process mesh: how the world is split into pipeline, data-, expert- and
+"""The process mesh: how the world is split into pipeline, data-, expert-, context- and
 tensor-parallel ranks.
 
-:class:`ParallelDims` describes the split (four degrees whose product is the world
+:class:`ParallelDims` describes the split (five degrees whose product is the world
 size, and the expert-parallel degree ``ep`` that splits ``dp_shard``);
 :class:`ProcessMesh` gives this rank's coordinates and creates the process groups of
 any set of dimensions on demand.
 
 [Note: the order of the dimensions]
-Ranks are numbered row-major over ``(pp, dp_replicate, dp_shard, tp)``: ``tp`` varies
-fastest, ``pp`` slowest, so::
+Ranks are numbered row-major over ``(pp, dp_replicate, dp_shard, cp, tp)``: ``tp``
+varies fastest, ``pp`` slowest, so::
 
-    rank = ((pp_i * dp_replicate + dpr_i) * dp_shard + dps_i) * tp + tp_i
+    rank = (((pp_i * dp_replicate + dpr_i) * dp_shard + dps_i) * cp + cp_i) * tp + tp_i
 
 Tensor-parallel ranks are therefore adjacent (``tp`` consecutive ranks form a group).
 torchrun numbers one node's ranks consecutively, so with ``tp`` at most the GPUs per
 node a tensor-parallel group stays inside a node: it carries the most frequent and
 latency-bound traffic (two all-reduces of activations per transformer layer in
 forward and two in backward, Shoeybi et al. 2019, section 3), which needs NVLink, not
-the network. Data-parallel sharding (all-gather / reduce-scatter of parameters, once
+the network. Context parallelism comes next (per layer it exchanges the attention's
+q/k/v slices, Ulysses, or K/V blocks, ring attention). Data-parallel sharding (all-gather / reduce-scatter of parameters, once
 per unit) comes next, replication (one gradient all-reduce per step) after it, and the
 pipeline, which only sends activations between neighbouring stages, is outermost and
 may cross the slowest links. This is Megatron-LM's and torchtitan's order.
@@ -35,6 +36,18 @@ hold the *same* experts, ``dp_replicate x dp_shard_mod_ep`` of them, over which 
 experts' gradients are reduced. ``ep`` and ``edp`` together are the data-parallel
 ranks (``"dp"``). With ``ep = 1`` (the default) ``"ep"`` is every rank alone and
 ``"edp"`` is ``"dp"``; every other group is unchanged by ``ep``.
+
+[Note: context parallelism and the data-parallel gradient reduction]
+The ``cp`` ranks of a context-parallel group hold the same parameters and each sees
+``1/cp`` of every sequence (torchtitan's layout). For the parameters they are therefore
+data-parallel ranks: the gradient reduction and the parameter sharding of FSDP, OSS,
+ShardedDDP and DDP run over the flattened group ``"dp_shard_cp"`` (``dp_shard x cp``
+ranks), and hybrid sharding replicates over ``"dp_replicate"`` as before; the
+attention's own exchanges run over ``"cp"``. ``"dp"`` stays the ranks that see
+different *data* (``dp_replicate x dp_shard``): the data loader splits the batch over
+``"dp"`` and the sequence over ``"cp"``. ``"dp_cp"`` (``dp_replicate x dp_shard x cp``)
+is the DDP group. With ``cp = 1`` (the default) ``"dp_shard_cp"`` is ``"dp_shard"``,
+``"dp_cp"`` is ``"dp"`` and ``"cp"`` is every rank alone.
 
 [Note: creating groups]
 ``torch.distributed.new_group`` is a collective: every rank of the world must call it
@@ -59,25 +72,28 @@ import torch.distributed as dist
 __all__ = ["GROUP_NAMES", "MESH_DIMS", "ParallelDims", "ProcessMesh"]
 
 #: The mesh dimensions, outermost first (``tp`` is innermost: adjacent ranks).
-MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 #: The finest split of the ranks: ``dp_shard`` cut into ``dp_shard_mod_ep x ep`` (see
 #: ``[Note: expert parallelism splits dp_shard]``); row-major over these is the same
 #: rank order as over :data:`MESH_DIMS`.
-_FINE_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+_FINE_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
 
 #: Every name :meth:`ParallelDims.group_ranks` and :class:`ProcessMesh` accept.
-GROUP_NAMES: tuple[str, ...] = (*MESH_DIMS, "ep", "dp", "edp")
+GROUP_NAMES: tuple[str, ...] = (*MESH_DIMS, "ep", "dp", "edp", "dp_shard_cp", "dp_cp")
 
 #: What each accepted name is made of, in :data:`_FINE_DIMS`.
 _TO_FINE: dict[str, tuple[str, ...]] = {
     "pp": ("pp",),
     "dp_replicate": ("dp_replicate",),
     "dp_shard": ("dp_shard_mod_ep", "ep"),
+    "cp": ("cp",),
     "tp": ("tp",),
     "ep": ("ep",),
     "dp": ("dp_replicate", "dp_shard_mod_ep", "ep"),
     "edp": ("dp_replicate", "dp_shard_mod_ep"),
+    "dp_shard_cp": ("dp_shard_mod_ep", "ep", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard_mod_ep", "ep", "cp"),
 }
 
 
@@ -111,18 +127,23 @@ class ParallelDims:
             DDP). Default 1.
         dp_shard: data-parallel ranks sharding parameters / gradients / optimizer
             state (FSDP, OSS, ShardedDDP). Default -1: whatever is left,
-            ``world_size / (pp x dp_replicate x tp)``.
+            ``world_size / (pp x dp_replicate x cp x tp)``.
         tp: tensor-parallel degree (Megatron-LM's column / row split). Default 1.
         ep: expert-parallel degree: the ranks of a ``dp_shard`` group are cut into
             groups of ``ep`` consecutive ones, each holding all the experts between
             them (``1/ep`` each); not a factor of the world size (see ``[Note:
             expert parallelism splits dp_shard]``). Default 1 (no expert
             parallelism).
+        cp: context-parallel degree: each sequence is split over ``cp`` ranks
+            (Ulysses or ring attention, ``shardkit.nn.context_parallel``); they hold the
+            same parameters and share the data-parallel gradient reduction (group
+            ``"dp_shard_cp"``, see ``[Note: context parallelism and the data-parallel
+            gradient reduction]``). Default 1.
 
     Raises:
         ValueError: a degree below 1 (other than ``dp_shard=-1``), degrees whose
-            product is not the world size, or ``ep`` not dividing ``dp_shard``; the
-            message spells out the equation.
+            product is not the world size, ``cp`` not dividing the world size, or
+            ``ep`` not dividing ``dp_shard``; the message spells out the equation.
     """
 
     world_size: int
@@ -131,18 +152,25 @@ class ParallelDims:
     dp_shard: int = -1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "pp", "dp_replicate", "tp", "ep"):
+        for name in ("world_size", "pp", "dp_replicate", "tp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        others = self.pp * self.dp_replicate * self.tp
+        if self.world_size % self.cp != 0:
+            raise ValueError(
+                f"cp ({self.cp}) must divide the world size ({self.world_size}): each "
+                f"sequence is split over cp ranks; choose cp among the divisors of "
+                f"{self.world_size}"
+            )
+        others = self.pp * self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
             if self.world_size % others != 0:
                 raise ValueError(
                     f"cannot infer dp_shard: world size {self.world_size} is not divisible "
-                    f"by pp ({self.pp}) x dp_replicate ({self.dp_replicate}) x tp ({self.tp}) "
-                    f"= {others}"
+                    f"by pp ({self.pp}) x dp_replicate ({self.dp_replicate}) x "
+                    f"{self._cp_term()}tp ({self.tp}) = {others}"
                 )
             object.__setattr__(self, "dp_shard", self.world_size // others)
         if self.dp_shard < 1:
@@ -151,8 +179,9 @@ class ParallelDims:
         if product != self.world_size:
             raise ValueError(
                 f"pp ({self.pp}) x dp_replicate ({self.dp_replicate}) x dp_shard "
-                f"({self.dp_shard}) x tp ({self.tp}) = {product}, but the world size is "
-                f"{self.world_size}; choose degrees whose product is {self.world_size}"
+                f"({self.dp_shard}) x {self._cp_term()}tp ({self.tp}) = {product}, but the "
+                f"world size is {self.world_size}; choose degrees whose product is "
+                f"{self.world_size}"
             )
         if self.dp_shard % self.ep != 0:
             raise ValueError(
@@ -161,15 +190,26 @@ class ParallelDims:
                 f"choose ep among the divisors of {self.dp_shard}"
             )
 
+    def _cp_term(self) -> str:
+        """``"cp (N) x "`` for error messages, empty at ``cp = 1`` (the messages of a
+        mesh without context parallelism stay as they were)."""
+        return f"cp ({self.cp}) x " if self.cp != 1 else ""
+
     @property
     def degrees(self) -> tuple[int, ...]:
-        """The degrees in mesh order ``(pp, dp_replicate, dp_shard, tp)``."""
+        """The degrees in mesh order ``(pp, dp_replicate, dp_shard, cp, tp)``."""
         return tuple(getattr(self, d) for d in MESH_DIMS)
 
     @property
     def dp(self) -> int:
         """The data-parallel degree ``dp_replicate x dp_shard`` (ranks seeing different data)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_shard_cp(self) -> int:
+        """The degree of the data-parallel gradient reduction ``dp_shard x cp``: the
+        ranks that shard the parameters when context parallelism is on."""
+        return self.dp_shard * self.cp
 
     @property
     def edp(self) -> int:
@@ -251,7 +291,7 @@ class ProcessMesh:
 
     Example:
         >>> mesh = ProcessMesh(ParallelDims(world_size=4, tp=2))   # doctest: +SKIP
-        >>> mesh.coordinates          # rank 3: {'pp': 0, 'dp_replicate': 0, 'dp_shard': 1, 'tp': 1}
+        >>> mesh.coordinates          # rank 3: {'pp': 0, 'dp_replicate': 0, 'dp_shard': 1, 'cp': 0, 'tp': 1}
         >>> tp_group = mesh.group("tp")              # ranks (2, 3) on rank 3
         >>> dp_group = mesh.group("dp")              # ranks (1, 3) on rank 3
 
@@ -294,10 +334,16 @@ class ProcessMesh:
         self._groups: dict[tuple[str, ...], tuple[dist.ProcessGroup, list[int]]] = {}
         self._created: list[dist.ProcessGroup] = []
 
+    def _key(self, dims: Iterable[str]) -> tuple[str, ...]:
+        """The cache key of ``dims``: their fine dimensions, without ``cp`` at ``cp = 1``
+        (so ``"dp_cp"`` is the very group ``"dp"`` is, and ``"dp_shard_cp"``
+        ``"dp_shard"``'s, when there is no context parallelism)."""
+        return tuple(d for d in fine_dims(dims) if d != "cp" or self.dims.cp > 1)
+
     def _entry(
         self, dims: tuple[str, ...], backend: str | None
     ) -> tuple[dist.ProcessGroup, list[int]]:
-        key = fine_dims(dims)
+        key = self._key(dims)
         if key not in self._groups:
             mine: tuple[dist.ProcessGroup, list[int]] | None = None
             for ranks in self.dims.group_ranks(dims):  # every rank, every group, same order
@@ -318,7 +364,10 @@ class ProcessMesh:
     def group(self, *dims: str, backend: str | None = None) -> dist.ProcessGroup:
         """The process group of the ranks that differ from this one only along ``dims``
         (``"dp"`` means ``dp_replicate`` and ``dp_shard``; ``"ep"`` and ``"edp"`` are the
-        expert-parallel groups, see ``[Note: expert parallelism splits dp_shard]``).
+        expert-parallel groups, see ``[Note: expert parallelism splits dp_shard]``;
+        ``"dp_shard_cp"`` and ``"dp_cp"`` the data-parallel groups with the
+        context-parallel ranks, see ``[Note: context parallelism and the data-parallel
+        gradient reduction]``).
 
         A collective the first time a set of dimensions is asked for (see
         ``[Note: creating groups]``); cached afterwards. The whole world is returned as
@@ -338,7 +387,7 @@ class ProcessMesh:
 
     def ranks(self, *dims: str) -> list[int]:
         """The global ranks of this rank's group of ``dims``, ascending (no collective)."""
-        key = fine_dims(dims)
+        key = self._key(dims)
         if key in self._groups:
             return list(self._groups[key][1])
         return next(r for r in self.dims.group_ranks(dims) if self.rank in r)
@@ -359,6 +408,8 @@ class ProcessMesh:
         self._groups.clear()
 
     def __repr__(self) -> str:
-        names = MESH_DIMS if self.dims.ep == 1 else (*MESH_DIMS, "ep")
+        names = [d for d in MESH_DIMS if d != "cp" or self.dims.cp != 1]
+        if self.dims.ep != 1:
+            names.append("ep")
         degrees = ", ".join(f"{d}={getattr(self.dims, d)}" for d in names)
         return f"ProcessMesh({degrees}; rank {self.rank} at {self.coordinates})"

@@ -8,6 +8,7 @@ model as a sequence of stages; ``param_init_fn`` for a GPT built on the meta dev
 from shardkit.models.gpt import (
     GPT,
     MODEL_SIZES,
+    AttentionCore,
     Block,
     GPTConfig,
     GPTEmbedding,
@@ -21,6 +22,7 @@ from shardkit.models.gpt import (
 __all__ = [
     "GPT",
     "MODEL_SIZES",
+    "AttentionCore",
     "Block",
     "GPTConfig",
     "GPTEmbedding",

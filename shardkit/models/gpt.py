@@ -14,6 +14,7 @@ Shapes: input ``idx`` is ``(batch, seq_len)`` int64 token ids; logits are
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 __all__ = [
     "GPT",
     "MODEL_SIZES",
+    "AttentionCore",
     "Block",
     "GPTConfig",
     "GPTEmbedding",
@@ -79,8 +81,20 @@ def gpt_config(size: str, *, vocab_size: int = 256, block_size: int = 256) -> GP
     return GPTConfig(vocab_size=vocab_size, block_size=block_size, **MODEL_SIZES[size])
 
 
+#: A replacement for the causal softmax attention of :class:`CausalSelfAttention`:
+#: ``(q, k, v) -> y``, each ``(B, n_head, T, head_dim)``, causal over the sequence the
+#: callable knows (e.g. context parallelism's, ``shardkit.nn.context_parallel``).
+AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention: ``(B, T, C) -> (B, T, C)``."""
+    """Multi-head causal self-attention: ``(B, T, C) -> (B, T, C)``.
+
+    ``core`` (default None: ``scaled_dot_product_attention``, causal, with the config's
+    dropout) replaces the attention between the projections; it is not a submodule
+    and holds no state (the state dict is the same either way). A core applies no
+    attention dropout.
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -88,6 +102,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.dropout = config.dropout
+        self.core: AttentionCore | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Sizes come from the projection's output, not from x: under tensor parallelism
@@ -97,8 +112,11 @@ class CausalSelfAttention(nn.Module):
         b, t, _ = qkv.shape
         q, k, v = qkv.chunk(3, dim=2)
         q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in (q, k, v))
-        drop = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        if self.core is not None:
+            y = self.core(q, k, v)
+        else:
+            drop = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
         return self.proj(y.transpose(1, 2).contiguous().view(b, t, -1))
 
 
@@ -157,17 +175,32 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``(B, T, vocab)`` and, with ``targets`` ``(B, T)``, the mean loss.
 
+        ``position_ids`` ``(T,)`` int64: the positions of the ``T`` tokens (a part of a
+        longer sequence, as context parallelism gives each rank); default None:
+        ``0 .. T-1``.
+
         Raises:
-            ValueError: if ``T`` exceeds ``config.block_size``.
+            ValueError: if ``T`` exceeds ``config.block_size``, or ``position_ids`` is
+                not ``(T,)``.
         """
         _, t = idx.shape
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(t, device=idx.device)
+        if position_ids is None:
+            pos = torch.arange(t, device=idx.device)
+        elif position_ids.shape != (t,):
+            raise ValueError(
+                f"position_ids has shape {tuple(position_ids.shape)}; the {t} tokens need ({t},)"
+            )
+        else:
+            pos = position_ids
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)

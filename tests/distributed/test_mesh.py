@@ -20,12 +20,15 @@ from shardkit.distributed import mpu
 from shardkit.distributed.mesh import MESH_DIMS, ParallelDims, ProcessMesh
 
 
-def _coords(rank: int, pp: int, dpr: int, dps: int, tp: int) -> tuple[int, int, int, int]:
-    rank, t = divmod(rank, tp)
-    rank, s = divmod(rank, dps)
-    p, r = divmod(rank, dpr)
-    assert p < pp
-    return p, r, s, t
+def _coords(rank: int, *degrees: int) -> tuple[int, ...]:
+    """Coordinates in ``MESH_DIMS`` order ``(pp, dp_replicate, dp_shard, cp, tp)``."""
+    assert len(degrees) == len(MESH_DIMS)
+    out = []
+    for degree in reversed(degrees[1:]):
+        rank, c = divmod(rank, degree)
+        out.append(c)
+    assert rank < degrees[0]
+    return (rank, *reversed(out))
 
 
 def _expected(world: int, degrees: dict[str, int], dims: tuple[str, ...], rank: int) -> list[int]:
@@ -56,8 +59,8 @@ def test_inferred_dp_shard_and_its_error() -> None:
 
 def test_unknown_dimension_is_named() -> None:
     dims = ParallelDims(world_size=4, tp=2)
-    with pytest.raises(ValueError, match="unknown mesh dimension 'cp'"):
-        dims.group_ranks(["cp"])
+    with pytest.raises(ValueError, match="unknown mesh dimension 'sp'"):
+        dims.group_ranks(["sp"])
 
 
 def test_mesh_needs_a_process_group() -> None:
@@ -75,10 +78,10 @@ degree = st.sampled_from([1, 2, 3])
 def test_layout_matches_definition(pp: int, dpr: int, dps: int, tp: int, data: Any) -> None:
     world = pp * dpr * dps * tp
     dims = ParallelDims(world_size=world, pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp)
-    degrees = dict(zip(MESH_DIMS, (pp, dpr, dps, tp), strict=True))
+    degrees = dict(zip(MESH_DIMS, (pp, dpr, dps, 1, tp), strict=True))
     rank = data.draw(st.integers(0, world - 1))
     coords = dims.coordinates(rank)
-    assert tuple(coords.values()) == _coords(rank, pp, dpr, dps, tp)
+    assert tuple(coords.values()) == _coords(rank, pp, dpr, dps, 1, tp)
     assert dims.rank_of(coords) == rank
     for names in (("tp",), ("pp",), ("dp",), ("dp_shard",), ("tp", "pp"), tuple(MESH_DIMS)):
         groups = dims.group_ranks(names)
@@ -100,7 +103,17 @@ def _members(group: dist.ProcessGroup, world: int) -> list[int]:
     return [int(i) for i in t.nonzero().flatten()]
 
 
-DIM_SETS: list[tuple[str, ...]] = [("tp",), ("pp",), ("dp",), ("dp_shard",), ("tp", "pp")]
+DIM_SETS: list[tuple[str, ...]] = [
+    ("tp",),
+    ("pp",),
+    ("dp",),
+    ("dp_shard",),
+    ("tp", "pp"),
+    ("cp",),
+    ("dp_shard_cp",),
+]
+#: Group names that stand for several mesh dimensions.
+EXPANDED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp")}
 
 
 def run_mesh_configs(configs: list[dict[str, int]]) -> list[dict[str, Any]]:
@@ -118,6 +131,10 @@ def run_mesh_configs(configs: list[dict[str, int]]) -> list[dict[str, Any]]:
                 "local_rank": mesh.local_rank(*dims),
                 "size": mesh.size(*dims),
             }
+        # without context parallelism the cp-joined groups are the very same groups
+        same = mesh.group("dp_cp") is mesh.group("dp")
+        same &= mesh.group("dp_shard_cp") is mesh.group("dp_shard")
+        result["cp_groups_shared"] = same
         mesh.destroy()
         out.append(result)
     return out
@@ -182,8 +199,8 @@ def run_mpu(model_parallel_size: int, pipeline_length: int) -> dict[str, Any]:
 
 
 CONFIGS: dict[int, list[dict[str, int]]] = {
-    4: [{"tp": 2}, {"tp": 2, "pp": 2}, {"tp": 4}, {"pp": 2, "dp_replicate": 2}],
-    8: [{"tp": 2, "pp": 2, "dp_replicate": 2}, {"tp": 4, "pp": 2}],
+    4: [{"tp": 2}, {"tp": 2, "pp": 2}, {"tp": 4}, {"pp": 2, "dp_replicate": 2}, {"cp": 2}],
+    8: [{"tp": 2, "pp": 2, "dp_replicate": 2}, {"tp": 4, "pp": 2}, {"cp": 2, "tp": 2}],
 }
 
 
@@ -196,8 +213,9 @@ def test_mesh_groups_on_ranks(rank_pool: Any, world: int) -> None:
         for rank in range(world):
             result = per_rank[rank][i]
             assert tuple(result["coords"].values()) == _coords(rank, *full.values())
+            assert result["cp_groups_shared"] == (dims.cp == 1)
             for names in DIM_SETS:
-                expanded = ("dp_replicate", "dp_shard") if names == ("dp",) else names
+                expanded = EXPANDED.get(names[0], names) if len(names) == 1 else names
                 want = _expected(world, full, expanded, rank)
                 got = result["groups"][names]
                 assert got["members"] == want, (degrees, rank, names)
@@ -209,9 +227,9 @@ def test_mesh_groups_on_ranks(rank_pool: Any, world: int) -> None:
 @pytest.mark.parametrize(("world", "mp", "pipe"), [(4, 2, 1), (8, 2, 2)])
 def test_mpu_interfaces(rank_pool: Any, world: int, mp: int, pipe: int) -> None:
     per_rank = rank_pool(world).run(run_mpu, mp, pipe)
-    full = {"pp": pipe, "dp_replicate": 1, "dp_shard": world // (mp * pipe), "tp": mp}
+    full = {"pp": pipe, "dp_replicate": 1, "dp_shard": world // (mp * pipe), "cp": 1, "tp": mp}
     for rank, res in enumerate(per_rank):
-        p, _, s, t = _coords(rank, *full.values())
+        p, _, s, _, t = _coords(rank, *full.values())
         tp_group = _expected(world, full, ("tp",), rank)
         dp_group = _expected(world, full, ("dp_replicate", "dp_shard"), rank)
         pp_group = _expected(world, full, ("pp",), rank)
@@ -377,3 +395,50 @@ def test_ep_groups_on_ranks(rank_pool: Any) -> None:
                 assert members == ranks == want, (degrees, rank, name)
                 assert group_rank == local_rank == want.index(rank)
                 assert size == len(want) == dims.degree(name)
+
+
+# context parallelism: a dimension between dp_shard and tp (torchtitan's layout) ----------
+def test_cp_group_ranks() -> None:
+    dims = ParallelDims(world_size=8, cp=2, tp=2)  # dp_shard inferred: 2
+    assert dims.dp_shard == 2 and dims.degrees == (1, 1, 2, 2, 2)
+    assert dims.coordinates(5) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 1}
+    assert dims.group_ranks(["tp"]) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.group_ranks(["cp"]) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.group_ranks(["dp"]) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # the data-parallel gradient reduction spans dp_shard x cp
+    assert dims.group_ranks(["dp_shard_cp"]) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert dims.group_ranks(["dp_cp"]) == dims.group_ranks(["dp_shard_cp"])
+    assert dims.degree("dp_shard_cp") == dims.dp_shard_cp == 4 and dims.dp == 2
+    # hybrid: dp_cp spans the replicas too; dp_shard_cp does not
+    dims = ParallelDims(world_size=8, dp_replicate=2, cp=2)
+    assert dims.group_ranks(["dp_shard_cp"]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dims.group_ranks(["dp_cp"]) == [list(range(8))]
+    assert dims.group_ranks(["cp"]) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # with experts: ep still splits dp_shard; cp stays its own dimension
+    dims = ParallelDims(world_size=8, cp=2, ep=2)
+    assert dims.group_ranks(["ep"]) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.group_ranks(["cp"]) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_cp_one_changes_nothing() -> None:
+    for degrees in ({"tp": 2, "pp": 2}, {"dp_replicate": 2, "tp": 2}, {"tp": 2, "ep": 2}):
+        dims = ParallelDims(world_size=8, **degrees)
+        assert dims.cp == 1 and dims.degrees[MESH_DIMS.index("cp")] == 1
+        assert dims.group_ranks(["cp"]) == [[r] for r in range(8)]
+        assert dims.group_ranks(["dp_shard_cp"]) == dims.group_ranks(["dp_shard"])
+        assert dims.group_ranks(["dp_cp"]) == dims.group_ranks(["dp"])
+
+
+def test_cp_bad_inputs_name_the_values() -> None:
+    with pytest.raises(ValueError, match=r"cp \(3\) must divide the world size \(8\)"):
+        ParallelDims(world_size=8, cp=3)
+    with pytest.raises(ValueError, match="cp must be >= 1; got 0"):
+        ParallelDims(world_size=4, cp=0)
+    with pytest.raises(
+        ValueError, match=r"world size 4 is not divisible .* x cp \(2\) x tp \(4\) = 8"
+    ):
+        ParallelDims(world_size=4, cp=2, tp=4)
+    with pytest.raises(
+        ValueError, match=r"dp_shard \(2\) x cp \(2\) x tp \(1\) = 4, but the world"
+    ):
+        ParallelDims(world_size=8, dp_shard=2, cp=2)

@@ -168,13 +168,13 @@ def test_mesh_flags_resolve_to_the_strategy_and_degrees() -> None:
     """Mesh flags alone pick the strategy; the omitted degrees are inferred."""
     dims = train_gpt.parallel_dims
     cases = [
-        (["--pp", "2", "--tp", "2"], 8, "pipe", (2, 1, 2, 2)),
-        (["--dp-replicate", "2", "--tp", "2"], 8, "hsdp", (1, 2, 2, 2)),
-        (["--dp-shard", "4", "--tp", "2"], 8, "fsdp", (1, 1, 4, 2)),
-        (["--strategy", "pipe", "--tp", "2"], 8, "pipe", (4, 1, 1, 2)),
-        (["--strategy", "hsdp", "--shard-size", "2"], 8, "hsdp", (1, 4, 2, 1)),
-        (["--strategy", "fsdp"], 8, "fsdp", (1, 1, 8, 1)),
-        ([], 8, "ddp", (1, 1, 8, 1)),
+        (["--pp", "2", "--tp", "2"], 8, "pipe", (2, 1, 2, 1, 2)),
+        (["--dp-replicate", "2", "--tp", "2"], 8, "hsdp", (1, 2, 2, 1, 2)),
+        (["--dp-shard", "4", "--tp", "2"], 8, "fsdp", (1, 1, 4, 1, 2)),
+        (["--strategy", "pipe", "--tp", "2"], 8, "pipe", (4, 1, 1, 1, 2)),
+        (["--strategy", "hsdp", "--shard-size", "2"], 8, "hsdp", (1, 4, 2, 1, 1)),
+        (["--strategy", "fsdp"], 8, "fsdp", (1, 1, 8, 1, 1)),
+        ([], 8, "ddp", (1, 1, 8, 1, 1)),
     ]
     for argv, world, name, degrees in cases:
         config = train_gpt.parse_args(argv)

@@ -1,0 +1,242 @@
+"""Context parallelism: how long a sequence trains per rank at cp = 1, 2, 4.
+
+Run (gloo, one thread per rank)::
+
+    python -m benchmarks.context_parallel                 # cp 1, 2, 4; L 256 .. 4096
+    python -m benchmarks.context_parallel --seq-lens 128 256 --steps 1   # quick
+
+One spawn per (cp, method) runs a training step (forward, backward, no optimizer) of a
+GPT (``--model-size``) at each ``--seq-lens`` value, ascending, on ``cp`` ranks that
+each hold ``L / cp`` tokens of one sequence (``--batch`` rows); cp = 1 is the plain GPT
+(SDPA). Per (cp, method, L) it reports:
+
+- **activation MiB per rank**: bytes of the tensors autograd saved for the backward
+  (``torch.autograd.graph.saved_tensors_hooks``, each storage counted once, the
+  parameters left out), the largest rank's: the activations context parallelism
+  divides;
+- **peak RSS MiB per rank** (``VmHWM``, monotone over the ascending L of one spawn);
+- **step time per token**: the median step (slowest rank) over the global tokens
+  ``batch x L``;
+- **bytes sent per rank**, counted by wrapping ``torch.distributed.all_to_all_single``
+  and ``batch_isend_irecv`` in this process, forward and backward apart, against the
+  formulas: Ulysses sends ``(cp - 1)/cp`` of each of its 4 all-to-alls' inputs (q, k,
+  v, out: ``batch x L/cp x n_embd`` elements each) per layer and direction; ring sends
+  ``cp - 1`` K/V blocks (``2 x batch x L/cp x n_embd``) per layer forward, and in the
+  backward those again plus ``cp`` fp32 dK/dV blocks.
+
+The longest L whose activations fit ``--act-budget-mib`` per rank (and whose peak RSS
+fits ``--rss-budget-mib``) is reported per (cp, method); a spawn stops at the first L
+over the RSS budget. Markdown to stdout, JSON to ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import MIB, RESULTS, peak_rss_bytes, slowest
+from shardkit.distributed.mesh import ParallelDims, ProcessMesh
+from shardkit.models import GPT, Block, gpt_config
+from shardkit.nn.context_parallel import (
+    DistributedAttention,
+    RingAttention,
+    position_ids,
+    split_sequence,
+)
+from shardkit.testing import run_distributed
+
+_SENT = {"bytes": 0}
+
+
+@contextmanager
+def _counting() -> Iterator[dict[str, int]]:
+    """Count the bytes this rank sends to other ranks through the two exchanges of
+    context parallelism, while inside."""
+    a2a, batch = dist.all_to_all_single, dist.batch_isend_irecv
+
+    def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *a: Any, **k: Any) -> Any:
+        world = dist.get_world_size(k.get("group"))
+        _SENT["bytes"] += input.numel() * input.element_size() * (world - 1) // world
+        return a2a(output, input, *a, **k)
+
+    def batch_isend_irecv(ops: list[dist.P2POp]) -> Any:
+        for op in ops:
+            if op.op is dist.isend:
+                _SENT["bytes"] += op.tensor.numel() * op.tensor.element_size()
+        return batch(ops)
+
+    dist.all_to_all_single, dist.batch_isend_irecv = all_to_all_single, batch_isend_irecv  # type: ignore[assignment]
+    try:
+        yield _SENT
+    finally:
+        dist.all_to_all_single, dist.batch_isend_irecv = a2a, batch  # type: ignore[assignment]
+
+
+@contextmanager
+def _saved_bytes(params: set[int]) -> Iterator[dict[str, int]]:
+    """The bytes of the distinct storages autograd saves for the backward, but the
+    parameters' (``params``: their storages' addresses)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    out = {"bytes": 0}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield out
+    out["bytes"] = sum(seen.values())
+
+
+def _core(method: str, group: dist.ProcessGroup) -> Callable[..., torch.Tensor]:
+    if method == "ring":
+        return RingAttention(group, causal=True).__call__
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return DistributedAttention(sdpa, group, scatter_idx=1, gather_idx=2).__call__
+
+
+def _formula(method: str, cp: int, tokens: int, n_embd: int, layers: int) -> dict[str, int]:
+    """Bytes each rank sends per step (fp32), forward and backward, by the formulas."""
+    if cp == 1:
+        return {"forward": 0, "backward": 0}
+    local = tokens // cp * n_embd * 4  # one of q, k, v, out on this rank
+    if method == "ulysses":
+        per_layer = 4 * local * (cp - 1) // cp
+        return {"forward": layers * per_layer, "backward": layers * per_layer}
+    kv = 2 * local
+    return {"forward": layers * (cp - 1) * kv, "backward": layers * ((cp - 1) * kv + cp * kv)}
+
+
+def run_sweep(method: str, cp: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """On every rank: one step at each ``args.seq_lens`` with the sequence split over
+    cp groups of ``cp`` ranks (1: the plain GPT on each rank)."""
+    mesh = ProcessMesh(ParallelDims(world_size=dist.get_world_size(), cp=cp))
+    group, rank = mesh.group("cp"), mesh.local_rank("cp")
+    zigzag = method == "ring"
+    rows = []
+    for seq in sorted(args.seq_lens):
+        torch.manual_seed(0)
+        shape = gpt_config(args.model_size, block_size=seq)
+        model = GPT(shape)
+        if cp > 1:
+            for block in model.blocks:
+                assert isinstance(block, Block)
+                block.attn.core = _core(method, group)
+        idx = torch.randint(0, 256, (args.batch, seq))
+        local = split_sequence(idx, rank, cp, zigzag=zigzag)
+        pos = position_ids(seq, rank, cp, zigzag=zigzag)
+        times, sent = [], {"forward": 0, "backward": 0}
+        act = 0
+        for step in range(args.steps + 1):
+            start = time.perf_counter()
+            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            with _counting() as count, _saved_bytes(params) as saved:
+                count["bytes"] = 0
+                _, loss = model(local, targets=local, position_ids=pos)
+                forward_sent = count["bytes"]
+            with _counting() as count:
+                count["bytes"] = 0
+                assert loss is not None
+                loss.backward()
+                backward_sent = count["bytes"]
+            elapsed = slowest(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+            if step:
+                times.append(elapsed)
+            sent, act = {"forward": forward_sent, "backward": backward_sent}, saved["bytes"]
+        step_s = statistics.median(times)
+        rss = slowest(peak_rss_bytes() / MIB)
+        rows.append(
+            {
+                "cp": cp,
+                "method": method if cp > 1 else "plain",
+                "seq_len": seq,
+                "activation_mib": slowest(act / MIB),
+                "peak_rss_mib": rss,
+                "step_s": step_s,
+                "us_per_token": 1e6 * step_s / (args.batch * seq),
+                "sent_bytes": sent,
+                "formula_bytes": _formula(
+                    method, cp, args.batch * seq, shape.n_embd, shape.n_layer
+                ),
+            }
+        )
+        del model, loss
+        if rss > args.rss_budget_mib:
+            break
+    mesh.destroy()
+    return rows
+
+
+def longest(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per (cp, method): the longest L under both budgets (None: not even the shortest)."""
+    out: dict[tuple[int, str], int | None] = {}
+    for r in rows:
+        key = (r["cp"], r["method"])
+        fits = (
+            r["activation_mib"] <= args.act_budget_mib and r["peak_rss_mib"] <= args.rss_budget_mib
+        )
+        out.setdefault(key, None)
+        if fits:
+            out[key] = max(out[key] or 0, r["seq_len"])
+    return [{"cp": k[0], "method": k[1], "longest_seq_len": v} for k, v in sorted(out.items())]
+
+
+def render_markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]]) -> str:
+    lines = [
+        "| cp | method | L | activations MiB / rank | peak RSS MiB | us / token | sent fwd (counted / formula) | sent bwd (counted / formula) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        s, f = r["sent_bytes"], r["formula_bytes"]
+        lines.append(
+            f"| {r['cp']} | {r['method']} | {r['seq_len']} | {r['activation_mib']:.1f} "
+            f"| {r['peak_rss_mib']:.0f} | {r['us_per_token']:.1f} "
+            f"| {s['forward']} / {f['forward']} | {s['backward']} / {f['backward']} |"
+        )
+    lines += ["", "| cp | method | longest L within the budgets |", "|---|---|---|"]
+    lines += [f"| {f['cp']} | {f['method']} | {f['longest_seq_len']} |" for f in fits]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--methods", nargs="+", default=["ulysses", "ring"])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    parser.add_argument("--model-size", default="tiny")
+    parser.add_argument("--batch", type=int, default=1, help="rows per step")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
+    parser.add_argument("--act-budget-mib", type=float, default=64.0)
+    parser.add_argument("--rss-budget-mib", type=float, default=2048.0)
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    for cp in args.cps:
+        for method in args.methods if cp > 1 else ["plain"]:
+            rows += run_distributed(run_sweep, cp, method, cp, args, timeout_s=600)[0]
+    fits = longest(rows, args)
+    doc = {"args": vars(args), "rows": rows, "longest": fits}
+    print(render_markdown(rows, fits))
+    out = RESULTS.__class__(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"context_parallel-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    (out / name).write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+if __name__ == "__main__":
+    main()

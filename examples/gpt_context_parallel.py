@@ -1,0 +1,104 @@
+"""The main job's context parallelism: each sequence split over the mesh's ``cp`` ranks.
+
+``--cp P --cp-method ulysses|ring`` (``train_gpt.py``): the ``P`` ranks of a
+context-parallel group read the same rows (they are one data-parallel rank) and each
+keeps ``seq_len / P`` tokens of every row, with their positions
+(:func:`apply_context_parallel` registers a forward pre-hook on the GPT that splits
+``idx`` and ``targets`` and passes ``position_ids``). Every block's attention is
+replaced by a context-parallel one over the ``cp`` group (``CausalSelfAttention.core``):
+
+- ``ulysses``: :class:`shardkit.nn.context_parallel.DistributedAttention` around causal
+  SDPA, on the contiguous split (heads must divide by ``P``);
+- ``ring``: :class:`shardkit.nn.context_parallel.RingAttention`, causal, on the zig-zag
+  split (``seq_len`` must divide by ``2 P``).
+
+The parameters are the same on the ``P`` ranks, so the data-parallel wrapper reduces
+gradients over ``dp_shard x cp`` (``shardkit.compose``: DDP over ``"dp_cp"``, FSDP over
+``"dp_shard_cp"``). Each rank's loss is the mean over its tokens; all ranks hold the
+same number of tokens, so the gradient average over those ranks is the gradient of the
+mean over every token of the global batch (``shardkit.nn.context_parallel``'s
+``[Note: the loss over a split sequence]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardkit.models import GPT, Block
+from shardkit.nn.context_parallel import (
+    DistributedAttention,
+    RingAttention,
+    position_ids,
+    split_sequence,
+)
+
+CP_METHODS = ("ulysses", "ring")
+CP_STRATEGIES = ("ddp", "fsdp")
+
+
+def cp_error(
+    cp: int, method: str, strategy: str, seq_len: int, n_head: int, tp: int, moe: bool
+) -> str | None:
+    """Why ``--cp`` does not fit the other flags, or None when it does."""
+    if method not in CP_METHODS:
+        return f"--cp-method {method!r}: choose one of {list(CP_METHODS)}"
+    if cp == 1:
+        return None
+    if strategy not in CP_STRATEGIES:
+        return (
+            f"--cp {cp} applies to --strategy {' / '.join(CP_STRATEGIES)}, not {strategy!r}; "
+            "use --strategy ddp or fsdp, or drop --cp"
+        )
+    if tp > 1 or moe:
+        other = f"--tp {tp}" if tp > 1 else "--moe-experts"
+        return f"--cp {cp} with {other} is not supported; drop one of them"
+    parts = 2 * cp if method == "ring" else cp
+    if seq_len % parts:
+        return (
+            f"--seq-len {seq_len} does not split over --cp {cp} with --cp-method {method} "
+            f"({parts} equal chunks); use a --seq-len that is a multiple of {parts}"
+        )
+    if method == "ulysses" and n_head % cp:
+        return (
+            f"--cp {cp} --cp-method ulysses splits the GPT's {n_head} attention heads over "
+            f"{cp} ranks; choose a --cp that divides {n_head}, or --cp-method ring"
+        )
+    return None
+
+
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def apply_context_parallel(model: GPT, group: dist.ProcessGroup, method: str) -> None:
+    """Make ``model`` context parallel over ``group`` (in place): every block's
+    attention core and a pre-hook splitting the inputs (see the module docstring)."""
+    if method == "ring":
+        core: Any = RingAttention(group, causal=True)
+    else:  # SDPA's (b, h, s, d): heads on 1, sequence on 2
+        core = DistributedAttention(_sdpa_causal, group, scatter_idx=1, gather_idx=2)
+    for block in model.blocks:
+        assert isinstance(block, Block)
+        block.attn.core = core.__call__  # a function: no submodule, the state dict unchanged
+    rank, cp, zigzag = dist.get_rank(group), dist.get_world_size(group), method == "ring"
+
+    def split_inputs(
+        _: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        names = ("idx", "targets")
+        values = {**dict(zip(names, args, strict=False)), **kwargs}
+        idx, targets = values["idx"], values.get("targets")
+        seq = idx.shape[1]
+        local = {
+            "targets": None
+            if targets is None
+            else split_sequence(targets, rank, cp, zigzag=zigzag),
+            "position_ids": position_ids(seq, rank, cp, zigzag=zigzag, device=idx.device),
+        }
+        return (split_sequence(idx, rank, cp, zigzag=zigzag),), local
+
+    model.register_forward_pre_hook(split_inputs, with_kwargs=True)

@@ -1,0 +1,285 @@
+"""Ring attention: blockwise attention whose K/V blocks travel around the ranks.
+
+Each of the ``P`` ranks of a context-parallel group holds a slice of the sequence for
+``q``, ``k`` and ``v``. In ``P`` steps every rank attends its queries to every K/V block:
+at step ``j`` it holds the block of rank ``r - j`` and, while it computes on it, sends
+that block to rank ``r + 1`` and receives the next from rank ``r - 1``
+(``torch.distributed.batch_isend_irecv``; the transfer is overlapped with the block's
+compute). The partial results are merged by their log-sum-exp (the online softmax of
+Milakov & Gimelshein 2018; blockwise attention, Liu et al. 2023, "Ring Attention with
+Blockwise Transformers", section 3)::
+
+    out, lse  <-  block 0
+    lse'      =   logaddexp(lse, lse_j)
+    out       <-  out * exp(lse - lse') + out_j * exp(lse_j - lse')
+
+[Note: zig-zag causal layout]
+With a causal mask a contiguous split is unbalanced: the rank holding the end of the
+sequence attends to every block, the first rank to one. The sequence is therefore cut
+into ``2P`` chunks and rank ``r`` holds chunks ``r`` and ``2P - 1 - r``
+(:func:`shardkit.nn.context_parallel.split_sequence` with ``zigzag=True``). A query chunk
+``a`` attends a key chunk ``b`` fully when ``b < a``, with the causal triangle when
+``b == a``, and not at all when ``b > a``; every rank then computes ``2P + 1`` of the
+``(2P)^2`` chunk pairs' triangles' worth, the same on every rank (Brandon et al. 2023,
+"Striped Attention", and the zig-zag variant of Zhu's ring-flash-attention).
+
+[Note: the backward ring]
+The backward keeps only ``out`` and the final ``lse`` of the forward. It passes K/V
+around the ring again, recomputes each block's probabilities from ``lse``
+(``p = exp(q k^T scale - lse)``, FlashAttention's backward, Dao et al. 2022, algorithm 4)
+and passes the block's accumulating ``dK/dV`` along with it: at step ``j`` a rank adds
+its contribution to the accumulator of block ``r - j`` received from rank ``r - 1`` and
+sends it on to ``r + 1``; after ``P`` hops each accumulator is back on its owner. Sends
+and receives are posted in the same order on both ends of every link (K/V of step ``j``,
+then dK/dV of step ``j``), which is what both gloo and NCCL match on.
+
+Block math runs in fp32 whatever the input dtype (bf16 inputs give bf16 outputs within
+bf16 rounding); ``dK/dV`` travel in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["RingAttention", "ring_attention"]
+
+#: How a query chunk attends a key chunk: fully, with the causal triangle, or not.
+_FULL, _DIAG = "full", "diag"
+
+
+def _chunk_ids(rank: int, world: int, causal: bool) -> list[int]:
+    """The sequence chunks rank ``rank`` holds: ``[r, 2P-1-r]`` (zig-zag) or ``[r]``."""
+    return [rank, 2 * world - 1 - rank] if causal else [rank]
+
+
+def _pairs(q_ids: list[int], k_ids: list[int], causal: bool) -> list[tuple[int, int, str]]:
+    """``(query slot, key slot, kind)`` of the chunk pairs that attend."""
+    out = []
+    for qi, a in enumerate(q_ids):
+        for ki, b in enumerate(k_ids):
+            if not causal or b < a:
+                out.append((qi, ki, _FULL))
+            elif b == a:
+                out.append((qi, ki, _DIAG))
+    return out
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if kind == _DIAG:
+        n = s.shape[-1]
+        mask = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+    return s
+
+
+class _Ring:
+    """The neighbours of this rank on the ring of ``group``, and the exchange with them."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
+
+    def post(self, send: torch.Tensor | None, recv: torch.Tensor | None) -> list[dist.Work]:
+        ops = []
+        if send is not None:
+            ops.append(dist.P2POp(dist.isend, send, self.next, self.group))
+        if recv is not None:
+            ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group))
+        return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for w in works:
+        w.wait()
+
+
+def _split(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    return list(t.chunk(parts, dim=-2))
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: dist.ProcessGroup,
+        causal: bool,
+        scale: float,
+    ) -> torch.Tensor:
+        ring = _Ring(group)
+        parts = 2 if causal else 1
+        q_ids = _chunk_ids(ring.rank, ring.world, causal)
+        qs = _split(q.float(), parts)
+        out = [torch.zeros_like(c) for c in qs]
+        lse = [torch.full(c.shape[:-1], float("-inf"), device=q.device) for c in qs]
+        kv = torch.stack([k, v]).contiguous()
+        for step in range(ring.world):
+            src = (ring.rank - step) % ring.world
+            nxt = torch.empty_like(kv) if step < ring.world - 1 else None
+            works = ring.post(kv if nxt is not None else None, nxt)
+            ks, vs = _split(kv[0].float(), parts), _split(kv[1].float(), parts)
+            for qi, ki, kind in _pairs(q_ids, _chunk_ids(src, ring.world, causal), causal):
+                s = _scores(qs[qi], ks[ki], scale, kind)
+                lse_b = torch.logsumexp(s, dim=-1)
+                out_b = torch.matmul(torch.exp(s - lse_b.unsqueeze(-1)), vs[ki])
+                merged = torch.logaddexp(lse[qi], lse_b)
+                out[qi] = out[qi] * torch.exp(lse[qi] - merged).unsqueeze(-1) + out_b * torch.exp(
+                    lse_b - merged
+                ).unsqueeze(-1)
+                lse[qi] = merged
+            _wait(works)
+            if nxt is not None:
+                kv = nxt
+        result = torch.cat(out, dim=-2)
+        ctx.save_for_backward(q, k, v, result, torch.cat(lse, dim=-1))
+        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        return result.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale = ctx.causal, ctx.scale
+        ring = _Ring(ctx.group)
+        parts = 2 if causal else 1
+        q_ids = _chunk_ids(ring.rank, ring.world, causal)
+        qs, dos = _split(q.float(), parts), _split(grad.float(), parts)
+        lses = list(lse.chunk(parts, dim=-1))
+        deltas = [d.sum(-1) for d in _split(grad.float() * out, parts)]
+        dqs = [torch.zeros_like(c) for c in qs]
+        kv = torch.stack([k, v]).contiguous()
+        dkv_in: torch.Tensor | None = None
+        send_works: list[dist.Work] = []
+        for step in range(ring.world):
+            src = (ring.rank - step) % ring.world
+            # receive order on every link: dK/dV of step - 1, then K/V of step
+            dkv_in = torch.empty_like(kv, dtype=torch.float32) if step > 0 else None
+            works = ring.post(None, dkv_in) if dkv_in is not None else []
+            nxt = torch.empty_like(kv) if step < ring.world - 1 else None
+            works += ring.post(kv if nxt is not None else None, nxt)
+            dkv = _block_grads(
+                kv, qs, dos, lses, deltas, dqs, q_ids, src, ring.world, causal, scale
+            )
+            _wait(works)
+            _wait(send_works)
+            if dkv_in is not None:
+                dkv += dkv_in
+            send_works = ring.post(dkv, None)
+            if nxt is not None:
+                kv = nxt
+        own = torch.empty_like(kv, dtype=torch.float32)
+        _wait(ring.post(None, own) + send_works)
+        dq = torch.cat(dqs, dim=-2).to(q.dtype)
+        return dq, own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+
+
+def _block_grads(
+    kv: torch.Tensor,
+    qs: list[torch.Tensor],
+    dos: list[torch.Tensor],
+    lses: list[torch.Tensor],
+    deltas: list[torch.Tensor],
+    dqs: list[torch.Tensor],
+    q_ids: list[int],
+    src: int,
+    world: int,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """This rank's ``dK/dV`` for the K/V block of rank ``src`` (fp32, ``kv``'s layout);
+    adds the block's ``dQ`` into ``dqs`` in place."""
+    parts = len(qs)
+    ks, vs = _split(kv[0].float(), parts), _split(kv[1].float(), parts)
+    dks, dvs = [torch.zeros_like(c) for c in ks], [torch.zeros_like(c) for c in vs]
+    for qi, ki, kind in _pairs(q_ids, _chunk_ids(src, world, causal), causal):
+        p = torch.exp(_scores(qs[qi], ks[ki], scale, kind) - lses[qi].unsqueeze(-1))
+        dvs[ki] += torch.matmul(p.transpose(-2, -1), dos[qi])
+        dp = torch.matmul(dos[qi], vs[ki].transpose(-2, -1))
+        ds = p * (dp - deltas[qi].unsqueeze(-1))
+        dqs[qi] += torch.matmul(ds, ks[ki]) * scale
+        dks[ki] += torch.matmul(ds.transpose(-2, -1), qs[qi]) * scale
+    return torch.stack([torch.cat(dks, dim=-2), torch.cat(dvs, dim=-2)])
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(
+            f"ring attention needs q, k and v of one shape (batch, heads, seq, head_dim); "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if causal and q.shape[-2] % 2 != 0:
+        raise ValueError(
+            f"causal ring attention holds two zig-zag chunks per rank, so the local "
+            f"sequence length must be even; got {q.shape[-2]} (the whole sequence must "
+            "be divisible by 2 x cp; split it with split_sequence(..., zigzag=True))"
+        )
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention of this rank's queries over the whole sequence held by ``group``.
+
+    Args:
+        q: ``(batch, heads, seq / P, head_dim)``, this rank's queries (SDPA's layout).
+            ``causal=True``: the zig-zag slice (chunks ``r`` and ``2P - 1 - r`` of ``2P``;
+            see ``[Note: zig-zag causal layout]``); ``causal=False``: any slice, e.g. the
+            contiguous one.
+        k: the same slice's keys, ``q``'s shape.
+        v: the same slice's values, ``q``'s shape.
+        group: the context-parallel process group (``mesh.group("cp")``) of ``P`` ranks.
+        causal: mask each query to the keys at or before its position. Default False.
+        scale: the softmax scale; default ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``(batch, heads, seq / P, head_dim)`` in ``q``'s dtype: the rows of
+        ``scaled_dot_product_attention`` over the whole sequence for this rank's queries.
+
+    Raises:
+        ValueError: q, k, v of different shapes, or (causal) an odd local length.
+    """
+    _check(q, k, v, causal)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out: torch.Tensor = _RingAttention.apply(q, k, v, group, causal, scale)
+    return out
+
+
+class RingAttention(nn.Module):
+    """:func:`ring_attention` as a module: ``(q, k, v) -> out``, SDPA's layout.
+
+    Example:
+        >>> attn = RingAttention(mesh.group("cp"), causal=True)   # doctest: +SKIP
+        >>> out = attn(q, k, v)   # (b, h, s/P, d), zig-zag slices   # doctest: +SKIP
+
+    Args:
+        group: the context-parallel process group.
+        causal: causal mask over the whole sequence (inputs in the zig-zag layout).
+            Default True.
+        scale: the softmax scale; default None (``1 / sqrt(head_dim)``).
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup, *, causal: bool = True, scale: float | None = None
+    ) -> None:
+        super().__init__()
+        self.group, self.causal, self.scale = group, causal, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """See :func:`ring_attention`."""
+        return ring_attention(q, k, v, self.group, causal=self.causal, scale=self.scale)
