@@ -1,0 +1,131 @@
+"""Optimizers that need whole tensors (Muon + AdamW, Adafactor, a LAMB written in the
+workers) under FSDP (flat, nested, hybrid) with WholeTensorOptimizer, and under
+ShardedDataParallel and OSS: parameters after 3 steps equal the plain single-process
+model's within 2e-5; a universal checkpoint saved at 2 ranks resumes at 3 and
+continues as the plain model; a plain whole-tensor optimizer over FSDP's shards is
+refused before any update.
+
+One ``pool.run`` per world size (2, 3) runs every configuration; the workers are in
+:mod:`tests.optim.whole_tensor_workers`. The strategies x optimizers grid is split
+over the two world sizes so that each pair runs once.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from shardkit.optim import WholeTensorOptimizer, needs_whole_tensors
+from shardkit.optim.whole_tensor_exchange import Pieces, check_pieces, plan_exchange
+from shardkit.testing import RankPool
+from tests.optim import whole_tensor_workers as workers
+
+TOL = 2e-5
+PARITY_2 = [
+    ("fsdp-flat", "muon"),
+    ("fsdp-flat", "adafactor"),
+    ("fsdp-flat", "lamb"),
+    ("fsdp-block", "muon"),
+    ("hybrid", "lamb"),
+    ("sdp", "muon"),
+    ("sdp", "adafactor"),
+    ("oss", "muon"),
+    ("oss", "lamb"),
+]
+PARITY_3 = [
+    ("fsdp-flat", "muon"),
+    ("fsdp-block", "adafactor"),
+    ("fsdp-block", "lamb"),
+    ("hybrid", "muon"),
+    ("sdp", "lamb"),
+    ("oss", "adafactor"),
+]
+SAVED_AT_2 = [("fsdp-block", "muon"), ("fsdp-flat", "lamb"), ("sdp", "lamb")]
+RESUMED_AT_3 = [  # (saved by, resumed by, optimizer)
+    ("fsdp-block", "fsdp-flat", "muon"),
+    ("fsdp-flat", "sdp", "lamb"),
+    ("sdp", "fsdp-block", "lamb"),
+]
+
+
+@pytest.fixture(scope="module")
+def results(rank_pool: Callable[[int], RankPool]) -> Iterator[dict[int, dict[str, Any]]]:
+    with tempfile.TemporaryDirectory() as root:
+        two = rank_pool(2).run(
+            workers.run_all,
+            [("parity", (PARITY_2,)), ("refusals", ()), ("save_after", (SAVED_AT_2, root, 3))],
+        )
+        three = rank_pool(3).run(
+            workers.run_all, [("parity", (PARITY_3,)), ("resume", (RESUMED_AT_3, root, 3, 5))]
+        )
+        yield {2: two[0], 3: three[0]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parity_with_the_plain_model(results: dict[int, dict[str, Any]], world: int) -> None:
+    for row in results[world]["parity"]:
+        assert row["moved"] > 1e-2, row  # the plain model trained: the check can fail
+        assert row["diff"] < TOL, row
+
+
+def test_universal_checkpoint_resumes_at_another_world_size(
+    results: dict[int, dict[str, Any]],
+) -> None:
+    rows = results[3]["resume"]
+    assert [(r["saved"], r["strategy"], r["kind"]) for r in rows] == RESUMED_AT_3
+    for row in rows:
+        assert row["diff"] < TOL, row
+
+
+def test_plain_whole_tensor_optimizer_over_fsdp_shards_is_refused(
+    results: dict[int, dict[str, Any]],
+) -> None:
+    out = results[2]["refusals"]
+    for name in ("adafactor", "lamb"):
+        assert out[name].startswith("ValueError"), out[name]
+        assert "needs whole tensors" in out[name] and "WholeTensorOptimizer" in out[name]
+        assert "`wte.weight`" in out[name]
+        assert out[name + "-unchanged"] == "True"  # refused before any update
+    assert "Muon only supports 2D parameters" in out["muon"]  # torch's own refusal
+    assert out["ddp-whole"].startswith("ValueError") and "OSS" in out["ddp-whole"]
+
+
+def test_needs_whole_tensors() -> None:
+    assert needs_whole_tensors(torch.optim.Muon) and needs_whole_tensors(torch.optim.Adafactor)
+    assert needs_whole_tensors(workers.Lamb)  # declared by its attribute
+    for cls in (torch.optim.AdamW, torch.optim.SGD, WholeTensorOptimizer):
+        assert not needs_whole_tensors(cls)
+
+
+def test_pieces_must_cover_the_tensor_once() -> None:
+    check_pieces(Pieces("w", (3, 4), ((0, 5), (5, 12))))
+    check_pieces(Pieces("b", (2,), ((0, 2), (0, 0))))  # an empty piece
+    for ranges in (((0, 12), (0, 12)), ((0, 5), (6, 12)), ((0, 5), (5, 11))):
+        with pytest.raises(ValueError, match=r"`w` \(3, 4\) \(12 elements\)"):
+            check_pieces(Pieces("w", (3, 4), ranges))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_exchange_bytes_are_3_over_n_of_the_reduce_scatter(world: int) -> None:
+    """FSDP-style even pieces of P elements: each rank sends 3 (N - 1) P / N**2
+    elements per step (the reduce-scatter sends (N - 1) P / N), within one flag per
+    parameter and the uneven split of the owners."""
+    shapes = [(64, 48), (48, 64), (32, 32), (96, 16)]
+    params = []
+    for i, shape in enumerate(shapes):
+        n = shape[0] * shape[1]
+        size = -(-n // world)
+        ranges = tuple((min(r * size, n), min((r + 1) * size, n)) for r in range(world))
+        params.append(Pieces(f"p{i}", shape, ranges))
+    total = sum(p.numel for p in params)
+    sent = [plan_exchange(params, rank, world).bytes_per_step(4) for rank in range(world)]
+    expected = 3 * (world - 1) * total / world**2 * 4
+    assert sum(sent) / world == pytest.approx(expected, rel=0.02)
+    loads = [
+        sum(params[i].numel for i in plan_exchange(params, 0, world).owned(r)) for r in range(world)
+    ]
+    assert max(loads) - min(loads) <= max(p.numel for p in params)  # OSS's balance
