@@ -18,8 +18,8 @@ and before any update, a plain optimizer that needs whole tensors over its flat 
 Under ZeRO-1/2 (``OSS``, ``ShardedDataParallel``) each rank holds every parameter
 whole, so the owner's local optimizer already steps whole tensors: wrap Muon or
 Adafactor in ``OSS`` as any optimizer. Under ZeRO-3 (FSDP) :class:`WholeTensorOptimizer`
-gives each whole-tensor parameter one owner rank (balanced by elements like OSS's
-partition), and at each step:
+gives each whole-tensor parameter one owner rank (the rank already holding most of it,
+balanced by elements like OSS's partition), and at each step:
 
 1. the gradient pieces (already reduce-scattered and averaged by FSDP's backward) and
    the parameter pieces are sent to the owners in one ``all_to_all_single``;
@@ -29,8 +29,9 @@ partition), and at each step:
 3. the updated values are sent back to the shards in a second ``all_to_all_single``.
 
 Param groups of an element-wise class step the flat shards directly, with no
-communication (today's path and speed). Bytes per step: ``3 / N`` of FSDP's
-reduce-scatter of the same parameters (see ``[Note: pieces, owners, exchange]`` in
+communication (today's path and speed). Bytes per step: three times the elements held
+away from their owner, at most ``3 / N`` of FSDP's reduce-scatter of the same
+parameters (see ``[Note: pieces, owners, exchange]`` in
 :mod:`shardkit.optim.whole_tensor_exchange`). The layout (which range of which
 parameter each rank holds) is read once, at construction, from the model's
 universal-checkpoint adapter (``shardkit.checkpoint.universal.layout``), the one

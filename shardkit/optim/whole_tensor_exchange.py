@@ -5,10 +5,13 @@ A parameter stepped by a whole-tensor optimizer (:mod:`shardkit.optim.whole_tens
 on rank ``r`` of the process group, the flat element range ``ranges[r] = [start, stop)``
 of the row-major flattened whole tensor (FSDP's 1-D sharded parameter; an empty range
 where the rank holds none of it). The ranges of the ranks partition ``[0, numel)``.
-Each parameter has one *owner*, chosen like OSS's partition (largest first, to the
-least loaded rank: :func:`shardkit.optim.partition.partition_sizes`), so the owners'
-whole tensors, and the optimizer state that lives with them, add up to about 1/N of
-the parameters on each rank.
+Each parameter has one *owner* (:func:`choose_owners`): largest parameter first, the
+rank already holding most of its elements (FSDP cuts a unit's flat buffer, not each
+parameter, so most parameters lie whole on one rank and need no traffic at all),
+unless that rank would then own more than ``total / N`` plus the largest parameter;
+then (and on ties) the least loaded rank, as OSS's partition does. The owners' whole
+tensors, and the optimizer state that lives with them, add up to at most ``1/N`` of
+the parameters plus the largest one on each rank.
 
 One step moves, with two ``all_to_all_single`` over the group:
 
@@ -17,12 +20,13 @@ One step moves, with two ``all_to_all_single`` over the group:
    in parameter order (:meth:`ExchangePlan.to_owner_sizes`);
 2. back from the owners: the updated parameter piece of every rank.
 
-Bytes per rank and step, for ``P`` elements stepped this way and ``e`` bytes per
-element: each rank sends the pieces of the parameters other ranks own, ``(N - 1) / N``
-of its ``P / N`` elements, twice (gradient and parameter), and receives as much of the
-update back: ``3 (N - 1) P e / N**2``. The reduce-scatter that produced the gradient
-shards sends ``(N - 1) P e / N``: the exchange adds ``3 / N`` of it (1.5x at N = 2,
-1x at N = 3, less beyond).
+Bytes sent per rank and step, with ``M`` the elements of the whole-tensor parameters
+held by a rank that does not own them and ``e`` bytes per element: ``3 M e / N`` on
+average (gradient and parameter out, the update back). At worst (every parameter cut
+evenly over the ranks, as torch's FSDP2 shards each on dim 0) ``M = (N - 1) P / N``
+for ``P`` elements: ``3 (N - 1) P e / N**2``, that is ``3 / N`` of the reduce-scatter
+of the same parameters, ``(N - 1) P e / N``. With FSDP's flat layout ``M`` is only
+the parts of parameters that straddle a shard boundary and are not on their owner.
 """
 
 from __future__ import annotations
@@ -34,9 +38,8 @@ import torch
 import torch.distributed as dist
 
 from shardkit.distributed.failures import collective_context
-from shardkit.optim.partition import partition_sizes
 
-__all__ = ["ExchangePlan", "Pieces", "all_to_all", "check_pieces", "plan_exchange"]
+__all__ = ["ExchangePlan", "Pieces", "all_to_all", "check_pieces", "choose_owners", "plan_exchange"]
 
 Range = tuple[int, int]
 
@@ -146,15 +149,37 @@ class ExchangePlan:
         return element_size * sum(to_send[d] + back[d] for d in others)
 
 
+def choose_owners(params: Sequence[Pieces], world_size: int) -> list[int]:
+    """The owner of each parameter (see ``[Note: pieces, owners, exchange]``).
+
+    Deterministic (the same on every rank): largest first, ties in size in input
+    order; the rank holding most of the parameter unless its load would pass
+    ``total / world_size + max numel``, else the least loaded (lowest on ties). No
+    rank owns more than ``total / world_size`` plus the largest parameter.
+    """
+    sizes = [p.numel for p in params]
+    cap = sum(sizes) / world_size + max(sizes, default=0)
+    loads = [0] * world_size
+    owners = [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: (-sizes[i], i)):
+        lengths = [params[i].length(r) for r in range(world_size)]
+        owner = max(range(world_size), key=lambda r: (lengths[r], -loads[r], -r))
+        if lengths[owner] * world_size <= sizes[i] or loads[owner] + sizes[i] > cap:
+            owner = min(range(world_size), key=lambda r: (loads[r], r))  # no clear holder
+        owners[i] = owner
+        loads[owner] += sizes[i]
+    return owners
+
+
 def plan_exchange(params: Sequence[Pieces], rank: int, world_size: int) -> ExchangePlan:
-    """Owners for ``params`` (balanced by elements, largest first) and this rank's plan.
+    """Owners for ``params`` (:func:`choose_owners`) and this rank's plan.
 
     Raises:
         ValueError: see :func:`check_pieces`.
     """
     for pieces in params:
         check_pieces(pieces)
-    owners = partition_sizes([p.numel for p in params], world_size)
+    owners = choose_owners(params, world_size)
     return ExchangePlan(tuple(params), tuple(owners), rank, world_size)
 
 

@@ -109,23 +109,43 @@ def test_pieces_must_cover_the_tensor_once() -> None:
             check_pieces(Pieces("w", (3, 4), ranges))
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_exchange_bytes_are_3_over_n_of_the_reduce_scatter(world: int) -> None:
-    """FSDP-style even pieces of P elements: each rank sends 3 (N - 1) P / N**2
-    elements per step (the reduce-scatter sends (N - 1) P / N), within one flag per
-    parameter and the uneven split of the owners."""
-    shapes = [(64, 48), (48, 64), (32, 32), (96, 16)]
-    params = []
-    for i, shape in enumerate(shapes):
-        n = shape[0] * shape[1]
-        size = -(-n // world)
-        ranges = tuple((min(r * size, n), min((r + 1) * size, n)) for r in range(world))
+def _cut(shapes: list[tuple[int, int]], world: int, flat: bool) -> list[Pieces]:
+    """Pieces of ``shapes``: each cut evenly over the ranks (``flat=False``, FSDP2's
+    per-parameter sharding), or one flat buffer cut into ``world`` (FSDP's layout)."""
+    numels = [a * b for a, b in shapes]
+    size = -(-sum(numels) // world)
+    params, at = [], 0
+    for i, (shape, n) in enumerate(zip(shapes, numels)):
+        if flat:  # the rank ranges of the flat buffer, intersected with this parameter
+            cuts = [(max(r * size, at), min((r + 1) * size, at + n)) for r in range(world)]
+            ranges = tuple((a - at, b - at) if b > a else (0, 0) for a, b in cuts)
+        else:
+            per = -(-n // world)
+            ranges = tuple((min(r * per, n), min((r + 1) * per, n)) for r in range(world))
         params.append(Pieces(f"p{i}", shape, ranges))
-    total = sum(p.numel for p in params)
-    sent = [plan_exchange(params, rank, world).bytes_per_step(4) for rank in range(world)]
-    expected = 3 * (world - 1) * total / world**2 * 4
-    assert sum(sent) / world == pytest.approx(expected, rel=0.02)
-    loads = [
-        sum(params[i].numel for i in plan_exchange(params, 0, world).owned(r)) for r in range(world)
-    ]
-    assert max(loads) - min(loads) <= max(p.numel for p in params)  # OSS's balance
+        at += n
+    return params
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_exchange_bytes_and_balance(world: int) -> None:
+    """Every parameter cut evenly: each rank sends 3 (N - 1) P / N**2 elements per
+    step, 3 / N of the reduce-scatter's (N - 1) P / N. FSDP's flat layout: only the
+    parameters straddling a shard boundary move, far less. No rank owns more than
+    P / N plus the largest parameter."""
+    shapes = [(64, 48), (48, 64), (32, 32), (96, 16), (16, 8), (8, 8)]
+    total = sum(a * b for a, b in shapes)
+    even = _cut(shapes, world, flat=False)
+    sent = [plan_exchange(even, rank, world).bytes_per_step(4) for rank in range(world)]
+    assert sum(sent) / world == pytest.approx(3 * (world - 1) * total / world**2 * 4, rel=0.02)
+    flat = _cut(shapes, world, flat=True)
+    flat_sent = [plan_exchange(flat, rank, world).bytes_per_step(4) for rank in range(world)]
+    assert sum(flat_sent) < sum(sent) / 2
+    for params in (even, flat):
+        plan = plan_exchange(params, 0, world)
+        loads = [sum(params[i].numel for i in plan.owned(r)) for r in range(world)]
+        assert max(loads) <= total / world + max(p.numel for p in params), loads
+        for i, pieces in enumerate(params):  # a parameter held mostly by one rank stays there
+            longest = max(range(world), key=pieces.length)
+            if pieces.length(longest) == pieces.numel:
+                assert plan.owners[i] == longest
