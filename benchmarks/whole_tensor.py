@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from benchmarks import comm
 from benchmarks.common import RESULTS, machine, slowest, timestamp
-from shardkit.models.gpt import GPT, Block, GPTConfig
+from shardkit.models import GPT, Block, GPTConfig
 from shardkit.nn import FullyShardedDataParallel as FSDP
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 from shardkit.optim import WholeTensorOptimizer

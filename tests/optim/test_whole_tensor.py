@@ -1,11 +1,12 @@
 """Optimizers that need whole tensors (Muon + AdamW, Adafactor, a LAMB written in the
 workers) under FSDP (flat, nested, hybrid) with WholeTensorOptimizer, and under
 ShardedDataParallel and OSS: parameters after 3 steps equal the plain single-process
-model's within 2e-5; a universal checkpoint saved at 2 ranks resumes at 3 and
-continues as the plain model; a plain whole-tensor optimizer over FSDP's shards is
+model's within 2e-5; a universal checkpoint saved at 2 ranks (and at 4, hybrid) resumes
+at another world size and continues as the plain model; a plain whole-tensor optimizer over FSDP's shards is
 refused before any update.
 
-One ``pool.run`` per world size (2, 3) runs every configuration; the workers are in
+One ``pool.run`` per world size (2, 3, and 4 for hybrid sharding as 2 shards x 2
+replicas) runs every configuration; the workers are in
 :mod:`tests.optim.whole_tensor_workers`. The strategies x optimizers grid is split
 over the two world sizes so that each pair runs once.
 """
@@ -44,11 +45,15 @@ PARITY_3 = [
     ("sdp", "lamb"),
     ("oss", "adafactor"),
 ]
+PARITY_4 = [("hybrid", "muon"), ("hybrid", "adafactor"), ("hybrid", "lamb")]  # 2 x 2
 SAVED_AT_2 = [("fsdp-block", "muon"), ("fsdp-flat", "lamb"), ("sdp", "lamb")]
-RESUMED_AT_3 = [  # (saved by, resumed by, optimizer)
+RESUMED_AT_4 = [("fsdp-flat", "hybrid", "lamb")]  # (saved by, resumed by, optimizer)
+SAVED_AT_4 = [("hybrid", "muon")]
+RESUMED_AT_3 = [
     ("fsdp-block", "fsdp-flat", "muon"),
     ("fsdp-flat", "sdp", "lamb"),
     ("sdp", "fsdp-block", "lamb"),
+    ("hybrid", "fsdp-block", "muon"),  # saved at 4 ranks, 2 shards x 2 replicas
 ]
 
 
@@ -59,13 +64,21 @@ def results(rank_pool: Callable[[int], RankPool]) -> Iterator[dict[int, dict[str
             workers.run_all,
             [("parity", (PARITY_2,)), ("refusals", ()), ("save_after", (SAVED_AT_2, root, 3))],
         )
+        four = rank_pool(4).run(  # a pool other tests share
+            workers.run_all,
+            [
+                ("parity", (PARITY_4,)),
+                ("resume", (RESUMED_AT_4, root, 3, 5)),
+                ("save_after", (SAVED_AT_4, root, 3)),
+            ],
+        )
         three = rank_pool(3).run(
             workers.run_all, [("parity", (PARITY_3,)), ("resume", (RESUMED_AT_3, root, 3, 5))]
         )
-        yield {2: two[0], 3: three[0]}
+        yield {2: two[0], 3: three[0], 4: four[0]}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_parity_with_the_plain_model(results: dict[int, dict[str, Any]], world: int) -> None:
     for row in results[world]["parity"]:
         assert row["moved"] > 1e-2, row  # the plain model trained: the check can fail
@@ -75,10 +88,11 @@ def test_parity_with_the_plain_model(results: dict[int, dict[str, Any]], world: 
 def test_universal_checkpoint_resumes_at_another_world_size(
     results: dict[int, dict[str, Any]],
 ) -> None:
-    rows = results[3]["resume"]
-    assert [(r["saved"], r["strategy"], r["kind"]) for r in rows] == RESUMED_AT_3
-    for row in rows:
-        assert row["diff"] < TOL, row
+    for world, expected in ((3, RESUMED_AT_3), (4, RESUMED_AT_4)):
+        rows = results[world]["resume"]
+        assert [(r["saved"], r["strategy"], r["kind"]) for r in rows] == expected
+        for row in rows:
+            assert row["diff"] < TOL, row
 
 
 def test_plain_whole_tensor_optimizer_over_fsdp_shards_is_refused(

@@ -20,8 +20,8 @@ from shardkit.nn import ShardedDataParallel
 from shardkit.optim import OSS, WholeTensorOptimizer
 from tests.nn.data_parallel.fsdp_workers import SEQ, TINY, tiny_gpt, wrap_model
 
-GLOBAL_BATCH = 6  # divisible by 2 and 3
-LR = {"muon": 0.02, "adamw": 1e-2, "adafactor": 1e-2, "lamb": 1e-2}
+GLOBAL_BATCH = 12  # divisible by 2, 3 and 4
+LR = {"muon": 0.02, "adamw": 1e-3, "adafactor": 1e-2, "lamb": 1e-2}
 
 
 def _newton_schulz_fp32(
