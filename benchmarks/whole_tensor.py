@@ -64,6 +64,19 @@ def _optimizer(model: FSDP, kind: str, shapes: dict[str, Any]) -> torch.optim.Op
     )
 
 
+def _timed_exchange(opt: WholeTensorOptimizer, spent: list[float]) -> None:
+    """Add the seconds of the optimizer's two all-to-alls (and their packing) to ``spent``."""
+    for name in ("gather_to_owners", "scatter_from_owners"):
+        real = getattr(opt, name)
+
+        def timed(*args: Any, _real: Any = real, **kwargs: Any) -> None:
+            start = time.perf_counter()
+            _real(*args, **kwargs)
+            spent.append(time.perf_counter() - start)
+
+        setattr(opt, name, timed)
+
+
 def _step(model: FSDP, opt: torch.optim.Optimizer, x: torch.Tensor) -> tuple[float, float]:
     start = time.perf_counter()
     model(x, x)[1].backward()
@@ -85,6 +98,10 @@ def run(cfg: GPTConfig, batch: int, rounds: int, steps: int) -> dict[str, Any]:
         model = _model(cfg)
         runs[kind] = (model, _optimizer(model, kind, shapes))
         _step(*runs[kind], x)  # warm-up: optimizer state, buffers
+    exchange: list[float] = []
+    muon_opt = runs["muon"][1]
+    assert isinstance(muon_opt, WholeTensorOptimizer)
+    _timed_exchange(muon_opt, exchange)
     times: dict[str, list[float]] = {"adamw": [], "muon": []}
     opt_times: dict[str, list[float]] = {"adamw": [], "muon": []}
     for r in range(rounds):
@@ -108,6 +125,9 @@ def run(cfg: GPTConfig, batch: int, rounds: int, steps: int) -> dict[str, Any]:
         "opt_times": opt_times,
         "volume": volume,
         "exchange_bytes": opt.plan.bytes_per_step(4),
+        "exchange_s": statistics.median(
+            [a + b for a, b in zip(exchange[0::2], exchange[1::2])] or [0.0]
+        ),
         "whole_elements": whole,
         "whole_reduce_scatter_bytes": 4 * whole * (n - 1) / n,
     }
@@ -154,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\nmuon / adamw step time, per round: {[round(p, 3) for p in pairs]}, median {statistics.median(pairs):.3f}"
     )
+    print(f"exchange (both all-to-alls, rank 0) s per step, median: {out['exchange_s']:.3f}")
     print(
         f"exchange bytes sent per rank and step: {out['exchange_bytes'] / 2**20:.2f} MB = "
         f"{out['exchange_bytes'] / out['whole_reduce_scatter_bytes']:.2f} x the reduce-scatter of "
