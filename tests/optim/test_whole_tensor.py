@@ -62,7 +62,12 @@ def results(rank_pool: Callable[[int], RankPool]) -> Iterator[dict[int, dict[str
     with tempfile.TemporaryDirectory() as root:
         two = rank_pool(2).run(
             workers.run_all,
-            [("parity", (PARITY_2,)), ("refusals", ()), ("save_after", (SAVED_AT_2, root, 3))],
+            [
+                ("parity", (PARITY_2,)),
+                ("refusals", ()),
+                ("save_after", (SAVED_AT_2, root, 3)),
+                ("adafactor_save_refused", (root,)),
+            ],
         )
         four = rank_pool(4).run(  # a pool other tests share
             workers.run_all,
@@ -163,3 +168,12 @@ def test_exchange_bytes_and_balance(world: int) -> None:
             longest = max(range(world), key=pieces.length)
             if pieces.length(longest) == pieces.numel:
                 assert plan.owners[i] == longest
+
+
+def test_adafactor_state_is_refused_by_the_universal_format(
+    results: dict[int, dict[str, Any]],
+) -> None:
+    """Documented limitation: factored moments are not element-wise state."""
+    out = results[2]["adafactor_save_refused"]
+    assert out.startswith("CheckpointError") or out.startswith("ValueError"), out
+    assert "row_var" in out or "col_var" in out, out

@@ -141,7 +141,16 @@ def reference(kind: str, steps: int) -> dict[str, torch.Tensor]:
         for o in opts:
             o.step()
             o.zero_grad()
+            schedule(o, step)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def schedule(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """An LR schedule: every group's lr halves after step 1 (a resumed run gets the
+    halved lr from the checkpoint's hyperparameters)."""
+    if step == 1:
+        for group in optimizer.param_groups:
+            group["lr"] *= 0.5
 
 
 class Run:
@@ -186,6 +195,7 @@ class Run:
                 o.step()
             for o in self.optimizers:
                 o.zero_grad()
+                schedule(o, step)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         state = self.model.state_dict()
@@ -267,6 +277,14 @@ def resume(
     return out
 
 
+def adafactor_save_refused(root: str) -> str:
+    """The universal format holds element-wise state and scalars: Adafactor's factored
+    moments are refused at save, naming the state."""
+    run = Run("fsdp-flat", "adafactor")
+    run.train(range(1))
+    return _raises(lambda: save_universal(f"{root}/adafactor", 1, run.model, run.optimizers[0]))
+
+
 def _raises(fn: Callable[[], Any]) -> str:
     try:
         fn()
@@ -305,6 +323,7 @@ def run_all(fns: list[tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
     """Run several workers in one ``pool.run``."""
     table: dict[str, Callable[..., Any]] = {
         "parity": parity,
+        "adafactor_save_refused": adafactor_save_refused,
         "save_after": save_after,
         "resume": resume,
         "refusals": refusals,
