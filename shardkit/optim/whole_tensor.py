@@ -37,9 +37,12 @@ parameter each rank holds) is read once, at construction, from the model's
 universal-checkpoint adapter (``shardkit.checkpoint.universal.layout``), the one
 description every wrapper gives of its pieces.
 
-Source: the owner-computes layout of DeepSpeed's ZeRO Muon and torchtitan's Muon over
-FSDP2 (gather to one rank per parameter, scatter the update); ZeRO (Rajbhandari et al.
-2020) section 5.
+Source: the owner-computes scheme of the distributed Muon in modded-nanogpt and
+nanochat (``DistMuonAdamW``: each rank owns a share of the matrices, receives their
+averaged gradients, orthogonalises them and all-gathers the update), here over FSDP's
+existing shards instead of a separate gradient reduction; DeepSpeed applies Muon in
+ZeRO-1/2 only, where each parameter's gradient is still whole (as ``OSS`` does here).
+ZeRO: Rajbhandari et al. 2020, section 5.
 """
 
 from __future__ import annotations
