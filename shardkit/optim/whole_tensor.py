@@ -317,8 +317,7 @@ class WholeTensorOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with record_function("WholeTensorOptimizer::step"):
-            for group, inner in zip(self.param_groups, self._inners):
-                inner.param_groups[0].update(_hyper(group))
+            self._push_hyperparameters()
             if self.plan.params:
                 self.gather_to_owners(with_grads=True)
             for inner in self._inners:
@@ -326,6 +325,11 @@ class WholeTensorOptimizer(Optimizer):
             if self.plan.params:
                 self.scatter_from_owners()
         return loss
+
+    def _push_hyperparameters(self) -> None:
+        """The user's view of each group (an LR scheduler's changes) to its inner optimizer."""
+        for group, inner in zip(self.param_groups, self._inners):
+            inner.param_groups[0].update(_hyper(group))
 
     def gather_to_owners(self, with_grads: bool) -> None:
         """Fill each owned whole copy from the ranks' pieces (and its ``.grad`` from the
@@ -388,10 +392,12 @@ class WholeTensorOptimizer(Optimizer):
         any world size use the universal checkpoint (``save_universal(root, step,
         model, optimizer)``).
         """
+        self._push_hyperparameters()
         return {"owners": list(self.plan.owners), "inner": [o.state_dict() for o in self._inners]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` returned on this rank.
+        """Load what :meth:`state_dict` returned on this rank: the state and the
+        hyperparameters of every group.
 
         Raises:
             ValueError: saved with other owners (another world size or other groups).
@@ -402,5 +408,6 @@ class WholeTensorOptimizer(Optimizer):
                 f"optimizer has {list(self.plan.owners)} (another world size or other param "
                 "groups): use the universal checkpoint (save_universal / load_universal)"
             )
-        for inner, saved in zip(self._inners, state_dict["inner"]):
+        for group, inner, saved in zip(self.param_groups, self._inners, state_dict["inner"]):
             inner.load_state_dict(saved)
+            group.update(_hyper(inner.param_groups[0]))  # the saved lr, betas, ...

@@ -67,6 +67,7 @@ def results(rank_pool: Callable[[int], RankPool]) -> Iterator[dict[int, dict[str
                 ("refusals", ()),
                 ("save_after", (SAVED_AT_2, root, 3)),
                 ("adafactor_save_refused", (root,)),
+                ("local_state_roundtrip", ("fsdp-block", "adafactor")),
             ],
         )
         four = rank_pool(4).run(  # a pool other tests share
@@ -177,3 +178,11 @@ def test_adafactor_state_is_refused_by_the_universal_format(
     out = results[2]["adafactor_save_refused"]
     assert out.startswith("CheckpointError") or out.startswith("ValueError"), out
     assert "row_var" in out or "col_var" in out, out
+
+
+def test_local_state_dict_round_trip_at_the_same_world_size(
+    results: dict[int, dict[str, Any]],
+) -> None:
+    """WholeTensorOptimizer.state_dict() (this rank's state, Adafactor's factored moments
+    included) loads back into a new run, which continues as the plain model."""
+    assert results[2]["local_state_roundtrip"] < TOL

@@ -277,6 +277,20 @@ def resume(
     return out
 
 
+def local_state_roundtrip(strategy: str, kind: str) -> float:
+    """``optimizer.state_dict()`` and the model's state dict after 3 steps, loaded into a
+    new run at the same world size, which trains 2 more: max |diff| to the plain model."""
+    first = Run(strategy, kind)
+    first.train(range(3))
+    model_state = first.model.state_dict()
+    optim_state = first.optimizers[0].state_dict()
+    second = Run(strategy, kind)
+    second.model.load_state_dict(model_state)
+    second.optimizers[0].load_state_dict(optim_state)
+    second.train(range(3, 5))
+    return max_diff(second.full_state(), reference(kind, 5))
+
+
 def adafactor_save_refused(root: str) -> str:
     """The universal format holds element-wise state and scalars: Adafactor's factored
     moments are refused at save, naming the state."""
@@ -324,6 +338,7 @@ def run_all(fns: list[tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
     table: dict[str, Callable[..., Any]] = {
         "parity": parity,
         "adafactor_save_refused": adafactor_save_refused,
+        "local_state_roundtrip": local_state_roundtrip,
         "save_after": save_after,
         "resume": resume,
         "refusals": refusals,
