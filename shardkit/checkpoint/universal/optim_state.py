@@ -122,8 +122,14 @@ def optimizer_param_key(index: int) -> str:
 
 
 def optimizer_params(optimizer: Any) -> dict[int, int]:
-    """``{id(param): group index}`` over ``optimizer.param_groups``."""
-    return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    """``{id(param): group index}``: the tensors ``optimizer.state`` is keyed by, per
+    param group: the optimizer's ``state_param_groups`` (a list of tensors per group)
+    when it has one (a ``WholeTensorOptimizer`` keys the state of a whole-tensor group
+    by the owner's whole copies), else ``optimizer.param_groups``."""
+    held = getattr(optimizer, "state_param_groups", None)
+    if held is None:
+        held = [group["params"] for group in optimizer.param_groups]
+    return {id(p): g for g, params in enumerate(held) for p in params}
 
 
 def group_keys(entries: Iterable[ParamEntry], optimizer: Any) -> dict[int, list[str]]:

@@ -23,7 +23,9 @@ optimizers that take a norm per tensor (LAMB, LARS), factor the second moment
 (Adafactor) or precondition by matrix (Shampoo) would compute on the piece, not on the
 tensor. FairScale's flat parameters hide the names too; torch's FSDP2 shards each
 parameter on dim 0 (per-parameter padding, a copy after each all-gather) and has the
-same limitation on dim 0.
+same limitation on dim 0. Such optimizers are refused over the shards
+(``sharing.refuse_whole_tensor_optimizer``) and stepped exactly by
+:class:`shardkit.optim.WholeTensorOptimizer` (each parameter whole on one owner rank).
 
 Why this module is long: FlatParamHandle is one object (the flat buffer, its shard and
 the views over both) whose methods keep the views and buffers in step; split over files,

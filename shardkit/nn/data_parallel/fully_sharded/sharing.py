@@ -12,18 +12,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardkit.distributed.optim_guard import mark_replaced
+from shardkit.distributed.optim_guard import add_step_check, mark_replaced
 from shardkit.distributed.shard_descriptor import view_of
 from shardkit.nn.data_parallel.fully_sharded.flat_param import ParamInfo, ParamLocation
 from shardkit.nn.module_tree import walk_unit
+from shardkit.optim.whole_tensor import needs_whole_tensors
 
 __all__ = [
     "SharedParameterError",
     "collect_params",
     "mark_taken",
+    "refuse_whole_tensor_optimizer",
     "shared_parameter_names",
     "walk_unit",
 ]
@@ -87,8 +90,34 @@ def mark_taken(
             fix="the optimizer was built before wrapping and would step nothing. Build it "
             "after wrapping, from the wrapped model's parameters() or named_parameters()",
         )
-    for param in sharded:
-        _SHARDED[param] = None
+    for param, info in zip(sharded, infos):
+        _SHARDED[param] = f"`{info.name}` of {unit_label}, {tuple(info.shape)}"
+    add_step_check(refuse_whole_tensor_optimizer)  # the one optimizer-step guard
+
+
+def refuse_whole_tensor_optimizer(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """Optimizer step pre-hook: an optimizer that needs whole tensors (Muon, Adafactor,
+    LAMB: :func:`shardkit.optim.needs_whole_tensors`) stepping FSDP's 1-D pieces would
+    train another model silently; refused before its first update. Costs one class
+    lookup for any other optimizer.
+
+    Raises:
+        ValueError: naming the parameter and the fix.
+    """
+    if not needs_whole_tensors(optimizer):
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            where = _SHARDED.get(param)
+            if where is not None:
+                raise ValueError(
+                    f"{type(optimizer).__name__} needs whole tensors but steps {where} as "
+                    f"FSDP's 1-D piece of {param.numel()} elements: it would compute on the "
+                    "piece, not the tensor. Use shardkit.optim.WholeTensorOptimizer(model, "
+                    f"[{{'params': ..., 'optim': {type(optimizer).__name__}, ...}}, ...], "
+                    "process_group=<FSDP's shard group>), which steps each parameter whole "
+                    "on one owner rank"
+                )
 
 
 def check_same_device_and_dtype(infos: list[ParamInfo], module: nn.Module) -> None:
