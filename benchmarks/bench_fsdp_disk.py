@@ -112,6 +112,8 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                 "bytes_read": stats.bytes_read,
                 "bytes_written": stats.bytes_written,
                 "read_wait_s": stats.read_wait_s,
+                "io_s": stats.io_seconds,
+                "peak_write_behind_bytes": stats.peak_write_behind_bytes,
                 "rss": status_bytes("VmRSS"),
                 "hwm": peak_rss_bytes(),
             }
@@ -144,7 +146,9 @@ def bandwidth(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
     ``disk_fraction``: the tier's bytes per second over the disk's for the same mix of
     reads and writes, ``(R / disk_read + W / disk_write) / step_s``; 1.0 is a step that
-    keeps the disk busy at its own speed from start to end."""
+    keeps the disk busy at its own speed from start to end. ``io_fraction``: the same
+    over the seconds the tier's I/O ran (``io_s``, the slowest rank's): how close to the
+    disk's speed the tier's reads and writes go while they run, whatever the compute."""
     probes = [r[k] for r in ranks for k in ("disk_before", "disk_after") if r.get(k)]
     disk_read = max(p["read_bytes_per_s"] for p in probes)
     disk_write = max(p["write_bytes_per_s"] for p in probes)
@@ -154,9 +158,10 @@ def bandwidth(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         read = sum(r["steps"][i]["bytes_read"] for r in ranks)
         written = sum(r["steps"][i]["bytes_written"] for r in ranks)
         seconds = max(r["steps"][i]["seconds"] for r in ranks)
-        per_step.append((read / seconds, written / seconds, read, written, seconds))
+        io_s = max(r["steps"][i].get("io_s", seconds) for r in ranks)
+        per_step.append((read / seconds, written / seconds, read, written, seconds, io_s))
     per_step.sort(key=lambda t: t[4])
-    tier_read, tier_write, read, written, seconds = per_step[len(per_step) // 2]
+    tier_read, tier_write, read, written, seconds, io_s = per_step[len(per_step) // 2]
     return {
         "disk_read_bytes_per_s": disk_read,
         "disk_write_bytes_per_s": disk_write,
@@ -165,6 +170,8 @@ def bandwidth(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "tier_write_bytes_per_s": tier_write,
         "step_s": seconds,
         "disk_fraction": (read / disk_read + written / disk_write) / seconds,
+        "io_s": io_s,
+        "io_fraction": (read / disk_read + written / disk_write) / io_s,
     }
 
 
@@ -187,7 +194,8 @@ def report(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
         f"{bw['disk_write_bytes_per_s'] / 1e9:.2f} GB/s; tier (all ranks, median step "
         f"{bw['step_s']:.2f} s): read {bw['tier_read_bytes_per_s'] / 1e9:.2f} GB/s, write "
         f"{bw['tier_write_bytes_per_s'] / 1e9:.2f} GB/s: {bw['disk_fraction']:.0%} of the "
-        "disk's bandwidth for that mix",
+        f"disk's bandwidth for that mix ({bw['io_fraction']:.0%} while the tier's I/O ran, "
+        f"{bw['io_s']:.2f} s of the step)",
         "- build (meta -> generation 0 on disk): "
         + ", ".join(f"rank {r['rank']} {r['build_s']:.0f} s" for r in ranks),
         "",

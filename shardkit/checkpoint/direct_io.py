@@ -9,12 +9,12 @@ with large aligned asynchronous I/O that bypasses it; so does this module.
 
 [Note: direct I/O and alignment]
 ``O_DIRECT`` needs the memory address, the file offset and the length of each call
-aligned to the device's block (:data:`PAGE` bytes covers every common one). A file is
-moved in calls of up to :data:`CHUNK` bytes. Memory that is page-aligned (from
-:func:`aligned_empty`: the optimizer-state buffers of the file-backed optimizer) is
-read and written in place; any other tensor goes through a page-aligned bounce buffer
-of :data:`CHUNK` bytes per I/O thread (one ``memmove`` per chunk, a fraction of the
-disk's time). A file's last partial block is written padded and the file truncated
+aligned to the device's block (:data:`PAGE` bytes covers every common one). Memory
+that is page-aligned (from :func:`aligned_empty` or a :class:`BufferPool`: the
+optimizer-state buffers of the file-backed optimizer) is read and written in place, in
+calls of up to :data:`IN_PLACE` bytes; any other tensor goes through a page-aligned
+bounce buffer of :data:`CHUNK` bytes per I/O thread (one ``memmove`` per call, a
+fraction of the disk's time). A file's last partial block is written padded and the file truncated
 to its size. Where the file system refuses ``O_DIRECT`` (tmpfs, some network file
 systems), at ``open`` or at the first call (``EINVAL``), the same calls go through the
 page cache, followed by ``posix_fadvise(POSIX_FADV_DONTNEED)`` so that what is read
@@ -43,6 +43,7 @@ import torch
 
 __all__ = [
     "CHUNK",
+    "IN_PLACE",
     "PAGE",
     "BufferPool",
     "Segment",
@@ -56,8 +57,14 @@ __all__ = [
 PAGE = 4096
 """Alignment of addresses, offsets and lengths of direct I/O calls, in bytes."""
 
-CHUNK = 8 * 2**20
-"""Bytes per read or write call (and per bounce buffer)."""
+CHUNK = 4 * 2**20
+"""Bytes per read or write call through the bounce buffer (its size: resident memory
+of each thread that ever moved misaligned memory)."""
+
+IN_PLACE = 256 * 2**20
+"""Bytes per read or write call from page-aligned memory: few calls, so an I/O thread
+rarely needs the GIL back (each return from a call waits for it, up to the
+interpreter's switch interval, while the training thread runs Python)."""
 
 Segment = tuple[int, int, int]
 """``(file offset, memory address, bytes)``: a run of bytes of a file and where it is."""
@@ -181,8 +188,8 @@ def _write_direct(fd: int, segments: Sequence[Segment], size: int) -> None:
     try:
         in_place = len(segments) == 1 and segments[0][0] == 0 and segments[0][1] % PAGE == 0
         body = size // PAGE * PAGE if in_place else 0
-        for start in range(0, body, CHUNK):
-            length = min(CHUNK, body - start)
+        for start in range(0, body, IN_PLACE):
+            length = min(IN_PLACE, body - start)
             chunk = (ctypes.c_char * length).from_address(segments[0][1] + start)
             _pwrite_all(fd, memoryview(chunk).cast("B"), start)
         for start in range(body, size, CHUNK):
@@ -326,8 +333,8 @@ def read_file(path: Path, flat: torch.Tensor, *, direct: bool = True) -> int:
 
 def _read_direct(fd: int, address: int, nbytes: int) -> None:
     body = nbytes // PAGE * PAGE if address % PAGE == 0 else 0
-    for start in range(0, body, CHUNK):
-        length = min(CHUNK, body - start)
+    for start in range(0, body, IN_PLACE):
+        length = min(IN_PLACE, body - start)
         chunk = (ctypes.c_char * length).from_address(address + start)
         _pread_all(fd, memoryview(chunk).cast("B"), start, length)
     _read_chunks(fd, address + body, nbytes - body, aligned_io=True, first=body)

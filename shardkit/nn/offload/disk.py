@@ -109,6 +109,7 @@ class DiskTier(Tier):
             resume=resume,
             holds="an offloaded model",
             write_behind_bytes=io_bytes,
+            io_threads=2 if io_bytes else 1,  # each thread holds a bounce buffer
         )
         self.directory = self.store.directory
         self.resume = resume
