@@ -14,7 +14,12 @@ trains with AdamW (fp32) on one fixed batch of random tokens and targets per ran
 step and rank: loss (averaged over ranks), step time, bytes read and written
 (:class:`~shardkit.nn.data_parallel.fully_sharded.DiskStats`), the time the training
 thread waited for reads, and the resident set (``VmRSS`` after the step, ``VmHWM`` peak
-of the rank's process). Model state: 16 bytes per parameter (fp32 parameter, gradient,
+of the rank's process). In the same run rank 0 measures the disk's own sequential
+read and write bandwidth (:mod:`benchmarks.disk_bandwidth`: ``O_DIRECT``, the tier's
+directory, a file as large as one unit's files) before and after training; the
+results JSON holds ``disk_read_bytes_per_s``, ``disk_write_bytes_per_s``,
+``tier_read_bytes_per_s``, ``tier_write_bytes_per_s`` and ``disk_fraction`` (see
+:func:`bandwidth`). Model state: 16 bytes per parameter (fp32 parameter, gradient,
 two AdamW moments). The files are deleted at the end.
 
 Markdown goes to stdout and ``benchmarks/results/bench_fsdp_disk-<time>.md``, raw
@@ -36,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.common import ADAMW, RESULTS, peak_rss_bytes, status_bytes
+from benchmarks.disk_bandwidth import measure
 from shardkit.models import GPT, Block, GPTConfig
 from shardkit.nn.data_parallel.fully_sharded import DiskOffload
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
@@ -85,6 +91,7 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
         "shard_bytes": sum(u.nbytes for u in disk.units),
         "steps": [],
     }
+    out["disk_before"] = _measure_disk(disk, cfg)
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
     y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
@@ -105,21 +112,74 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                 "bytes_read": stats.bytes_read,
                 "bytes_written": stats.bytes_written,
                 "read_wait_s": stats.read_wait_s,
+                "io_s": stats.io_seconds,
+                "peak_write_behind_bytes": stats.peak_write_behind_bytes,
                 "rss": status_bytes("VmRSS"),
                 "hwm": peak_rss_bytes(),
             }
         )
         if rank == 0:
             print(f"step {step + 1}: {out['steps'][-1]}", flush=True)
+    out["disk_after"] = _measure_disk(disk, cfg)
     disk.close()
     dist.barrier()
     return out
+
+
+def _measure_disk(disk: DiskOffload, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """Rank 0 measures the disk alone (the other ranks wait) in the tier's directory,
+    with a file as large as the largest unit's files (shard + AdamW's two moments),
+    at least ``--probe-mib``; None on other ranks."""
+    dist.barrier()
+    result = None
+    if dist.get_rank() == 0:
+        unit = 3 * max(u.nbytes for u in disk.units)
+        result = measure(disk.directory, max(unit, cfg["probe_mib"] * 2**20)).to_json()
+    dist.barrier()
+    return result
+
+
+def bandwidth(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The disk's bandwidth (best of the measurements before and after training) and
+    the tier's: every rank's bytes of a step over the slowest rank's step time,
+    median over the steps after the first (the first has no optimizer state to read).
+
+    ``disk_fraction``: the tier's bytes per second over the disk's for the same mix of
+    reads and writes, ``(R / disk_read + W / disk_write) / step_s``; 1.0 is a step that
+    keeps the disk busy at its own speed from start to end. ``io_fraction``: the same
+    over the seconds the tier's I/O ran (``io_s``, the slowest rank's): how close to the
+    disk's speed the tier's reads and writes go while they run, whatever the compute."""
+    probes = [r[k] for r in ranks for k in ("disk_before", "disk_after") if r.get(k)]
+    disk_read = max(p["read_bytes_per_s"] for p in probes)
+    disk_write = max(p["write_bytes_per_s"] for p in probes)
+    steps = range(1 if len(ranks[0]["steps"]) > 1 else 0, len(ranks[0]["steps"]))
+    per_step = []
+    for i in steps:
+        read = sum(r["steps"][i]["bytes_read"] for r in ranks)
+        written = sum(r["steps"][i]["bytes_written"] for r in ranks)
+        seconds = max(r["steps"][i]["seconds"] for r in ranks)
+        io_s = max(r["steps"][i].get("io_s", seconds) for r in ranks)
+        per_step.append((read / seconds, written / seconds, read, written, seconds, io_s))
+    per_step.sort(key=lambda t: t[4])
+    tier_read, tier_write, read, written, seconds, io_s = per_step[len(per_step) // 2]
+    return {
+        "disk_read_bytes_per_s": disk_read,
+        "disk_write_bytes_per_s": disk_write,
+        "disk_direct_io": all(p["direct"] for p in probes),
+        "tier_read_bytes_per_s": tier_read,
+        "tier_write_bytes_per_s": tier_write,
+        "step_s": seconds,
+        "disk_fraction": (read / disk_read + written / disk_write) / seconds,
+        "io_s": io_s,
+        "io_fraction": (read / disk_read + written / disk_write) / io_s,
+    }
 
 
 def report(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
     """The Markdown table of a run."""
     params = ranks[0]["params"]
     state = 16 * params
+    bw = bandwidth(ranks)
     lines = [
         f"# FSDP disk tier: GPT {cfg['n_layer']} x {cfg['n_embd']} on {cfg['world']} ranks",
         "",
@@ -129,6 +189,13 @@ def report(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
         f"- units: {ranks[0]['units']} per rank; shard per rank {ranks[0]['shard_bytes'] / GIB:.2f}"
         f" GiB; batch {cfg['batch']} x {cfg['seq']} tokens per rank; {cfg['threads']} thread(s)"
         f" per rank; AdamW lr {cfg.get('lr', 3e-4):g}",
+        "- disk (O_DIRECT, one unit's size, best of before/after): read "
+        f"{bw['disk_read_bytes_per_s'] / 1e9:.2f} GB/s, write "
+        f"{bw['disk_write_bytes_per_s'] / 1e9:.2f} GB/s; tier (all ranks, median step "
+        f"{bw['step_s']:.2f} s): read {bw['tier_read_bytes_per_s'] / 1e9:.2f} GB/s, write "
+        f"{bw['tier_write_bytes_per_s'] / 1e9:.2f} GB/s: {bw['disk_fraction']:.0%} of the "
+        f"disk's bandwidth for that mix ({bw['io_fraction']:.0%} while the tier's I/O ran, "
+        f"{bw['io_s']:.2f} s of the step)",
         "- build (meta -> generation 0 on disk): "
         + ", ".join(f"rank {r['rank']} {r['build_s']:.0f} s" for r in ranks),
         "",
@@ -168,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     add("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
     add("--dir", default=None, help="parent of the offload directory (default: a temp dir)")
     add("--timeout", type=float, default=4 * 3600.0, help="seconds for the whole run")
+    add("--probe-mib", type=int, default=64, help="smallest disk probe file (MiB)")
     add("--quick", action="store_true", help="GPT 2 x 128, 2 steps: a smoke run")
     args = parser.parse_args(argv)
     if args.quick:
@@ -188,7 +256,9 @@ def main(argv: list[str] | None = None) -> None:
         RESULTS.mkdir(exist_ok=True)
         stem = RESULTS / f"bench_fsdp_disk-{time.strftime('%Y%m%d-%H%M%S')}"
         stem.with_suffix(".md").write_text(text)
-        stem.with_suffix(".json").write_text(json.dumps({"config": cfg, "ranks": ranks}, indent=1))
+        stem.with_suffix(".json").write_text(
+            json.dumps({"config": cfg, **bandwidth(ranks), "ranks": ranks}, indent=1)
+        )
         print(f"wrote {stem}.md / .json")
 
 

@@ -27,6 +27,14 @@ Offloaded configurations use activation checkpointing.
 capped with ``RLIMIT_AS`` (``ulimit -v``) at ``--limit-gb``, below the model state, and
 the plain model under the same cap (expected to fail with an out-of-memory error).
 
+For the disk configurations the child also measures the disk's own sequential read
+and write bandwidth in the tier's directory before and after its steps
+(:mod:`benchmarks.disk_bandwidth`: ``O_DIRECT``, a file as large as one slice's files)
+and the bytes the tier's files moved per step; the results JSON holds
+``disk_read_bytes_per_s``, ``disk_write_bytes_per_s``, ``tier_read_bytes_per_s``,
+``tier_write_bytes_per_s`` and ``disk_fraction`` per disk run and, at its top, for the
+disk run with the most slices (``--disk-only`` runs only those).
+
 Markdown goes to stdout, raw numbers to ``benchmarks/results/bench_offload-<time>.json``.
 """
 
@@ -47,6 +55,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import ADAMW, RESULTS, peak_rss_bytes
+from benchmarks.disk_bandwidth import measure
 from shardkit.models import GPT, GPTConfig, gpt_init_fn, gpt_stages
 from shardkit.nn.offload import MemoryTier, OffloadModel
 
@@ -80,7 +89,12 @@ def _build(cfg: dict[str, Any], directory: str) -> tuple[Any, Any, int]:
         with torch.device("meta"):
             gpt = GPT(config)
         om = OffloadModel(
-            gpt_stages(gpt), "cpu", offload_dir=directory, param_init_fn=gpt_init_fn, **kwargs
+            gpt_stages(gpt),
+            "cpu",
+            offload_dir=directory,
+            param_init_fn=gpt_init_fn,
+            disk_io_bytes=cfg.get("disk_io_mib", 0) * MB,
+            **kwargs,
         )
         opt = om.sliced_optimizer(torch.optim.AdamW, **ADAMW)
     else:
@@ -107,20 +121,60 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         loss_fn, opt, num_params = _build(cfg, directory)
         rss_built = peak_rss_bytes()
         x = torch.randint(0, 256, (cfg["batch"], cfg["seq"]))
-        times = []
+        store = getattr(getattr(opt, "tier", None), "store", None)  # the disk tier's files
+        probing = store is not None and "probe_mib" in cfg  # not in tests' runs
+        probes = [_probe(directory, num_params, cfg)] if probing else []
+        times, moved = [], []
         for _ in range(cfg["steps"] + 1):
+            before = (store.bytes_read, store.bytes_written) if store is not None else (0, 0)
             start = time.perf_counter()
             opt.zero_grad()
             loss_fn(x, x).backward()
             opt.step()
             times.append(time.perf_counter() - start)
-    return {
+            if store is not None:
+                moved.append((store.bytes_read - before[0], store.bytes_written - before[1]))
+        if probing:
+            probes.append(_probe(directory, num_params, cfg))
+    out = {
         **cfg,
         "params": num_params,
         "rss_import": rss_import,
         "rss_built": rss_built,
         "rss_peak": peak_rss_bytes(),
         "times": times[1:],
+    }
+    if probes:
+        out.update(_bandwidth(probes, times[1:], moved[1:]))
+    return out
+
+
+def _probe(directory: str, num_params: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The disk's own bandwidth in the tier's directory, with a file as large as one
+    slice's files (parameters and AdamW's two moments: 12 bytes per parameter)."""
+    one_slice = 12 * num_params // cfg.get("slices", 1)
+    return measure(directory, max(one_slice, cfg.get("probe_mib", 64) * MB)).to_json()
+
+
+def _bandwidth(
+    probes: list[dict[str, Any]], times: list[float], moved: list[tuple[int, int]]
+) -> dict[str, Any]:
+    """The disk's bandwidth (best of the probes before and after the steps) and the
+    tier's (bytes the tier's files moved in a step over the step's time, median step);
+    ``disk_fraction`` is ``(R / disk_read + W / disk_write) / step_s`` (1.0: the disk
+    busy at its own speed for the whole step)."""
+    disk_read = max(p["read_bytes_per_s"] for p in probes)
+    disk_write = max(p["write_bytes_per_s"] for p in probes)
+    steps = sorted(zip(times, moved, strict=True))
+    seconds, (read, written) = steps[len(steps) // 2]
+    return {
+        "disk_read_bytes_per_s": disk_read,
+        "disk_write_bytes_per_s": disk_write,
+        "disk_direct_io": all(p["direct"] for p in probes),
+        "tier_read_bytes_per_s": read / seconds,
+        "tier_write_bytes_per_s": written / seconds,
+        "tier_bytes_per_step": [read, written],
+        "disk_fraction": (read / disk_read + written / disk_write) / seconds,
     }
 
 
@@ -155,7 +209,11 @@ def _configs(args: argparse.Namespace) -> list[dict[str, Any]]:
         "batch": args.batch,
         "steps": args.steps,
         "tmp": args.tmp,
+        "probe_mib": args.probe_mib,
+        "disk_io_mib": args.disk_io_mib,
     }
+    if args.disk_only:
+        return [{**base, "tier": "disk", "slices": slices} for slices in args.slices]
     configs = [{**base, "tier": "plain"}]
     for slices in args.slices:
         configs += [{**base, "tier": t, "slices": slices} for t in ("cpu", "disk")]
@@ -171,7 +229,7 @@ def _table(runs: list[dict[str, Any]]) -> str:
     by_name: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
         by_name.setdefault(_name(r), []).append(r)
-    plain = by_name["plain"]
+    plain = by_name.get("plain") or next(iter(by_name.values()))
     base_time = statistics.median(t for r in plain for t in r["times"])
     base_growth = statistics.median(r["rss_peak"] - r["rss_import"] for r in plain)
     state = 16 * plain[0]["params"]
@@ -193,7 +251,39 @@ def _table(runs: list[dict[str, Any]]) -> str:
             f"| {name} | {step:.2f} | {step / base_time:.2f} | {peak / MB:.0f} | "
             f"{growth / MB:.0f} | {growth / base_growth:.2f} | {per_slice:.0f} |"
         )
+    lines += [
+        "",
+        "| disk tier | disk read GB/s | disk write GB/s | tier read GB/s | "
+        "tier write GB/s | fraction of the disk |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, rs in by_name.items():
+        for r in (r for r in rs if "disk_fraction" in r):
+            lines.append(
+                f"| {name} | {r['disk_read_bytes_per_s'] / 1e9:.2f} | "
+                f"{r['disk_write_bytes_per_s'] / 1e9:.2f} | "
+                f"{r['tier_read_bytes_per_s'] / 1e9:.2f} | "
+                f"{r['tier_write_bytes_per_s'] / 1e9:.2f} | {r['disk_fraction']:.0%} |"
+            )
     return "\n".join(lines)
+
+
+def _disk_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The bandwidth keys of the disk run with the most slices (median fraction over
+    its rounds), for the top of the results JSON."""
+    disk = [r for r in runs if "disk_fraction" in r]
+    if not disk:
+        return {}
+    most = max(r["slices"] for r in disk)
+    chosen = sorted((r for r in disk if r["slices"] == most), key=lambda r: r["disk_fraction"])
+    keys = (
+        "disk_read_bytes_per_s",
+        "disk_write_bytes_per_s",
+        "tier_read_bytes_per_s",
+        "tier_write_bytes_per_s",
+        "disk_fraction",
+    )
+    return {k: chosen[len(chosen) // 2][k] for k in keys}
 
 
 def _largest(args: argparse.Namespace) -> dict[str, Any]:
@@ -227,6 +317,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--slices", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--tmp", default=None, help="where the disk tier writes (default: TMPDIR)")
+    parser.add_argument("--disk-only", action="store_true", help="only the disk configurations")
+    parser.add_argument("--probe-mib", type=int, default=64, help="smallest disk probe (MiB)")
+    parser.add_argument(
+        "--disk-io-mib",
+        type=int,
+        default=512,
+        help="OffloadModel(disk_io_bytes=...) of the disk configurations, MiB (default 512)",
+    )
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
@@ -245,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         if failed:
             raise SystemExit(f"{len(failed)} configurations failed: {failed[0]}")
         print(_table(runs))
-        out = {"runs": runs}
+        out = {**_disk_summary(runs), "runs": runs}
     path = RESULTS / f"bench_offload-{'largest-' if args.largest else ''}{stamp}.json"
     path.write_text(json.dumps(out, indent=1))
     print(f"\nraw numbers: {path}")

@@ -18,6 +18,22 @@ A crash before it leaves generation ``g`` complete and referenced; reopening the
 directory deletes the unreferenced ``g + 1`` files. The cost is disk space: two
 generations exist during a step. Files a step does not change keep their older
 generation number (they are referenced, not copied).
+
+[Note: write-behind]
+With ``write_behind_bytes > 0``, :meth:`GenerationStore.write_async` returns at once
+and background threads write the file (large aligned direct I/O, see
+:mod:`~shardkit.checkpoint.direct_io`) while the caller goes on: the caller keeps the
+tensors unchanged until the returned future is done, and the store never has more
+than ``write_behind_bytes`` bytes of writes in flight (a new write waits for older
+ones; one write alone may be larger), so the memory they pin is bounded and counted
+(``inflight_bytes``, ``peak_inflight_bytes``). Ordering: a file's name is current
+from the moment its write is submitted, and a read of a file whose write is in flight
+waits for that write, so it sees the new bytes. Crash safety is unchanged:
+:meth:`GenerationStore.commit` waits for every write (and raises the first error of
+one) before the directory's ``fsync`` and the manifest's rename, so a crash while
+writes are in flight leaves the committed generation and, at worst, unreferenced
+files of the next one. Reads may run ahead on background threads too
+(:meth:`GenerationStore.read_async`).
 """
 
 from __future__ import annotations
@@ -27,12 +43,23 @@ import ctypes
 import json
 import os
 import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from shardkit.checkpoint.atomic import atomic_write
+from shardkit.checkpoint.atomic import atomic_write, fsync_dir
+from shardkit.checkpoint.direct_io import (
+    BufferPool,
+    Segment,
+    read_file,
+    segments_of,
+    write_file,
+)
 
 __all__ = [
     "ALIGN",
@@ -138,12 +165,24 @@ class GenerationStore:
             with :meth:`open`.
         what: the argument naming the directory, for messages. Default ``"offload_dir"``.
         holds: what a manifest means there, for messages. Default ``"a model"``.
+        write_behind_bytes: the most bytes of writes in flight on background threads
+            (see [Note: write-behind]); 0 (default): :meth:`write_async` still returns
+            a future, but each write waits for the previous one.
+        io_threads: background threads for writes, and as many for reads. Default 2.
+        direct_io: try ``O_DIRECT`` for the payload files (default True; the store
+            falls back to the page cache where the file system refuses it).
 
     Attributes:
         generation: the committed generation (0 until the first commit).
         files: entry -> kind -> file name of the current (committed or being written)
             generation; None for a kind not written yet.
         bytes_read / bytes_written: counters of payload bytes moved through this store.
+        inflight_bytes / peak_inflight_bytes: bytes of writes in flight now / at most.
+        io_seconds: wall-clock seconds during which at least one read or write of
+            this store was running (its bytes over this: the rate of its I/O).
+        buffers: page-aligned read buffers kept warm for reuse, up to
+            ``write_behind_bytes`` of free ones (none when it is 0).
+        direct: False once the file system refused direct I/O.
 
     Raises:
         ValueError: for an unwritable directory, a directory that already holds a
@@ -159,7 +198,15 @@ class GenerationStore:
         resume: bool,
         what: str = "offload_dir",
         holds: str = "a model",
+        write_behind_bytes: int = 0,
+        io_threads: int = 2,
+        direct_io: bool = True,
     ) -> None:
+        if write_behind_bytes < 0 or io_threads < 1:
+            raise ValueError(
+                f"need write_behind_bytes >= 0 and io_threads >= 1, got "
+                f"{write_behind_bytes} and {io_threads}"
+            )
         self.directory = Path(directory)
         self.fmt = fmt
         self.owned = owned
@@ -168,6 +215,19 @@ class GenerationStore:
         self.files: dict[str, dict[str, str | None]] = {}
         self.bytes_read = 0
         self.bytes_written = 0
+        self.write_behind_bytes = write_behind_bytes
+        self.io_threads = io_threads
+        self.direct = direct_io
+        self.inflight_bytes = 0
+        self.peak_inflight_bytes = 0
+        self.io_seconds = 0.0
+        self.buffers = BufferPool(write_behind_bytes)
+        self._active = 0  # reads and writes running
+        self._busy_since = 0.0
+        self._pending: dict[str, Future[int]] = {}  # file name -> its write in flight
+        self._errors: list[BaseException] = []
+        self._lock = threading.Condition()
+        self._pools: dict[str, ThreadPoolExecutor] = {}
         check_writable(self.directory, what)
         has_manifest = (self.directory / MANIFEST).exists()
         if has_manifest and not resume:
@@ -205,30 +265,141 @@ class GenerationStore:
 
     def write(self, entry: str, kind: str, generation: int, flat: torch.Tensor) -> int:
         """Write contiguous ``flat`` as generation ``generation`` of ``entry``'s ``kind``
-        (atomic file; not committed); returns the bytes written."""
-        name = f"{entry}.{kind}.g{generation}"
-        with atomic_write(self.directory / name) as handle:
-            nbytes = write_tensor(handle, flat)
-        self.files.setdefault(entry, {})[kind] = name
-        self.bytes_written += nbytes
-        return nbytes
+        (atomic file; not committed) and wait for it; returns the bytes written."""
+        return self._wait(self.write_async(entry, kind, generation, [flat]))
 
     def write_packed(
         self, entry: str, kind: str, generation: int, tensors: list[torch.Tensor]
     ) -> int:
         """Write contiguous ``tensors`` into one file at :func:`packed_offsets` (read it
-        back with :meth:`read` into a ``uint8`` buffer and view each at its offset);
-        returns the file's size in bytes."""
+        back with :meth:`read` into a ``uint8`` buffer and view each at its offset) and
+        wait for it; returns the file's size in bytes."""
+        return self._wait(self.write_async(entry, kind, generation, tensors))
+
+    def _wait(self, future: Future[int]) -> int:
+        """The result of a write waited for by its caller (its error raised there)."""
+        try:
+            return future.result()
+        except BaseException:
+            self._errors.clear()
+            raise
+
+    def write_async(
+        self,
+        entry: str,
+        kind: str,
+        generation: int,
+        tensors: list[torch.Tensor],
+        segments: tuple[list[Segment], int] | None = None,
+    ) -> Future[int]:
+        """Start writing ``tensors`` (contiguous; packed at :func:`packed_offsets`) as
+        generation ``generation`` of ``entry``'s ``kind`` on a background thread; the
+        name is current at once (see [Note: write-behind]). Keep the tensors unchanged
+        until the future is done.
+
+        Args:
+            entry, kind, generation: the file.
+            tensors: its contents (device tensors are copied to the CPU first).
+            segments: ``(segments, size)`` of the file instead of packing ``tensors``
+                (then ``tensors`` only keeps their memory alive).
+
+        Returns:
+            a future of the file's size in bytes.
+
+        Raises:
+            OSError: an earlier background write failed (its error, raised once: here or
+                by :meth:`flush`).
+        """
+        self._raise_failed()
         name = f"{entry}.{kind}.g{generation}"
-        offsets, total = packed_offsets([t.numel() * t.element_size() for t in tensors])
-        with atomic_write(self.directory / name) as handle:
-            end = 0
-            for offset, tensor in zip(offsets, tensors, strict=True):
-                handle.write(bytes(offset - end))
-                end = offset + write_tensor(handle, tensor)
+        held = [t if t.device.type == "cpu" else t.cpu() for t in tensors]
+        if segments is None:
+            offsets, total = packed_offsets([t.numel() * t.element_size() for t in held])
+            runs = segments_of([t.contiguous() for t in held], offsets)
+        else:
+            runs, total = segments
+        with self._lock:
+            while self.inflight_bytes and self.inflight_bytes + total > self.write_behind_bytes:
+                self._lock.wait()
+            self.inflight_bytes += total
+            self.peak_inflight_bytes = max(self.peak_inflight_bytes, self.inflight_bytes)
+        previous = self._pending.get(name)
+        if previous is not None:
+            previous.result()  # the same file rewritten: in order
+        future = self._pool("write").submit(self._write_file, name, runs, total, held)
+        self._pending[name] = future
         self.files.setdefault(entry, {})[kind] = name
         self.bytes_written += total
-        return total
+        return future
+
+    def _write_file(self, name: str, runs: list[Segment], total: int, held: object) -> int:
+        self._io_started()
+        try:
+            used = write_file(self.directory / name, runs, total, direct=self.direct)
+            self.direct = self.direct and used
+            return total
+        except BaseException as exc:
+            self._errors.append(exc)
+            raise
+        finally:
+            with self._lock:
+                self.inflight_bytes -= total
+                self._lock.notify_all()
+            self._io_ended()
+
+    def _io_started(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._busy_since = time.perf_counter()
+            self._active += 1
+
+    def _io_ended(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self.io_seconds += time.perf_counter() - self._busy_since
+
+    def _read_file(self, path: Path, flat: torch.Tensor) -> int:
+        self._io_started()
+        try:
+            return read_file(path, flat, direct=self.direct)
+        finally:
+            self._io_ended()
+
+    def _pool(self, which: str) -> ThreadPoolExecutor:
+        if which not in self._pools:
+            self._pools[which] = ThreadPoolExecutor(
+                self.io_threads, thread_name_prefix=f"shardkit-{which}"
+            )
+        return self._pools[which]
+
+    def _raise_failed(self) -> None:
+        """Raise the first error of a background write (once), the committed generation
+        being intact; the others are dropped with it."""
+        if self._errors:
+            error, self._errors = self._errors[0], []
+            raise error
+
+    def flush(self) -> None:
+        """Wait for every write in flight.
+
+        Raises:
+            OSError: a background write failed (its error, raised once).
+        """
+        for future in list(self._pending.values()):
+            with contextlib.suppress(BaseException):
+                future.result()
+        self._pending.clear()
+        self._raise_failed()
+
+    def close(self) -> None:
+        """Wait for the writes in flight and stop the background threads (idempotent)."""
+        try:
+            self.flush()
+        finally:
+            for pool in self._pools.values():
+                pool.shutdown(wait=True)
+            self._pools.clear()
 
     def name(self, entry: str, kind: str, generation: int, suffix: str = "") -> str:
         """Record ``<entry>.<kind>.g<generation><suffix>`` as the current file of
@@ -238,18 +409,49 @@ class GenerationStore:
         return name
 
     def read(self, entry: str, kind: str, flat: torch.Tensor) -> int:
-        """Fill contiguous ``flat`` from the current file of ``entry``'s ``kind``.
+        """Fill contiguous ``flat`` from the current file of ``entry``'s ``kind`` (after
+        its write, if one is in flight).
 
         Raises:
             KeyError: nothing was written for it.
             RuntimeError: the file is truncated.
         """
+        path = self._readable(entry, kind)
+        nbytes = self._read_file(path, flat)
+        self.bytes_read += nbytes
+        return nbytes
+
+    def read_async(
+        self, entry: str, kind: str, flat: torch.Tensor, then: Callable[[], Any] | None = None
+    ) -> Future[int]:
+        """Start filling ``flat`` from the current file of ``entry``'s ``kind`` on a
+        background thread (the caller leaves ``flat`` alone until the future is done);
+        ``then`` runs on that thread after the read.
+
+        Raises:
+            KeyError: nothing was written for it.
+        """
+        path = self._readable(entry, kind)
+        nbytes = flat.numel() * flat.element_size()
+        self.bytes_read += nbytes
+
+        def job() -> int:
+            self._read_file(path, flat)
+            if then is not None:
+                then()
+            return nbytes
+
+        return self._pool("read").submit(job)
+
+    def _readable(self, entry: str, kind: str) -> Path:
+        """The current file of ``entry``'s ``kind``, its write (if in flight) waited."""
         path = self.path(entry, kind)
         if path is None:
             raise KeyError(f"{self.directory}: no {kind} file for {entry}")
-        nbytes = read_into(path, flat)
-        self.bytes_read += nbytes
-        return nbytes
+        pending = self._pending.get(path.name)
+        if pending is not None:
+            pending.result()
+        return path
 
     def commit(self, generation: int, keep: set[str] | None = None, **extra: Any) -> None:
         """Make ``generation`` (the current files) the committed one with one atomic
@@ -260,6 +462,8 @@ class GenerationStore:
             keep: further file names (not in ``files``) to keep.
             extra: more JSON-able manifest fields (layouts, optimizer class, ...).
         """
+        self.flush()  # every file of the generation is on the disk before the commit
+        fsync_dir(self.directory)  # and so are their renames
         manifest = {"format": self.fmt, "generation": generation, "files": self.files, **extra}
         with atomic_write(self.directory / MANIFEST, "w") as handle:
             json.dump(manifest, handle, indent=1)

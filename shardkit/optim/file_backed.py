@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardkit.checkpoint.direct_io import PAGE, Segment
 from shardkit.checkpoint.generations import GenerationStore, packed_offsets
 from shardkit.distributed.optim_guard import exempt_optimizer
 
@@ -44,7 +45,9 @@ __all__ = [
     "FileBackedOptimizer",
     "StateByIndex",
     "StateLayout",
+    "StateRead",
     "read_state",
+    "read_state_async",
     "write_state",
 ]
 
@@ -130,10 +133,27 @@ def state_of(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -
 
 
 def write_state(
-    store: GenerationStore, entry: str, generation: int, state: StateByIndex, what: str
+    store: GenerationStore,
+    entry: str,
+    generation: int,
+    state: StateByIndex,
+    what: str,
+    *,
+    background: bool = False,
 ) -> StateLayout:
     """Write ``state`` as generation ``generation`` of ``entry``'s ``optim`` file (not
     committed; see [Note: the optimizer-state file]); returns its layout.
+
+    State read by :func:`read_state` and stepped in place is still laid out as in its
+    file, in one page-aligned buffer: that buffer is written as it is (no packing copy).
+
+    Args:
+        store, entry, generation: the file.
+        state: the state per parameter index.
+        what: names the piece in messages.
+        background: False (default): wait for the file. True: write-behind (see [Note:
+            write-behind] in :mod:`shardkit.checkpoint.generations`); the tensors must
+            stay unchanged until the store's next ``flush`` or ``commit``.
 
     Raises:
         TypeError: a state value is neither a tensor, a number nor None (names ``what``).
@@ -153,7 +173,10 @@ def write_state(
                 )
     flats = [t for _, _, t in tensors]
     offsets, total = packed_offsets([t.numel() * t.element_size() for t in flats])
-    store.write_packed(entry, "optim", generation, flats)
+    in_place = _in_place(flats, offsets, total)
+    future = store.write_async(entry, "optim", generation, flats, segments=in_place)
+    if not background:
+        store._wait(future)
     return {
         "nbytes": total,
         "tensors": [
@@ -162,6 +185,52 @@ def write_state(
         ],
         "values": values,
     }
+
+
+def _in_place(
+    flats: list[torch.Tensor], offsets: list[int], total: int
+) -> tuple[list[Segment], int] | None:
+    """The whole file as one segment when ``flats`` lie at ``offsets`` of one
+    page-aligned buffer (state read by :func:`read_state`), else None (packed)."""
+    if not flats:
+        return None
+    base = flats[0].data_ptr() - offsets[0]
+    if base % PAGE or any(t.data_ptr() - o != base for t, o in zip(flats, offsets, strict=True)):
+        return None
+    storage = flats[0].untyped_storage()
+    if storage.data_ptr() != base or storage.nbytes() < total:
+        return None
+    return [(0, base, total)], total
+
+
+class StateRead:
+    """A piece's optimizer state being read ahead on the store's background thread
+    (:func:`read_state_async`); :meth:`wait` gives the state."""
+
+    def __init__(self, store: GenerationStore, entry: str, layout: StateLayout) -> None:
+        self.layout = layout
+        self.flat = store.buffers.take(int(layout["nbytes"]))
+        self.future = store.read_async(entry, "optim", self.flat)
+
+    def wait(self) -> StateByIndex:
+        """The state (views of one page-aligned buffer), once read.
+
+        Raises:
+            RuntimeError: the file is truncated.
+        """
+        self.future.result()
+        return _unpack(self.flat, self.layout)
+
+
+def read_state_async(store: GenerationStore, entry: str, layout: StateLayout) -> StateRead:
+    """Start reading ``entry``'s current ``optim`` file (described by ``layout``) on
+    the store's background thread: read-ahead of the next piece's state while this one
+    steps.
+
+    Raises:
+        KeyError: no ``optim`` file was written for ``entry``.
+    """
+    return StateRead(store, entry, layout)
 
 
 def read_state(
@@ -187,8 +256,13 @@ def read_state(
     if mapped and nbytes:
         flat = torch.from_file(str(path), shared=False, size=nbytes, dtype=torch.uint8)
     else:
-        flat = torch.empty(nbytes, dtype=torch.uint8)
+        flat = store.buffers.take(nbytes)  # read in place by direct I/O, written back so
         store.read(entry, "optim", flat)
+    return _unpack(flat, layout)
+
+
+def _unpack(flat: torch.Tensor, layout: StateLayout) -> StateByIndex:
+    """The state tensors of ``layout``, views of the file's bytes ``flat``."""
     state: StateByIndex = {}
     for index, key, dtype, shape, offset in layout["tensors"]:
         kind = getattr(torch, dtype.removeprefix("torch."))

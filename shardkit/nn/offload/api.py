@@ -72,6 +72,7 @@ def _make_tier(
     offload_device: OffloadTarget,
     offload_dir: str | os.PathLike[str] | None,
     resume: bool,
+    disk_io_bytes: int = 0,
 ) -> Tier:
     if isinstance(offload_device, Tier):
         return offload_device
@@ -85,9 +86,11 @@ def _make_tier(
                 f"offload_dir is given, so the disk tier is used; offload_device must be "
                 f'"disk" (or left at its default), not {offload_device!r}'
             )
-        return DiskTier(device, offload_dir, resume=resume)
+        return DiskTier(device, offload_dir, resume=resume, io_bytes=disk_io_bytes)
     if resume:
         raise ValueError("resume=True needs the disk tier (offload_dir=...)")
+    if disk_io_bytes:
+        raise ValueError("disk_io_bytes needs the disk tier (offload_dir=...)")
     target = torch.device(offload_device)
     return ResidentTier(device) if target == device else MemoryTier(device, target)
 
@@ -135,6 +138,12 @@ class OffloadModel(nn.Module):
         offload_dir: directory of the disk tier (created if missing); default None.
         resume: disk tier only: continue from the generation stored in ``offload_dir``
             (the model gives only the architecture) instead of starting a new one.
+        disk_io_bytes: disk tier only: memory ``optimizer.step()`` may use beyond one
+            slice to keep the disk busy (see [Note: the step at the disk's speed] in
+            :mod:`shardkit.nn.offload.disk`): at most this many bytes of writes in
+            flight, and the next slice read ahead when its parameters and optimizer
+            state fit in it. Default 0: one slice at a time, each written before the
+            next is read.
         param_init_fn: disk tier only, for a model on ``meta``: called on each slice
             (an ``nn.Sequential``) once its parameters are allocated, to initialise
             them in place; default: ``reset_parameters()`` of every submodule having one.
@@ -148,7 +157,8 @@ class OffloadModel(nn.Module):
         TypeError: if ``model`` is not an ``nn.Sequential`` or a list of modules, or a
             parameter has an integer, bool or complex dtype, or ``num_slices`` is not an int.
         ValueError: if ``model`` is (or contains) an OffloadModel already; for
-            ``num_slices`` out of range (``BalanceError``), ``num_microbatches < 1``, an
+            ``num_slices`` out of range (``BalanceError``), ``num_microbatches < 1``,
+            ``disk_io_bytes < 0`` or given off the disk tier, an
             unwritable or mismatching ``offload_dir``, or a ``meta`` model off the disk tier.
         ConsistencyError: with ``process_group``, the ranks' models or options differ;
             ``PeerRejectedError`` (a subclass) if another rank refused its parameters.
@@ -172,6 +182,7 @@ class OffloadModel(nn.Module):
         *,
         offload_dir: str | os.PathLike[str] | None = None,
         resume: bool = False,
+        disk_io_bytes: int = 0,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -196,7 +207,9 @@ class OffloadModel(nn.Module):
         self.num_microbatches = num_microbatches
         self.model_slices = nn.ModuleList(_split(model, num_slices))
         self.num_slices = len(self.model_slices)
-        self.tier = _make_tier(self.device, offload_device, offload_dir, resume)
+        if disk_io_bytes < 0:
+            raise ValueError(f"disk_io_bytes must be >= 0 (bytes); got {disk_io_bytes}")
+        self.tier = _make_tier(self.device, offload_device, offload_dir, resume, disk_io_bytes)
         self.slices = self._build_slices()
         self._materialize_meta(param_init_fn)
         self._attach()

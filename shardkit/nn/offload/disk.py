@@ -18,11 +18,21 @@ crash before it leaves generation ``g``; a reopen (``resume=True``) deletes the
 unreferenced generation ``g + 1`` files and the scratch gradient files.
 
 [Note: what is resident]
-Parameters are read into the slice's compute buffer (``readinto``, no second copy) and
-the buffer is freed after use; gradients are added into ``<name>.grad`` through a
-shared memory map, which is unmapped right away; optimizer state is read through a
-private memory map. So a step holds one slice's parameters, gradients and
-optimizer state at a time, plus the pinned ``shared`` group.
+Parameters are read into the slice's compute buffer (direct I/O where the file system
+allows, no page-cache copy) and the buffer is freed after use; gradients are added into
+``<name>.grad`` through a shared memory map, which is unmapped right away. Forward and
+backward hold one slice at a time, plus the pinned ``shared`` group.
+
+[Note: the step at the disk's speed]
+``optimizer.step()`` keeps the disk busy (ZeRO-Infinity's overlap of the optimizer with
+NVMe I/O, section 6.2): while slice k steps, slice k + 1's parameters and optimizer
+state are read ahead (:meth:`DiskTier.read_ahead`) and slice k - 1's are written
+behind (the store's write-behind; a slice's compute buffer is freed once written),
+within the memory ``OffloadModel(disk_io_bytes=...)`` allows beyond one slice: at most
+that many bytes of writes in flight, and a slice read ahead only when its parameters
+and optimizer state fit in it. With the default 0 the step holds one slice, each
+written before the next is read, as forward and backward do. The commit waits for every
+write (see [Note: write-behind] in :mod:`shardkit.checkpoint.generations`).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -40,9 +51,16 @@ from torch import nn
 from shardkit.checkpoint.atomic import atomic_save
 from shardkit.checkpoint.generations import MANIFEST, GenerationStore, check_writable
 from shardkit.nn.offload.flat import LayoutEntry, SliceLayout
-from shardkit.nn.offload.slices import Slice
+from shardkit.nn.offload.slices import Slice, SliceState
 from shardkit.nn.offload.tiers import Tier
-from shardkit.optim.file_backed import StateByIndex, StateLayout, read_state, write_state
+from shardkit.optim.file_backed import (
+    StateByIndex,
+    StateLayout,
+    StateRead,
+    read_state,
+    read_state_async,
+    write_state,
+)
 
 __all__ = ["MANIFEST", "DiskTier", "check_writable", "remove_offloaded"]
 
@@ -64,6 +82,8 @@ class DiskTier(Tier):
         resume: False (default): start from the model's values; the directory must not
             hold an offloaded model yet. True: continue from the committed generation in
             the directory (the model only gives the architecture; it may be on ``meta``).
+        io_bytes: memory the step may use beyond one slice for write-behind and
+            read-ahead (see [Note: the step at the disk's speed]); default 0.
 
     Raises:
         ValueError: for an unwritable directory, a directory that already holds a model
@@ -72,10 +92,24 @@ class DiskTier(Tier):
 
     kind = "disk"
 
-    def __init__(self, device: torch.device, directory: str | os.PathLike[str], *, resume: bool):
+    def __init__(
+        self,
+        device: torch.device,
+        directory: str | os.PathLike[str],
+        *,
+        resume: bool,
+        io_bytes: int = 0,
+    ) -> None:
         super().__init__(device)
+        self.io_bytes = io_bytes
         self.store = GenerationStore(
-            directory, fmt=FORMAT, owned=_OWNED, resume=resume, holds="an offloaded model"
+            directory,
+            fmt=FORMAT,
+            owned=_OWNED,
+            resume=resume,
+            holds="an offloaded model",
+            write_behind_bytes=io_bytes,
+            io_threads=2 if io_bytes else 1,  # each thread holds a bounce buffer
         )
         self.directory = self.store.directory
         self.resume = resume
@@ -84,6 +118,9 @@ class DiskTier(Tier):
         self.buffers: dict[str, torch.Tensor] = {}
         self.grads_present: dict[str, set[int]] = {}
         self._init_fn: Callable[[nn.Module], None] | None = None
+        self._reading: dict[str, Future[int]] = {}  # slice -> its parameters read ahead
+        self._state_ahead: dict[str, StateRead] = {}  # slice -> its optimizer state
+        self._writing: dict[str, tuple[Slice, Future[int]]] = {}  # buffers being written
 
     @property
     def generation(self) -> int:
@@ -164,19 +201,54 @@ class DiskTier(Tier):
 
     def _load(self, s: Slice) -> None:
         assert s.compute is not None
-        s.compute.allocate()
-        self.store.read(s.name, "params", s.compute.tensor)
+        reading = self._reading.pop(s.name, None)
+        if reading is not None:
+            reading.result()
+        else:
+            self._reap(s)
+            s.compute.allocate()
+            self.store.read(s.name, "params", s.compute.tensor)
         s.point_at(s.compute_views)
+
+    def read_ahead(self, s: Slice) -> None:
+        """Start reading offloaded ``s``'s parameters into its compute buffer and its
+        optimizer state on the store's background threads (see [Note: the step at the
+        disk's speed]); :meth:`load` and :meth:`load_optim_state` then wait for them."""
+        if s.pinned or s.state is not SliceState.OFFLOADED or s.name in self._reading:
+            return
+        if 3 * s.layout.nbytes > self.io_bytes:  # parameters + AdamW's two moments
+            return
+        assert s.compute is not None
+        self._reap(s)
+        s.compute.allocate()
+        self._reading[s.name] = self.store.read_async(s.name, "params", s.compute.tensor)
+        layout = self.optim_layouts.get(s.name)
+        if layout is not None and self.store.path(s.name, "optim") is not None:
+            self._state_ahead[s.name] = read_state_async(self.store, s.name, layout)
 
     def _offload(self, s: Slice) -> None:
         self.flush_grads(s)
         self.release(s)
 
     def release(self, s: Slice) -> None:
-        """Point the parameters of offloaded ``s`` at empty placeholders, free its buffer."""
+        """Point the parameters of offloaded ``s`` at empty placeholders, free its buffer
+        (once written, when a write of it is in flight)."""
         assert s.compute is not None
         s.point_at([_placeholder(v) for v in s.compute_views])
-        s.compute.free()
+        if s.name not in self._writing:
+            s.compute.free()
+
+    def _reap(self, s: Slice | None = None) -> None:
+        """Free the compute buffers whose write finished (every one when ``s`` is None
+        and the store was flushed; else wait for ``s``'s own write first)."""
+        if s is not None and s.name in self._writing:
+            self._writing[s.name][1].result()
+        for name, (written, future) in list(self._writing.items()):
+            if future.done():
+                del self._writing[name]
+                if written.state is SliceState.OFFLOADED and written is not s:
+                    assert written.compute is not None
+                    written.compute.free()
 
     # -- gradients ---------------------------------------------------------------------
 
@@ -226,31 +298,53 @@ class DiskTier(Tier):
     # -- generations -------------------------------------------------------------------
 
     def step_slice(self, s: Slice, generation: int, optim_state: StateByIndex) -> None:
-        """Write generation ``generation`` of resident ``s``: parameters and optimizer state."""
-        self.write_params(s, generation)
-        self.write_optim_state(s, generation, optim_state)
+        """Start writing generation ``generation`` of resident ``s``: parameters and
+        optimizer state, behind (see [Note: the step at the disk's speed])."""
+        flat = _flat_bytes(s)
+        future = self.store.write_async(s.name, "params", generation, [flat])
+        compute = s.compute
+        if not s.pinned and compute is not None and flat.data_ptr() == compute.tensor.data_ptr():
+            self._writing[s.name] = (s, future)  # the buffer is freed once written
+        self.write_optim_state(s, generation, optim_state, background=True)
+        if self.io_bytes == 0:
+            self.store.flush()  # one slice at a time
 
     def write_optim_state(
-        self, s: Slice, generation: int, optim_state: StateByIndex | None
+        self,
+        s: Slice,
+        generation: int,
+        optim_state: StateByIndex | None,
+        *,
+        background: bool = False,
     ) -> None:
         """Write generation ``generation`` of ``s``'s optimizer state (per parameter
-        index; None: no state, as before step 1); not committed."""
+        index; None: no state, as before step 1); not committed. ``background``: the
+        store's write-behind (the state's tensors stay unchanged until the commit)."""
         if optim_state is None:
             self.store.files.setdefault(s.name, {})["optim"] = None
             self.optim_layouts[s.name] = None
             return
         self.optim_layouts[s.name] = write_state(
-            self.store, s.name, generation, optim_state, f"OffloadModel {s.name}"
+            self.store,
+            s.name,
+            generation,
+            optim_state,
+            f"OffloadModel {s.name}",
+            background=background,
         )
 
     def load_optim_state(self, s: Slice, device: torch.device | None = None) -> StateByIndex | None:
         """The committed optimizer state of ``s`` per parameter index (views of a private
         memory map on the CPU, copied to ``device``: default the compute device), or
         None before step 1."""
+        ahead = self._state_ahead.pop(s.name, None)
         layout = self.optim_layouts.get(s.name)
-        if layout is None or self.store.path(s.name, "optim") is None:
+        if ahead is not None:
+            state = ahead.wait()
+        elif layout is None or self.store.path(s.name, "optim") is None:
             return None
-        state = read_state(self.store, s.name, layout, mapped=True)
+        else:
+            state = read_state(self.store, s.name, layout, mapped=device is not None)
         target = self.device if device is None else device
         if target.type == "cpu":
             return state
@@ -264,6 +358,8 @@ class DiskTier(Tier):
         if optimizer_class is not None:
             self.optimizer_class = optimizer_class
         self._write_buffers(generation)
+        self.store.flush()
+        self._reap()
         self.store.commit(
             generation,
             keep=self._scratch_files(generation),

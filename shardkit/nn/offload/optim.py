@@ -37,8 +37,9 @@ class SlicedOptimizer(FileBackedOptimizer):
 
     ``step`` visits the pinned ``shared`` group and every slice: load parameters,
     gradients (from the gradient file) and optimizer state, step, write generation
-    ``g + 1``; then commits ``g + 1`` atomically (see ``disk.py``). A crash mid-step
-    leaves generation ``g``.
+    ``g + 1``; then commits ``g + 1`` atomically (see ``disk.py``). The next slice is
+    read ahead and the previous one written behind while a slice steps (see [Note: the
+    step at the disk's speed] in ``disk.py``). A crash mid-step leaves generation ``g``.
 
     Args:
         tier: the model's disk tier.
@@ -85,7 +86,10 @@ class SlicedOptimizer(FileBackedOptimizer):
         if closure is not None:
             raise ValueError("SlicedOptimizer.step does not take a closure")
         generation = self.tier.generation + 1
-        for s in self.tier.slices:
+        order = [s for s in self.tier.slices if s.params]
+        for index, s in enumerate(order):
+            if index + 1 < len(order):  # see [Note: the step at the disk's speed]
+                self.tier.read_ahead(order[index + 1])
             self._step_slice(s, generation)
         self.tier.commit(generation, self.class_name)
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import shardkit.checkpoint.generations as generations
+import shardkit.checkpoint.direct_io as direct_io
 from shardkit.models import GPT, Block
 from shardkit.nn.data_parallel.fully_sharded import (
     DiskOffload,
@@ -41,7 +41,12 @@ CLASSES: dict[str, type[torch.optim.Optimizer]] = {
 
 
 def _disk_model(directory: str, cfg: dict[str, Any], resume: bool = False) -> tuple[FSDP, Any]:
-    disk = DiskOffload(directory, resume=resume, prefetch=cfg.get("prefetch", True))
+    disk = DiskOffload(
+        directory,
+        resume=resume,
+        prefetch=cfg.get("prefetch", True),
+        write_behind_bytes=cfg.get("write_behind", 512 * 2**20),
+    )
     if resume:
         with torch.device("meta"):
             module: torch.nn.Module = GPT(TINY)
@@ -134,23 +139,23 @@ def crash_and_resume(root: str) -> dict[str, Any]:
     directory = str(Path(root) / "crashed")
     model, optimizer = _disk_model(directory, cfg)
     first = [_step(model, optimizer, step) for step in range(2)]
-    real_write, calls = generations.write_tensor, []
+    real_write, calls = direct_io.write_payload, []
 
-    def write_half_then_fail(handle: Any, flat: torch.Tensor) -> int:
-        calls.append(flat.numel())
-        if len(calls) == 3:  # a unit's shard and state written, the next shard half-way
-            handle.write(bytes(flat.numel() * flat.element_size() // 2))
+    def write_half_then_fail(fd: int, segments: Any, size: int, *, aligned: bool) -> None:
+        calls.append(size)
+        if len(calls) == 3:  # a unit's shard and state written, the next file half-way
+            real_write(fd, segments, size // 2, aligned=aligned)
             raise OSError("disk full (simulated)")
-        return real_write(handle, flat)
+        real_write(fd, segments, size, aligned=aligned)
 
-    generations.write_tensor = write_half_then_fail  # type: ignore[assignment]
+    direct_io.write_payload = write_half_then_fail  # type: ignore[assignment]
     error = ""
     try:
         _step(model, optimizer, 2)
     except OSError as exc:
         error = str(exc)
     finally:
-        generations.write_tensor = real_write  # type: ignore[assignment]
+        direct_io.write_payload = real_write  # type: ignore[assignment]
     disk_dir = optimizer.tier.directory
     optimizer.tier.close()
     del model, optimizer
@@ -181,17 +186,16 @@ def killed_mid_step(root: str, init_file: str) -> None:
     model, optimizer = _disk_model(root, {"nesting": "block", "optim": "adamw"})
     for step in range(2):
         _step(model, optimizer, step)
-    real_write, calls = generations.write_tensor, []
+    real_write, calls = direct_io.write_payload, []
 
-    def write_half_then_die(handle: Any, flat: torch.Tensor) -> int:
+    def write_half_then_die(fd: int, segments: Any, size: int, *, aligned: bool) -> None:
         calls.append(1)
         if len(calls) == 3:
-            handle.write(bytes(flat.numel() * flat.element_size() // 2))
-            handle.flush()
+            real_write(fd, segments, size // 2, aligned=aligned)
             os._exit(17)
-        return real_write(handle, flat)
+        real_write(fd, segments, size, aligned=aligned)
 
-    generations.write_tensor = write_half_then_die  # type: ignore[assignment]
+    direct_io.write_payload = write_half_then_die  # type: ignore[assignment]
     _step(model, optimizer, 2)
 
 

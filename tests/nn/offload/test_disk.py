@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+import shardkit.checkpoint.direct_io as direct_io
 import shardkit.checkpoint.generations as generations
 from shardkit.nn.offload import OffloadModel, remove_offloaded
 from shardkit.testing import assert_state_dicts_close
@@ -40,20 +41,20 @@ def test_crash_mid_step_leaves_committed_generation(tmp_path: Path, monkeypatch:
     opt = optimizer_for(om, "adamw")
     train(om, opt, 2)
     committed = (tmp_path / "slice1.params.g2").read_bytes()
-    real_write = generations.write_tensor
+    real_write = direct_io.write_payload
     calls = []
 
-    def write_half_then_fail(handle: Any, flat: torch.Tensor) -> int:
-        calls.append(flat.numel())
+    def write_half_then_fail(fd: int, segments: Any, size: int, *, aligned: bool) -> None:
+        calls.append(size)
         if len(calls) == 2:  # slice0 written, slice1 fails half-way through its file
-            handle.write(bytes(flat.numel() // 2))
+            real_write(fd, segments, size // 2, aligned=aligned)
             raise OSError("disk full (simulated)")
-        return real_write(handle, flat)
+        real_write(fd, segments, size, aligned=aligned)
 
-    monkeypatch.setattr(generations, "write_tensor", write_half_then_fail)
+    monkeypatch.setattr(direct_io, "write_payload", write_half_then_fail)
     with pytest.raises(OSError, match="simulated"):
         train(om, opt, 1)
-    monkeypatch.setattr(generations, "write_tensor", real_write)
+    monkeypatch.setattr(direct_io, "write_payload", real_write)
     del om, opt
     assert (tmp_path / "slice1.params.g2").read_bytes() == committed
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]

@@ -11,10 +11,23 @@ called by :class:`~.unit.UnitRuntime`)::
 
     forward      read shard (prefetched on a background thread while the previous
                  unit computes) -> all-gather -> drop the shard -> run -> free full
-    backward     read shard (prefetched) -> all-gather -> run -> reduce-scatter ->
-                 read optimizer state -> step the shard -> write shard + state as
-                 generation g + 1 -> drop shard, gradient and state
-    end          (root) every rank wrote g + 1 (a barrier) -> commit g + 1
+    backward     read shard and optimizer state (prefetched while the next unit runs
+                 its backward) -> all-gather -> run -> reduce-scatter -> step the
+                 shard -> write shard + state as generation g + 1 on a background
+                 thread (write-behind) -> drop gradient and state, the shard once
+                 written
+    end          (root) wait for the writes; every rank wrote g + 1 (a barrier) ->
+                 commit g + 1
+
+[Note: I/O at the disk's speed]
+The step is bound by the disk, so the disk must never wait for the training thread:
+while unit k steps, unit k - 1's shard and optimizer state are read (prefetched when
+unit k's backward starts) and unit k + 1's are written (write-behind, at most
+``write_behind_bytes`` in flight; a write's tensors are its memory: the stepped shard
+stays allocated until written), all with large aligned direct I/O that bypasses the
+page cache (:mod:`shardkit.checkpoint.direct_io`), as ZeRO-Infinity's NVMe engine
+(section 6.2). Crash safety is the store's: the commit waits for every write (see
+[Note: write-behind] in :mod:`shardkit.checkpoint.generations`).
 
 [Note: stepping inside backward]
 The optimizer steps each unit as soon as its reduced gradient shard is complete, so
@@ -36,9 +49,10 @@ first and is not available.
 While a unit is not running, its local shard's storage is freed (``resize_(0)``) and
 its sharded parameters (``named_parameters()``) are empty placeholders, as
 OffloadModel's disk tier; at most the running unit, the prefetched one and the units
-whose gradient reduction is in flight hold their shard, plus one unit's optimizer state
-during its step. Reads and writes go through ``readinto`` / ``write`` (no memory map),
-so the page cache, not the process, holds file pages.
+whose gradient reduction is in flight hold their shard, plus the optimizer state of
+the stepping unit and of the prefetched one, plus the writes in flight (at most
+``write_behind_bytes``). Reads and writes bypass the page cache where the file system
+allows (no memory map, no second copy of what is read once).
 
 Why this module is long: the disk tier's classes (DiskOffload the user passes, DiskUnit
 with a unit's files and prefetch, DiskOptimizer) share the file layout and generation
@@ -50,7 +64,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -59,11 +73,17 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from shardkit.checkpoint.generations import GenerationStore, read_into
+from shardkit.checkpoint.generations import GenerationStore
 from shardkit.distributed.collectives import group_size
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
 from shardkit.nn.data_parallel.fully_sharded.store import ShardStore
-from shardkit.optim.file_backed import FileBackedOptimizer, read_state, write_state
+from shardkit.optim.file_backed import (
+    FileBackedOptimizer,
+    StateRead,
+    read_state,
+    read_state_async,
+    write_state,
+)
 
 __all__ = [
     "DiskOffload",
@@ -88,6 +108,8 @@ class DiskStats:
         bytes_written: payload bytes written (shards, optimizer state; padding included).
         read_wait_s: seconds the training thread waited for reads (not overlapped).
         seconds: wall-clock seconds since the previous commit (or since the first read).
+        peak_write_behind_bytes: the most bytes of writes in flight during the step.
+        io_seconds: seconds during which a read or write of the tier was running.
     """
 
     generation: int
@@ -95,6 +117,8 @@ class DiskStats:
     bytes_written: int
     read_wait_s: float
     seconds: float
+    peak_write_behind_bytes: int = 0
+    io_seconds: float = 0.0
 
 
 class DiskOffload:
@@ -123,15 +147,25 @@ class DiskOffload:
             must not hold a model. True: continue from its committed generation (the
             module gives the architecture only; build it on meta). Every rank must be
             at the same generation.
-        prefetch: read the next unit's shard on a background thread while the current
-            one computes. Default True.
+        prefetch: read the next unit's shard (and in backward its optimizer state) on
+            a background thread while the current one computes. Default True.
+        write_behind_bytes: the most bytes of stepped shards and optimizer state being
+            written on background threads while backward goes on (see [Note: I/O at the
+            disk's speed]); 0 writes each unit before the next one steps. Default
+            512 MiB.
 
     Raises:
         ValueError: an unwritable directory, or a directory holding a model (``resume``
             False) or none (``resume`` True).
     """
 
-    def __init__(self, directory: str | Path, resume: bool = False, prefetch: bool = True) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        resume: bool = False,
+        prefetch: bool = True,
+        write_behind_bytes: int = 512 * 2**20,
+    ) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.store = GenerationStore(
             Path(directory) / f"rank{rank}",
@@ -139,6 +173,7 @@ class DiskOffload:
             owned=_OWNED,
             resume=resume,
             what="disk_offload directory",
+            write_behind_bytes=write_behind_bytes,
         )
         self.resume = resume
         self.prefetch = prefetch
@@ -151,13 +186,14 @@ class DiskOffload:
             self.optimizer_class = manifest.get("optimizer_class")
             self.store.remove_unreferenced(set())  # a crashed step's files
         self._optimizer: DiskOptimizer | None = None
-        self._reader: ThreadPoolExecutor | None = None
         self._group: dist.ProcessGroup | None = None
         self.unacknowledged = False  # a backward stepped; optimizer.step() not called yet
+        self.in_backward = False  # a backward started and has not ended
+        self.written: list[DiskUnit] = []  # stepped units whose shard is being written
         self.stepped: list[DiskUnit] = []  # units stepped in the step being written
         self.history: list[DiskStats] = []
         self.read_wait_s = 0.0
-        self._mark = (0, 0, 0.0, 0.0)  # read, written, wait, time at the last commit
+        self._mark = (0, 0, 0.0, 0.0, 0.0)  # read, written, wait, time, I/O s at the last commit
 
     @property
     def directory(self) -> Path:
@@ -210,12 +246,14 @@ class DiskOffload:
         self._optimizer = DiskOptimizer(self, optimizer_class, defaults)
         return self._optimizer
 
-    # reading -------------------------------------------------------------------------
-    def read_async(self, path: Path, flat: torch.Tensor) -> Future[int]:
-        """Read ``path`` into ``flat`` on the background thread."""
-        if self._reader is None:
-            self._reader = ThreadPoolExecutor(1, thread_name_prefix="shardkit-disk")
-        return self._reader.submit(read_into, path, flat)
+    # reading and writing -------------------------------------------------------------
+    def reap(self) -> None:
+        """Free the shards of stepped units whose write finished (training thread)."""
+        if self.written:
+            done = [u for u in self.written if u.write_done()]
+            self.written = [u for u in self.written if u not in done]
+            for unit in done:
+                unit.release()
 
     def waited(self, seconds: float) -> None:
         """Count ``seconds`` of the training thread waiting for a read."""
@@ -260,13 +298,19 @@ class DiskOffload:
                 "disk_offload every backward is an optimizer step. Call optimizer.step() "
                 "after each backward; accumulate micro-batches inside model.no_sync()"
             )
+        self.in_backward = True
 
     def end_backward(self) -> None:
         """The root's backward is over: if units stepped, commit their generation once
         every rank has written it (one all-reduce as a barrier)."""
+        self.in_backward = False
         if not self.stepped:
             return
         with record_function("FSDP::disk_commit"):
+            start = time.perf_counter()
+            self.store.flush()  # this rank's g + 1 is on the disk
+            self.waited(time.perf_counter() - start)
+            self.reap()
             if dist.is_initialized() and group_size(self._group) > 1:
                 dist.all_reduce(torch.zeros(1), group=self._group)  # all wrote g + 1
             self._commit(self.generation + 1)
@@ -281,7 +325,7 @@ class DiskOffload:
         )
         read, written, now = self.store.bytes_read, self.store.bytes_written, time.perf_counter()
         if generation > 0:
-            last_read, last_written, last_wait, last_time = self._mark
+            last_read, last_written, last_wait, last_time, last_io = self._mark
             self.history.append(
                 DiskStats(
                     generation,
@@ -289,9 +333,12 @@ class DiskOffload:
                     written - last_written,
                     self.read_wait_s - last_wait,
                     now - last_time,
+                    self.store.peak_inflight_bytes,
+                    self.store.io_seconds - last_io,
                 )
             )
-        self._mark = (read, written, self.read_wait_s, now)
+        self._mark = (read, written, self.read_wait_s, now, self.store.io_seconds)
+        self.store.peak_inflight_bytes = 0
 
     def acknowledge(self) -> None:
         """``optimizer.step()``: the backward's step is taken.
@@ -311,10 +358,8 @@ class DiskOffload:
         return sum(u.nbytes for u in self.units if u.resident)
 
     def close(self) -> None:
-        """Stop the background reader (idempotent)."""
-        if self._reader is not None:
-            self._reader.shutdown(wait=True)
-            self._reader = None
+        """Wait for the writes in flight and stop the background threads (idempotent)."""
+        self.store.close()
 
 
 class DiskOptimizer(FileBackedOptimizer):
@@ -385,6 +430,8 @@ class DiskUnit:
         self.loaded_version = 0
         self.optim_layout: dict[str, Any] | None = None
         self._reading: Future[int] | None = None
+        self._state: StateRead | None = None  # optimizer state read ahead for backward
+        self._writing: Future[int] | None = None  # the stepped shard being written
         self._placeholder = shard.new_empty(0)
 
     in_memory = False
@@ -427,17 +474,24 @@ class DiskUnit:
     def prefetch(self) -> bool:
         """Start reading the shard on the background thread (no-op if resident).
         Returns False: the all-gather waits for :meth:`before_gather`."""
-        if self.resident or not self.tier.prefetch:
+        self.tier.reap()
+        if not self.tier.prefetch:
             return False
-        path = self.tier.store.path(self.entry, "params")
-        assert path is not None
+        self._read_state_ahead()
+        if self.resident:
+            return False
         self._allocate()
-        self._reading = self.tier.read_async(path, self.handle.local_shard)
-        self.tier.store.bytes_read += self.nbytes
+        self._reading = self.tier.store.read_async(self.entry, "params", self.handle.local_shard)
         return False
+
+    def _read_state_ahead(self) -> None:
+        """In backward: start reading the optimizer state for this unit's step."""
+        if self.tier.in_backward and self._state is None and self.optim_layout is not None:
+            self._state = read_state_async(self.tier.store, self.entry, self.optim_layout)
 
     def before_gather(self) -> None:
         """Make the local shard resident (waits for a prefetch, or reads now)."""
+        self._read_state_ahead()
         if self._reading is not None:
             start = time.perf_counter()
             with record_function("FSDP::disk_wait_read"):
@@ -465,7 +519,9 @@ class DiskUnit:
         self.resident = True
 
     def release(self) -> None:
-        """Drop the local shard from memory (its file is the current copy)."""
+        """Drop the local shard from memory (its file is the current copy); while the
+        shard is being written, only the parameters' views of it (the tier frees it
+        once written: :meth:`DiskOffload.reap`)."""
         if self._reading is not None:
             self._reading.result()
             self._reading = None
@@ -473,8 +529,19 @@ class DiskUnit:
             return
         for param in self.handle.sharded_params:
             param.data = self._placeholder
+        if not self.write_done():
+            if self not in self.tier.written:
+                self.tier.written.append(self)
+            return
         self.handle.local_shard.untyped_storage().resize_(0)
         self.resident = False
+
+    def write_done(self) -> bool:
+        """No write of the shard is in flight (a finished one's error is raised by the
+        store's flush)."""
+        if self._writing is not None and self._writing.done():
+            self._writing = None
+        return self._writing is None
 
     def after_gather(self, in_forward: bool) -> None:
         """After the all-gather: forward drops the shard; backward keeps it for the step."""
@@ -521,19 +588,34 @@ class DiskUnit:
             handle = self.handle
             handle.accumulate_grad_shard(grad_shard, divide_by=divide_by)
             params = handle.sharded_params
-            layout = self.optim_layout
-            state = {} if layout is None else read_state(tier.store, self.entry, layout)
+            state = self._take_state()
             new_state = optimizer.step_piece(params, state)
             del state
             for param in params:
                 param.grad = None
             generation = tier.generation + 1
-            tier.store.write(self.entry, "params", generation, handle.local_shard)
+            self._writing = tier.store.write_async(
+                self.entry, "params", generation, [handle.local_shard]
+            )
             self.optim_layout = write_state(
-                tier.store, self.entry, generation, new_state, self.label
+                tier.store, self.entry, generation, new_state, self.label, background=True
             )
             del new_state
             self.release()
+
+    def _take_state(self) -> dict[int, dict[str, Any]]:
+        """This unit's optimizer state for its step: read ahead, or read now."""
+        pending, self._state = self._state, None
+        start = time.perf_counter()
+        with record_function("FSDP::disk_wait_read"):
+            if pending is not None:
+                state = pending.wait()
+            elif self.optim_layout is None:
+                state = {}
+            else:
+                state = read_state(self.tier.store, self.entry, self.optim_layout)
+        self.tier.waited(time.perf_counter() - start)
+        return state
 
 
 class TieredUnit(Protocol):

@@ -1,0 +1,156 @@
+"""The generation store's I/O: direct I/O round trips, write-behind ordering, the bound
+on writes in flight, a background write's error at the commit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardkit.checkpoint.direct_io as direct_io
+from shardkit.checkpoint.direct_io import CHUNK, PAGE, BufferPool, aligned_empty
+from shardkit.checkpoint.generations import MANIFEST, GenerationStore
+
+OWNED = re.compile(r"^e\d+\.\w+\.g\d+$")
+
+
+def _store(directory: Path, **kwargs: Any) -> GenerationStore:
+    return GenerationStore(directory, fmt="test/1", owned=OWNED, resume=False, **kwargs)
+
+
+def _bytes(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(
+        0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def _slow_writes(monkeypatch: Any, seconds: float) -> list[int]:
+    """Every file write waits ``seconds`` first; returns the sizes written, in order."""
+    real, sizes = direct_io.write_payload, []
+
+    def slow(fd: int, segments: Any, size: int, *, aligned: bool) -> None:
+        time.sleep(seconds)
+        sizes.append(size)
+        real(fd, segments, size, aligned=aligned)
+
+    monkeypatch.setattr(direct_io, "write_payload", slow)
+    return sizes
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_round_trip_any_size_and_alignment(tmp_path: Path, direct: bool) -> None:
+    """Sizes around the block and chunk sizes, from aligned and misaligned memory, into
+    aligned and misaligned memory, with and without O_DIRECT: the bytes come back."""
+    store = _store(tmp_path, direct_io=direct)
+    for seed, n in enumerate([0, 1, PAGE - 1, PAGE, PAGE + 1, CHUNK + 3 * PAGE + 5]):
+        source = _bytes(n + 1, seed)[1:]  # misaligned by one byte
+        aligned = aligned_empty(n)
+        aligned.copy_(source)
+        for kind, tensor in (("misaligned", source), ("aligned", aligned)):
+            store.write(f"e{seed}", kind, 1, tensor)
+            assert os.path.getsize(store.path(f"e{seed}", kind)) == n  # type: ignore[arg-type]
+            for into in (aligned_empty(n), torch.empty(n + 1, dtype=torch.uint8)[1:]):
+                assert store.read(f"e{seed}", kind, into) == n
+                assert torch.equal(into, source), (n, kind)
+    packed = [torch.arange(5, dtype=torch.float32), torch.ones(3, dtype=torch.float64)]
+    assert store.write_packed("e9", "optim", 1, packed) == 64 + 24  # second tensor at 64
+    back = torch.empty(88, dtype=torch.uint8)
+    store.read("e9", "optim", back)
+    assert torch.equal(back[:20].view(torch.float32), packed[0])
+    assert torch.equal(back[64:].view(torch.float64), packed[1])
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+def test_read_after_a_pending_write_sees_the_new_bytes(tmp_path: Path, monkeypatch: Any) -> None:
+    store = _store(tmp_path, write_behind_bytes=2**20)
+    old, new, newer = _bytes(5000, 1), _bytes(5000, 2), _bytes(5000, 3)
+    store.write("e0", "params", 1, old)
+    _slow_writes(monkeypatch, 0.2)
+    pending = store.write_async("e0", "params", 2, [new])
+    assert not pending.done()
+    got = torch.empty(5000, dtype=torch.uint8)
+    store.read("e0", "params", got)  # waits for generation 2
+    assert torch.equal(got, new)
+    later = store.write_async("e0", "params", 3, [newer])
+    ahead = torch.empty(5000, dtype=torch.uint8)
+    store.read_async("e0", "params", ahead).result()
+    assert later.done() and torch.equal(ahead, newer)
+
+
+def test_writes_in_flight_stay_within_the_bound(tmp_path: Path, monkeypatch: Any) -> None:
+    size, bound = 3 * PAGE, 10 * PAGE  # three writes fit, a fourth waits
+    sizes = _slow_writes(monkeypatch, 0.05)
+    store = _store(tmp_path, write_behind_bytes=bound, io_threads=4)
+    tensors = [_bytes(size, i) for i in range(8)]
+    start = time.perf_counter()
+    futures = [store.write_async(f"e{i}", "params", 1, [t]) for i, t in enumerate(tensors)]
+    submitted = time.perf_counter() - start
+    assert 3 * size >= store.peak_inflight_bytes > size  # concurrent, and bounded
+    assert submitted >= 0.05  # the fourth write waited for the first
+    big = _bytes(2 * bound, 9)  # larger than the bound: written alone
+    futures.append(store.write_async("e8", "params", 1, [big]))
+    store.flush()
+    assert all(f.done() for f in futures) and store.inflight_bytes == 0
+    assert len(sizes) == 9
+    for i, t in enumerate([*tensors, big]):
+        got = torch.empty_like(t)
+        store.read(f"e{i}", "params", got)
+        assert torch.equal(got, t)
+
+
+def test_a_failed_background_write_fails_the_commit(tmp_path: Path, monkeypatch: Any) -> None:
+    store = _store(tmp_path, write_behind_bytes=2**20)
+    store.write("e0", "params", 1, _bytes(100, 0))
+    store.commit(1)
+    real, calls = direct_io.write_payload, []
+
+    def fail_second(fd: int, segments: Any, size: int, *, aligned: bool) -> None:
+        calls.append(size)
+        if len(calls) == 2:
+            real(fd, segments, size // 2, aligned=aligned)
+            raise OSError("disk full (simulated)")
+        real(fd, segments, size, aligned=aligned)
+
+    monkeypatch.setattr(direct_io, "write_payload", fail_second)
+    store.write_async("e0", "params", 2, [_bytes(100, 1)])
+    store.write_async("e1", "params", 2, [_bytes(100, 2)])
+    with pytest.raises(OSError, match="simulated"):
+        store.commit(2)
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    assert manifest["generation"] == 1 and manifest["files"] == {"e0": {"params": "e0.params.g1"}}
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    store.close()  # the error was raised once
+
+
+def test_close_waits_for_writes_started_from_other_threads(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    _slow_writes(monkeypatch, 0.05)
+    store = _store(tmp_path, write_behind_bytes=2**20)
+    data = _bytes(PAGE, 5)
+    thread = threading.Thread(target=store.write_async, args=("e0", "params", 1, [data]))
+    thread.start()
+    thread.join()
+    store.close()
+    assert (tmp_path / "e0.params.g1").read_bytes() == bytes(data.tolist())
+
+
+def test_buffer_pool_reuses_a_buffer_only_once_nothing_views_it() -> None:
+    pool = BufferPool(limit_bytes=3 * PAGE)
+    first = pool.take(PAGE)
+    address = first.data_ptr()
+    assert address % PAGE == 0
+    view = first[6:10].view(torch.int16)
+    del first
+    assert pool.take(PAGE).data_ptr() != address  # still viewed: not handed out again
+    del view
+    assert pool.take(PAGE).data_ptr() == address  # free: warm memory reused
+    unpooled = BufferPool(limit_bytes=0)
+    assert unpooled.take(PAGE).data_ptr() % PAGE == 0 and not unpooled._buffers

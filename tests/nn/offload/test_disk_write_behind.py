@@ -1,0 +1,75 @@
+"""The disk tier with write-behind and read-ahead (``disk_io_bytes``): parity with the
+plain model, and a process killed while writes are in flight resumes from the previous
+generation."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import shardkit.checkpoint.direct_io as direct_io
+from shardkit.testing import assert_state_dicts_close
+from tests.nn.offload.common import optimizer_for, plain_state, tiny, train, wrap
+
+IO_BYTES = 2**20  # every slice of the tiny model is read ahead; writes overlap
+
+
+def test_parity_with_write_behind_and_read_ahead(tmp_path: Path) -> None:
+    plain = tiny()
+    expected = train(plain, optimizer_for(plain, "adamw"), 3)
+    om, rename = wrap(tiny(), offload_device=tmp_path, num_slices=3, disk_io_bytes=IO_BYTES)
+    assert train(om, optimizer_for(om, "adamw"), 3) == expected  # bit for bit
+    assert_state_dicts_close(plain_state(om, rename), dict(plain.named_parameters()), atol=0)
+    assert om.tier.store.inflight_bytes == 0
+    assert all(s.compute is None or not s.compute.is_allocated for s in om.tier.slices)
+
+
+def killed_during_write_behind(directory: str, marker: str) -> None:
+    """Two steps, then a third whose fourth file write records what is in flight,
+    writes half its file and SIGKILLs the process (run in a child process)."""
+    torch.set_num_threads(1)
+    om, _ = wrap(tiny(), offload_device=Path(directory), num_slices=3, disk_io_bytes=IO_BYTES)
+    optimizer = optimizer_for(om, "adamw")
+    train(om, optimizer, 2)
+    store, real, calls = om.tier.store, direct_io.write_payload, []
+
+    def slow_then_die(fd: int, segments: Any, size: int, *, aligned: bool) -> None:
+        calls.append(size)
+        if len(calls) == 4:
+            Path(marker).write_text(json.dumps({"inflight": store.inflight_bytes, "size": size}))
+            real(fd, segments, size // 2, aligned=aligned)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.05)  # the writes pile up behind the step
+        real(fd, segments, size, aligned=aligned)
+
+    direct_io.write_payload = slow_then_die  # type: ignore[assignment]
+    train(om, optimizer, 1)
+
+
+def test_killed_during_write_behind_resumes_from_previous_generation(tmp_path: Path) -> None:
+    plain = tiny()
+    expected = train(plain, optimizer_for(plain, "adamw"), 3)
+    directory, marker = tmp_path / "offload", tmp_path / "marker.json"
+    process = multiprocessing.get_context("spawn").Process(
+        target=killed_during_write_behind, args=(str(directory), str(marker))
+    )
+    process.start()
+    process.join(120)
+    assert process.exitcode == -signal.SIGKILL
+    seen = json.loads(marker.read_text())
+    assert seen["inflight"] > seen["size"]  # other writes were in flight at the kill
+    assert any(".g3" in f for f in os.listdir(directory))  # part of step 3 on disk
+    reopened, rename = wrap(
+        tiny(99), offload_device=directory, num_slices=3, resume=True, disk_io_bytes=IO_BYTES
+    )
+    assert reopened.tier.generation == 2
+    assert not [f for f in os.listdir(directory) if ".g3" in f or f.endswith(".tmp")]
+    assert train(reopened, optimizer_for(reopened, "adamw"), 1) == expected[2:]
+    assert_state_dicts_close(plain_state(reopened, rename), dict(plain.named_parameters()), atol=0)
