@@ -24,6 +24,7 @@ from shardkit.nn.moe import (
     all_reduce_expert_gradients,
     ignore_experts_in_ddp,
 )
+from shardkit.optim import OSS
 
 M, F_HIDDEN, E = 6, 10, 8
 
@@ -332,3 +333,44 @@ def run_fsdp_checkpoint(root: str, ep: int) -> dict[str, Any]:
         out = model(x)
     mesh.destroy()
     return {"out": out}
+
+
+def _error_of(fn: Any) -> str:
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def run_data_parallel_guards() -> dict[str, Any]:
+    """An expert-parallel MoE (ep 2 of 4 ranks) under torch DDP over dp without
+    ``ignore_experts_in_ddp``, and OSS over dp: both refused; DDP and OSS over edp
+    (ranks holding the same experts) accepted, DDP's gradients the global mean."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {"ep": 2, "k": 2, "drop": True, "factor": 1.0}
+    mesh = ProcessMesh(ParallelDims(world_size=world, ep=2))
+    x, target = _tokens(rank)
+    res: dict[str, Any] = {}
+    block = _Block(_moe(cfg, mesh.group("ep")))
+    ddp = DistributedDataParallel(block, process_group=mesh.group("dp"))
+    res["ddp_dp"] = _error_of(lambda: ddp(x))
+    res["ddp_dp_again"] = _error_of(lambda: ddp(x))  # not only the first forward
+    res["oss_dp"] = _error_of(lambda: OSS(block.parameters(), lr=1.0))
+    # over edp the ranks hold the same experts: accepted, and the mean is DDP's
+    block = _Block(_moe(cfg, mesh.group("ep")))
+    edp = DistributedDataParallel(block, process_group=mesh.group("edp"))
+    (edp(x) * target).sum().backward()
+    _, ref_grads = _reference_grads(_moe(cfg, None), world)
+    lo = block.moe.experts.first_expert
+    hi = lo + block.moe.experts.num_local_experts
+    mean = [(sum(g[i] for g in ref_grads) / world)[lo:hi] for i in (1, 2)]
+    res["edp_errors"] = [
+        _err(p.grad, m)  # type: ignore[arg-type]
+        for p, m in zip((block.moe.experts.w1, block.moe.experts.w2), mean, strict=True)
+    ]
+    res["oss_edp"] = _error_of(
+        lambda: OSS(block.moe.experts.parameters(), lr=1.0, process_group=mesh.group("edp"))
+    )
+    mesh.destroy()
+    return res

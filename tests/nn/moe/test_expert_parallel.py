@@ -135,3 +135,19 @@ def test_fsdp_wrapped_experts_save_under_their_names_and_load_in_one_process(
     x, _ = w._tokens(0)
     with torch.no_grad():
         torch.testing.assert_close(plain(x), saved[0]["out"], atol=1e-6, rtol=1e-5)
+
+
+def test_ddp_or_oss_over_ranks_holding_other_experts_is_refused(rank_pool: Any) -> None:
+    """Without ``ignore_experts_in_ddp`` DDP over dp would average expert e's gradient
+    with another expert's (training on, silently wrong): refused at the forward, OSS
+    at construction; over edp both are right and accepted."""
+    for res in rank_pool(WORLD).run(w.run_data_parallel_guards, timeout_s=120):
+        for key in ("ddp_dp", "ddp_dp_again"):
+            msg = res[key]
+            assert msg.startswith("torch DistributedDataParallel: parameter `moe.experts.w1`"), msg
+            assert "split over 'ep'" in msg and "ignore_experts_in_ddp" in msg, msg
+            assert "process group (ranks [0, 1, 2, 3]) holds 2 of its parts" in msg, msg
+        assert res["oss_dp"].startswith("OSS: parameter `param_groups[0][1]`"), res["oss_dp"]
+        assert "mesh.group('edp')" in res["oss_dp"]
+        assert res["oss_edp"] == "no error"
+        assert max(res["edp_errors"]) < ATOL, res["edp_errors"]
