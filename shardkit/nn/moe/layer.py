@@ -76,6 +76,9 @@ class MoE(nn.Module):
         activation: the experts' nonlinearity. Default gelu.
         ep_group: the expert-parallel process group (``ProcessMesh.group("ep")``); the
             experts are split over it. Default None: every expert on this rank.
+        bias_update_speed: ``gamma`` of DeepSeek-V3's auxiliary-loss-free expert bias
+            (selection only; update it with ``moe.gate.update_expert_bias(dp_group)``
+            after each step). Default 0.0: none.
 
     Attributes:
         gate: the router, a :class:`~shardkit.nn.moe.gate.TopKGate`.
@@ -108,6 +111,7 @@ class MoE(nn.Module):
         num_shared_experts: int = 0,
         activation: Callable[[torch.Tensor], torch.Tensor] = F.gelu,
         ep_group: dist.ProcessGroup | None = None,
+        bias_update_speed: float = 0.0,
     ) -> None:
         super().__init__()
         self.gate = TopKGate(
@@ -120,6 +124,7 @@ class MoE(nn.Module):
             drop_tokens,
             noisy_gate_policy,
             normalize_weights,
+            bias_update_speed,
         )
         self.experts = GroupedExperts(
             num_experts, hidden_size, ffn_hidden_size, activation, ep_group
