@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.checkpoint.universal import load_universal, save_universal
+from shardkit.compose import parallelize_model
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
 from shardkit.nn import FullyShardedDataParallel as FSDP
 from shardkit.nn.checkpoint import checkpoint_wrapper
@@ -24,6 +25,7 @@ from shardkit.nn.moe import (
     all_reduce_expert_gradients,
     ignore_experts_in_ddp,
 )
+from shardkit.nn.tensor_parallel import ColumnParallel
 from shardkit.optim import OSS
 
 M, F_HIDDEN, E = 6, 10, 8
@@ -372,5 +374,41 @@ def run_data_parallel_guards() -> dict[str, Any]:
     res["oss_edp"] = _error_of(
         lambda: OSS(block.moe.experts.parameters(), lr=1.0, process_group=mesh.group("edp"))
     )
+    mesh.destroy()
+    return res
+
+
+def run_parallelize_model() -> dict[str, Any]:
+    """``parallelize_model`` with an MoE: refused with tp 2; refused with ep 2 when the
+    experts would go into the dense FSDP over dp; accepted with the experts in a unit
+    over edp first, and then one SGD step equals the single-process step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {"ep": 2, "k": 2, "drop": True, "factor": 1.0}
+    res: dict[str, Any] = {}
+    tp_mesh = ProcessMesh(ParallelDims(world_size=world, tp=2))
+    plan = {"nothing": ColumnParallel()}
+    res["tp"] = _error_of(lambda: parallelize_model(_Block(_moe(cfg, None)), tp_mesh, tp_plan=plan))
+    tp_mesh.destroy()
+    mesh = ProcessMesh(ParallelDims(world_size=world, ep=2))
+    block = _Block(_moe(cfg, mesh.group("ep")))
+    res["fsdp_dp"] = _error_of(lambda: parallelize_model(block, mesh))
+    block.moe.experts = FSDP(block.moe.experts, process_group=mesh.group("edp"))  # type: ignore[assignment]
+    model = parallelize_model(block, mesh).module
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ref = _moe(cfg, None)
+    _, ref_grads = _reference_grads(ref, world)
+    x, target = _tokens(rank)
+    (model(x) * target).sum().backward()
+    opt.step()
+    lo = mesh.local_rank("ep") * (E // 2)
+    mean = [sum(g[i] for g in ref_grads) / world for i in range(3)]
+    with model.summon_full_params():  # type: ignore[operator]
+        got = [block.moe.gate.wg.weight, block.moe.experts.w1, block.moe.experts.w2]
+        want = [
+            ref.gate.wg.weight.detach() - mean[0],
+            (ref.experts.w1.detach() - mean[1])[lo : lo + E // 2],
+            (ref.experts.w2.detach() - mean[2])[lo : lo + E // 2],
+        ]
+        res["errors"] = [_err(g.detach(), w) for g, w in zip(got, want, strict=True)]
     mesh.destroy()
     return res
