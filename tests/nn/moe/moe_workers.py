@@ -412,3 +412,30 @@ def run_parallelize_model() -> dict[str, Any]:
         res["errors"] = [_err(g.detach(), w) for g, w in zip(got, want, strict=True)]
     mesh.destroy()
     return res
+
+
+def run_expert_bias_update() -> dict[str, Any]:
+    """Each rank routes its own tokens through the same gate; ``update_expert_bias``
+    over the world sums the loads: every rank takes the same step, the one the summed
+    loads of all ranks' tokens (computed here in one process) give."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    gate = MoE(M, F_HIDDEN, E, k=2, bias_update_speed=0.5).gate
+    want = torch.zeros(E, dtype=torch.float64)
+    for r in range(world):
+        x, _ = _tokens(r)
+        choices = gate.route(gate.wg(x.reshape(-1, M))).experts
+        want += torch.bincount(choices.reshape(-1), minlength=E).double()
+    gate.expert_load.zero_()  # type: ignore[union-attr]
+    x, _ = _tokens(rank)
+    gate(x.reshape(-1, M))
+    load = gate.update_expert_bias(dist.group.WORLD)
+    bias = gate.expert_bias.clone()  # type: ignore[union-attr]
+    every = [torch.empty_like(bias) for _ in range(world)]
+    dist.all_gather(every, bias)
+    return {
+        "load": _err(load, want),
+        "bias": _err(bias, 0.5 * torch.sign(want.mean() - want).float()),
+        "same": max(_err(b, bias) for b in every),
+        "moved": float(bias.abs().sum()),
+    }

@@ -163,3 +163,9 @@ def test_parallelize_model_refuses_tp_and_unwrapped_experts_then_matches(
         assert msg.startswith("parallelize_model(data_parallel='fsdp'): parameter `moe.experts.w1`")
         assert "split over 'ep'" in msg and "mesh.group('edp')" in msg, msg
         assert max(res["errors"]) < ATOL, res["errors"]
+
+
+def test_expert_bias_update_sums_the_loads_over_the_group(rank_pool: Any) -> None:
+    for res in rank_pool(WORLD).run(w.run_expert_bias_update, timeout_s=60):
+        assert res["load"] == res["bias"] == res["same"] == 0.0, res
+        assert res["moved"] > 0, res
