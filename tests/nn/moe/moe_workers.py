@@ -320,15 +320,20 @@ def run_fsdp(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"errors": errors, "moved": moved}
 
 
-def run_fsdp_checkpoint(root: str, ep: int) -> dict[str, Any]:
-    """Save the FSDP-wrapped expert-parallel model (experts in a unit over edp) with
-    save_universal; return this rank's experts and the gate for the caller to compare."""
+def run_fsdp_checkpoint(root: str, ep: int, dp_replicate: int = 1) -> dict[str, Any]:
+    """Save the FSDP-wrapped expert-parallel model (experts in a unit over edp; the
+    dense part FSDP over dp, or hybrid sharding over dp_shard x dp_replicate) with
+    save_universal; return the output on fixed tokens for the caller to compare."""
     world = dist.get_world_size()
-    mesh = ProcessMesh(ParallelDims(world_size=world, ep=ep))
+    mesh = ProcessMesh(ParallelDims(world_size=world, dp_replicate=dp_replicate, ep=ep))
     torch.manual_seed(0)
     block = _Block(MoE(M, F_HIDDEN, E, k=2, drop_tokens=False, ep_group=mesh.group("ep")))
     block.moe.experts = FSDP(block.moe.experts, process_group=mesh.group("edp"))  # type: ignore[assignment]
-    model = FSDP(block, process_group=mesh.group("dp"))
+    if dp_replicate > 1:
+        groups = (mesh.group("dp_shard"), mesh.group("dp_replicate"))
+        model = FSDP(block, process_group=groups, sharding_strategy="HYBRID_SHARD")
+    else:
+        model = FSDP(block, process_group=mesh.group("dp"))
     save_universal(Path(root), 1, model)
     x, _ = _tokens(0)
     with torch.no_grad():

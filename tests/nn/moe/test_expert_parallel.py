@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from shardkit.checkpoint.universal import load_universal
@@ -121,10 +122,15 @@ def test_fsdp_dense_over_dp_experts_in_a_unit_over_edp(rank_pool: Any) -> None:
                 assert 0 < err < 2e-2 * moved, (cfg, res)
 
 
+@pytest.mark.parametrize("dp_replicate", [1, 2])
 def test_fsdp_wrapped_experts_save_under_their_names_and_load_in_one_process(
-    rank_pool: Any, tmp_path: Path
+    rank_pool: Any, tmp_path: Path, dp_replicate: int
 ) -> None:
-    saved = rank_pool(WORLD).run(w.run_fsdp_checkpoint, str(tmp_path), 2, timeout_s=120)
+    """Under hybrid sharding (dp_replicate 2) the experts' unit over edp spans the
+    replicas: each of its shards is written by the rank holding it, not by replica 0."""
+    saved = rank_pool(WORLD).run(
+        w.run_fsdp_checkpoint, str(tmp_path), 2, dp_replicate, timeout_s=120
+    )
     torch.manual_seed(0)
     want = w._Block(w.MoE(w.M, w.F_HIDDEN, w.E, k=2, drop_tokens=False))
     torch.manual_seed(1)
