@@ -13,7 +13,8 @@ the gradient reduction (dense over all ranks by DDP, experts averaged over ``edp
 its time is the slowest rank's; tokens/s is ``world x tokens / median step``. For
 shardkit ``MoE`` the all-to-all bytes counted by the layer are reported against the
 formula ``tokens x k x hidden x 4`` (each way; equal when no token is dropped).
-Markdown to stdout, JSON to ``benchmarks/results/moe-<time>.json``.
+Markdown to stdout, JSON to ``benchmarks/results/moe-<time>.json``, both written as
+each configuration finishes (a long run cut short keeps its rows).
 """
 
 from __future__ import annotations
@@ -115,18 +116,23 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+HEADER = (
+    "| world | configuration | tokens/s | step ms | expert MiB / rank | peak RSS MiB | all-to-all bytes each way (counted / formula) |\n"
+    "|---|---|---|---|---|---|---|"
+)
+
+
+def render_row(r: dict[str, Any]) -> str:
+    """One row of the markdown table."""
+    sent = f"{r['bytes']['dispatch']} / {r['formula_bytes']}" if "bytes" in r else "-"
+    return (
+        f"| {r['world']} | {r['config']} | {r['tokens_per_s']:.0f} | {1e3 * r['step_s']:.1f} "
+        f"| {r['expert_bytes'] / MIB:.2f} | {r['peak_rss_mib']:.0f} | {sent} |"
+    )
+
+
 def render_markdown(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| world | configuration | tokens/s | step ms | expert MiB / rank | peak RSS MiB | all-to-all bytes each way (counted / formula) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        sent = f"{r['bytes']['dispatch']} / {r['formula_bytes']}" if "bytes" in r else "-"
-        lines.append(
-            f"| {r['world']} | {r['config']} | {r['tokens_per_s']:.0f} | {1e3 * r['step_s']:.1f} "
-            f"| {r['expert_bytes'] / MIB:.2f} | {r['peak_rss_mib']:.0f} | {sent} |"
-        )
-    return "\n".join(lines)
+    return "\n".join([HEADER, *(render_row(r) for r in rows)])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -142,16 +148,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     have_fairscale = importlib.util.find_spec("fairscale") is not None
-    rows = []
+    out = RESULTS.__class__(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"moe-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    rows: list[dict[str, Any]] = []
+    doc = {"args": vars(args), "rows": rows}
+    print(HEADER, flush=True)
     for world in args.worlds:
         for _ in range(args.rounds):  # paired rounds: every configuration once per round
             for name in _configs(world, have_fairscale):
                 rows.append(run_distributed(run_config, world, name, args, timeout_s=600)[0])
-    doc = {"args": vars(args), "rows": rows}
-    print(render_markdown(rows))
-    out = RESULTS.__class__(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"moe-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(doc, indent=1))
+                print(render_row(rows[-1]), flush=True)
+                path.write_text(json.dumps(doc, indent=1))
     return doc
 
 

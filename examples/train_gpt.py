@@ -478,14 +478,6 @@ def launch_error(config: JobConfig, env: Env) -> str | None:
     problem = problem or ft_flag_error(config, env.world_size)
     if problem is not None:
         return problem
-    opt = config.strategy
-    saves = config.save_every > 0 or config.stop_after is not None or config.resume
-    if opt.moe_experts and opt.ep > 1 and opt.name == "ddp" and saves:
-        return (
-            f"--strategy ddp --ep {opt.ep} writes no checkpoint (the universal checkpoint's "
-            "ddp layout does not place the experts' ep shards); use --save-every 0 without "
-            "--stop-after / --resume, or --strategy fsdp / hsdp"
-        )
     offload_dir = config.strategy.offload_dir
     if offload_dir is not None and Path(offload_dir).exists() and not Path(offload_dir).is_dir():
         return f"--offload-dir {offload_dir} is not a directory (a disk-tier directory to create or reuse)"

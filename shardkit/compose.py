@@ -45,7 +45,15 @@ Every product of the four degrees runs, with these rules:
 - ``mixed_precision`` is FSDP's policy: it needs ``data_parallel="fsdp"`` and no
   pipeline (use ``torch.autocast`` around the forward otherwise);
 - ``data_parallel="none"`` leaves data parallelism to the caller (torch DDP, OSS,
-  ShardedDataParallel over ``mesh.group("dp")``); it refuses a pipeline.
+  ShardedDataParallel over ``mesh.group("dp")``); it refuses a pipeline;
+- a mixture of experts (parameters marked ``expert``, :mod:`shardkit.nn.moe`) with
+  ``tp > 1`` is refused: tensor parallel inside each expert needs two splits of one
+  expert weight (dim 0 over ``ep``, a feature dimension over ``tp``), and a shard
+  descriptor records one;
+- experts split over ``ep`` must be data parallel over ``edp`` only: wrap them first
+  (``FullyShardedDataParallel(moe.experts, process_group=mesh.group("edp"))``, or
+  ``ignore_experts_in_ddp`` for ``"ddp"``); FSDP over ``dp`` holding an unwrapped
+  expert part is refused here, torch DDP at the MoE layer's first forward.
 
 Each refusal is a ``ValueError`` naming the values and what to change.
 """
@@ -63,9 +71,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.distributed.mesh import ProcessMesh
+from shardkit.distributed.validation import parameter_problem
 from shardkit.nn import tensor_parallel as tp
 from shardkit.nn.checkpoint import CheckpointWrapper, checkpoint_wrapper
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel, MixedPrecision
+from shardkit.nn.moe import expert_parameters
 from shardkit.nn.pipe import (
     PipelineStage,
     Schedule1F1B,
@@ -226,10 +236,11 @@ def parallelize_model(
             composes]``); the message names the degrees and the fix.
     """
     _check(mesh, tp_plan, mixed_precision, pipeline, data_parallel)
+    _check_experts(model, mesh, data_parallel)
     if mesh.size("tp") > 1:
         assert tp_plan is not None
         tp.parallelize(model, tp_plan, process_group=mesh.group("tp"))
-    split = _split_tensors(model) if mesh.size("tp") > 1 else {}  # (expert views: not tp)
+    split = _split_tensors(model)
     if activation_checkpointing:
         _wrap_instances(model, tuple(activation_checkpointing))
     if pipeline is not None:
@@ -295,6 +306,28 @@ def _check(
         )
     if pipeline is not None and pipeline.chunks < 1:
         raise ValueError(f"pipeline chunks must be >= 1; got {pipeline.chunks}")
+
+
+def _check_experts(model: nn.Module, mesh: ProcessMesh, data_parallel: DataParallel) -> None:
+    """Raise the ValueError of ``[Note: what composes]`` for a mixture of experts with
+    ``tp > 1``, or for expert parts the data-parallel wrapper would average across
+    ranks holding other experts."""
+    experts = expert_parameters(model)
+    if experts and mesh.size("tp") > 1:
+        name = next(iter(experts))
+        raise ValueError(
+            f"tp {mesh.size('tp')} with a mixture of experts ({len(experts)} expert "
+            f"parameters, e.g. `{name}`): tensor parallel inside the experts is not "
+            "available (an expert weight would be split twice, over ep and over tp, and "
+            "a shard descriptor records one split); build the mesh with tp=1 and split "
+            "the experts over ep instead"
+        )
+    if data_parallel != "fsdp" or mesh.size("dp") == 1:
+        return  # torch DDP: the MoE layer refuses it at the first forward (the same rule)
+    wrapper = "parallelize_model(data_parallel='fsdp')"
+    problem = parameter_problem(wrapper, experts.items(), reduce_ranks=mesh.ranks("dp"))
+    if problem is not None:
+        raise problem
 
 
 def _split_tensors(model: nn.Module) -> dict[str, tuple[int, int]]:

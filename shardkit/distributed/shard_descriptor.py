@@ -45,6 +45,16 @@ picklable nor meaningful in another process. They are ``compare=False`` and
 ``repr=False``: two descriptors of the same piece of data compare (and hash) equal
 whichever ranks hold them, which is what the checkpoint planner matches on; the
 checkpoint serialises the data fields only (``SavedPiece.to_json``).
+
+[Note: the mesh dimension of a split]
+A split is over one dimension of the process mesh: ``"tp"`` for the tensor-parallel
+layers, ``"ep"`` for the stacked experts of an MoE layer (dim 0, one block of experts
+per expert-parallel rank). ``mesh_dim`` records which, so a reader that means one kind
+(tensor parallel's gradient norm, its consolidated state dict, ``compose``'s
+tensor-parallel keys) does not take the other for it. Like the groups it says who holds
+the parts, not what the data is: it is left out of equality and of the checkpoint, and
+None (a view made by hand, or read back from a checkpoint) means "not recorded", which
+tensor-parallel readers take as ``"tp"`` (the only split that existed before).
 """
 
 from __future__ import annotations
@@ -98,9 +108,11 @@ class TensorView:
         replicate_group: the global ranks holding copies identical to this local
             tensor that no wrapper de-duplicates (see ``[Note: who writes a replicated
             tensor]``), sorted; None: no such copies are known.
+        mesh_dim: the process-mesh dimension the split is over (``"tp"``, ``"ep"``),
+            or None: not recorded (see ``[Note: the mesh dimension of a split]``).
 
-    The two groups are left out of equality, hashing and ``repr`` (see ``[Note:
-    groups as rank tuples]``).
+    The two groups and ``mesh_dim`` are left out of equality, hashing and ``repr``
+    (see ``[Note: groups as rank tuples]``).
     """
 
     global_shape: tuple[int, ...]
@@ -110,6 +122,7 @@ class TensorView:
     stride: int = 1
     split_group: Ranks | None = field(default=None, compare=False, repr=False)
     replicate_group: Ranks | None = field(default=None, compare=False, repr=False)
+    mesh_dim: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def local_shape(self) -> tuple[int, ...]:

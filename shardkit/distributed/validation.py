@@ -15,6 +15,15 @@ into a gradient bucket nor stepped, only broadcast like a buffer. Wrappers that 
 every parameter into one floating-point buffer (FSDP) still refuse it. :func:`check_not_wrapped`
 refuses a module that is already (or contains) the same wrapper.
 
+A parameter that is one *part* of a split tensor (its shard descriptor records a split
+over the global ranks ``split_group``: a tensor-parallel part, an MoE layer's block of
+experts) may only be reduced or broadcast over ranks that hold the *same* part. A
+data-parallel group holding several parts of it (experts split over ``ep`` inside the
+``dp`` group) would average different experts' gradients as if they were copies, or
+broadcast one rank's experts over the others: training goes on, silently wrong. Given
+the group's ranks (``reduce_ranks``), :func:`parameter_problem` refuses such a
+parameter, naming the ranks and the fix.
+
 No collective: every rank checks its own parameters (the cross-rank agreement is
 :func:`shardkit.distributed.consistency.verify_consistent`). A distributed wrapper
 takes the error from :func:`parameter_problem` instead of raising it, and passes it to
@@ -24,10 +33,12 @@ every rank at once (see the note there).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import nn
+
+from shardkit.distributed.shard_descriptor import view_of
 
 __all__ = ["check_not_wrapped", "check_parameters", "parameter_problem"]
 
@@ -65,17 +76,47 @@ def _meta_problem(name: str, param: torch.Tensor, wrapper: str) -> str:
     )
 
 
+def _mixed_parts_problem(
+    name: str, param: torch.Tensor, wrapper: str, reduce_ranks: Collection[int]
+) -> str | None:
+    view = view_of(param)
+    if view.split_dim is None or view.split_group is None:
+        return None
+    inside = sorted(set(view.split_group) & set(reduce_ranks))
+    if len(inside) <= 1:
+        return None
+    over = repr(view.mesh_dim) if view.mesh_dim is not None else "a mesh dimension"
+    return (
+        f"{wrapper}: parameter `{name}` (shape {tuple(param.shape)}) is part {view.part} of "
+        f"{view.parts} of a tensor split over {over} across ranks {list(view.split_group)}, "
+        f"and the {wrapper} process group (ranks {sorted(reduce_ranks)}) holds {len(inside)} "
+        f"of its parts (ranks {inside}): it would average or broadcast different parts as "
+        "if they were copies (silently wrong training). Leave such parameters out of it "
+        "and reduce them over the ranks holding the same part: for MoE experts "
+        "shardkit.nn.moe.ignore_experts_in_ddp before torch DDP, then "
+        "shardkit.nn.moe.all_reduce_expert_gradients(model, mesh.group('edp')), or an "
+        "FSDP unit / optimizer of their own over mesh.group('edp')"
+    )
+
+
 def parameter_problem(
     wrapper: str,
     named_params: Iterable[tuple[str, torch.Tensor]],
     *,
     allow_meta: bool = False,
     allow_frozen_integer: bool = False,
+    reduce_ranks: Collection[int] | None = None,
 ) -> TypeError | ValueError | None:
     """The error :func:`check_parameters` would raise, returned instead (None: all fine).
 
     For wrappers that hand it to
     :func:`shardkit.distributed.consistency.verify_consistent` as ``local_error``.
+
+    Args:
+        reduce_ranks: the global ranks the wrapper reduces or broadcasts the parameters
+            over; given, a parameter holding one part of a split tensor whose other
+            parts also lie in these ranks is refused (see the module docstring).
+            Default None: not checked.
     """
     for name, param in named_params:
         problem = _dtype_problem(name, param, wrapper, allow_frozen_integer)
@@ -83,6 +124,10 @@ def parameter_problem(
             return TypeError(problem)
         if param.is_meta and not allow_meta:
             return ValueError(_meta_problem(name, param, wrapper))
+        if reduce_ranks is not None:
+            mixed = _mixed_parts_problem(name, param, wrapper, reduce_ranks)
+            if mixed is not None:
+                return ValueError(mixed)
     return None
 
 

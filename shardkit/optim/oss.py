@@ -52,6 +52,7 @@ from shardkit.distributed import (
     check_group,
     global_rank,
     group_rank,
+    group_ranks,
     group_size,
     plan_owner_broadcast,
 )
@@ -237,7 +238,12 @@ class OSS(Optimizer):
         self.rank = 0 if alone else group_rank(group)
         self.global_rank = global_rank(group, self.rank)
         self._param_rank: dict[torch.Tensor, int] = {}
-        problem = parameter_problem("OSS", self._named_params(), allow_frozen_integer=True)
+        problem = parameter_problem(  # also: no two parts of a split tensor (MoE experts)
+            "OSS",
+            self._named_params(),
+            allow_frozen_integer=True,
+            reduce_ranks=None if alone else group_ranks(group),
+        )
         if problem is None:
             try:  # no collective in the first build; the inner optimizer checks its arguments
                 self.optim: Optimizer = self._build_local_optimizer()

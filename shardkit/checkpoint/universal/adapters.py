@@ -15,8 +15,11 @@ the tensor-parallel group holding the group's lowest rank). Under DDP the DDP gr
 holds copies of the part, so its pieces are spread over that group; a tensor held
 whole by every tensor-parallel rank (its descriptor's replica group) is written by the
 DDP group holding the replica group's lowest rank
-(:func:`~shardkit.distributed.shard_descriptor.writes_replica`). No process-wide mesh
-is read: the descriptor and the adapter's own group decide.
+(:func:`~shardkit.distributed.shard_descriptor.writes_replica`). A part whose split
+group lies (in part) inside the DDP group (an MoE layer's experts, split over ``ep``
+inside ``dp`` and left out of DDP) is not a copy on the DDP group's ranks: it is
+listed as in a plain module, one piece per part written by one holder. No
+process-wide mesh is read: the descriptor and the adapter's own group decide.
 
 :func:`layout_of` picks the adapter of a model (the registry is
 :mod:`~shardkit.checkpoint.universal.layout`; this module's plain adapter is the
@@ -151,6 +154,9 @@ class DDPLayout(PlainLayout):
         super().__init__(model.module, group if group is not None else model.process_group)
 
     def _writes(self, view: TensorView) -> tuple[bool, bool]:
+        split = view.split_group if view.split_dim is not None else None
+        if split is not None and len(set(split) & set(self.holders)) > 1:
+            return writes_part(view, self.holders), False  # other parts on DDP's ranks
         return writes_replica(view, self.holders), True
 
 

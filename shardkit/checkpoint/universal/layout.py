@@ -161,7 +161,13 @@ def factory_of(model: Any, optimizer: Any = None) -> LayoutFactory | None:
 
 
 def strategy_name(base: str, views: Iterable[TensorView]) -> str:
-    """``base`` (``"fsdp"``, ``"oss"``, ...), with ``"+tp<T>"`` when some view is a
-    tensor-parallel part of ``T``: the ``strategy`` an adapter reports."""
-    degrees = sorted({v.parts for v in views if v.split_dim is not None})
-    return f"{base}+tp{degrees[-1]}" if degrees else base
+    """``base`` (``"fsdp"``, ``"oss"``, ...), with ``"+<dim><P>"`` for each mesh
+    dimension some view is split over into ``P`` parts (``"+tp2"``; an MoE layer's
+    experts ``"+ep4"``; a split of unrecorded dimension counts as ``tp``): the
+    ``strategy`` an adapter reports."""
+    degrees: dict[str, int] = {}
+    for v in views:
+        if v.split_dim is not None:
+            dim = v.mesh_dim or "tp"
+            degrees[dim] = max(degrees.get(dim, 0), v.parts)
+    return base + "".join(f"+{dim}{parts}" for dim, parts in sorted(degrees.items()))

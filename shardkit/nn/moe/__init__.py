@@ -9,6 +9,7 @@ from shardkit.nn.moe.experts import GroupedExperts
 from shardkit.nn.moe.gate import Routing, TopKGate
 from shardkit.nn.moe.gradients import (
     all_reduce_expert_gradients,
+    check_ddp_leaves_experts,
     expert_parameters,
     ignore_experts_in_ddp,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "Top2Gate",
     "TopKGate",
     "all_reduce_expert_gradients",
+    "check_ddp_leaves_experts",
     "expert_parameters",
     "ignore_experts_in_ddp",
 ]

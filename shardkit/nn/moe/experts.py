@@ -3,7 +3,8 @@
 torchtitan's ``GroupedExperts`` layout: expert ``e``'s feed-forward network is
 ``act(x @ w1[e]) @ w2[e]``. A rank of an expert-parallel group of ``ep`` ranks holds
 experts ``[r * E/ep, (r+1) * E/ep)``: a dim-0 slice of the global tensors, recorded on
-each weight with the shard descriptor (``TensorView(split_dim=0, part=r, parts=ep)``),
+each weight with the shard descriptor (``TensorView(split_dim=0, part=r, parts=ep,
+mesh_dim="ep")``: a split over ``ep``, which tensor-parallel readers leave alone),
 so the universal checkpoint saves and loads the experts at any ``ep`` with nothing
 expert-specific in :mod:`shardkit.checkpoint`.
 
@@ -123,7 +124,8 @@ class GroupedExperts(nn.Module):
         n = self.num_local_experts
         param = nn.Parameter(master[part * n : (part + 1) * n].clone())
         if parts > 1:
-            set_view(param, TensorView(shape, 0, part, parts, split_group=split_group))
+            view = TensorView(shape, 0, part, parts, split_group=split_group, mesh_dim="ep")
+            set_view(param, view)
         return param
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -17,6 +17,22 @@ second expert before another loses its first). A choice at position ``>= C`` is 
 the token gets nothing from that expert (the residual connection around the layer carries
 it). Dropless (``drop_tokens=False``) keeps every choice; the experts then see variable
 token counts.
+
+[Note: the auxiliary-loss-free expert bias]
+DeepSeek-V3 (2024, section 2.1.2) balances the experts without a loss term: a bias
+``b_e`` per expert is added to the scores for the *choice* of experts only (the
+combine weights still come from the unbiased probabilities, so ``b`` gets no gradient
+and does not bend the output), and after each training step ``b_e`` moves by ``gamma``
+against expert ``e``'s load::
+
+    b_e <- b_e + gamma * sign(mean_e'(load_e') - load_e)
+
+``load_e`` the choices routed to ``e`` (before dropping) since the last update, summed
+over the ranks given. The update is a call, not a side effect of the forward: an
+activation-checkpointing recompute must route exactly as the first forward did, so the
+bias only changes between steps (:meth:`TopKGate.update_expert_bias`, after
+``optimizer.step()``). Every rank holding a copy of the gate must pass the same group
+(the data-parallel one) so that their biases stay equal.
 """
 
 from __future__ import annotations
@@ -25,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -80,7 +97,10 @@ class TopKGate(nn.Module):
       choices that went to expert ``e`` (before dropping), ``P_e`` the mean of ``p[:, e]``
       over the tokens. It is 1 for a perfectly balanced router;
     - router z-loss (Zoph et al. 2022, ST-MoE, section 3, eq. 5):
-      ``z = mean_t (logsumexp(h_t))^2``.
+      ``z = mean_t (logsumexp(h_t))^2``;
+    - with ``bias_update_speed > 0``: the choices are the ``k`` largest of the scores
+      above plus ``expert_bias`` (DeepSeek-V3's auxiliary-loss-free balancing; see
+      ``[Note: the auxiliary-loss-free expert bias]``); weights and losses unchanged.
 
     Args:
         model_dim: the token size ``M``.
@@ -95,10 +115,20 @@ class TopKGate(nn.Module):
         normalize_weights: divide the weights by their sum over the k choices. Default
             None: True for k > 1, False for k = 1 (Switch keeps ``p_t[e]``, which is
             what trains the router).
+        bias_update_speed: ``gamma`` of DeepSeek-V3's expert bias, in units of the
+            scores (probabilities; logits with ``"RSample"``) per update. Default 0.0:
+            no bias (no ``expert_bias`` buffer; DeepSeek-V3 used 1e-3).
+
+    Attributes:
+        expert_bias: ``(E,)`` float32 buffer (in the state dict), the selection bias;
+            None when ``bias_update_speed`` is 0.
+        expert_load: ``(E,)`` float64 buffer (not in the state dict), the choices per
+            expert routed in training since the last :meth:`update_expert_bias`.
 
     Raises:
         ValueError: ``k`` outside ``[1, E]``, a capacity factor ``<= 0``, a negative
-            ``min_capacity`` or an unknown noise policy.
+            ``min_capacity``, an unknown noise policy or a negative
+            ``bias_update_speed``.
     """
 
     def __init__(
@@ -112,6 +142,7 @@ class TopKGate(nn.Module):
         drop_tokens: bool = True,
         noisy_gate_policy: str | None = None,
         normalize_weights: bool | None = None,
+        bias_update_speed: float = 0.0,
     ) -> None:
         super().__init__()
         if not 1 <= k <= num_experts:
@@ -124,6 +155,10 @@ class TopKGate(nn.Module):
                 raise ValueError(f"{name} must be > 0; got {value} (use drop_tokens=False)")
         if min_capacity < 0:
             raise ValueError(f"min_capacity must be >= 0; got {min_capacity}")
+        if not bias_update_speed >= 0:
+            raise ValueError(
+                f"bias_update_speed must be >= 0 (0: no expert bias); got {bias_update_speed}"
+            )
         if noisy_gate_policy not in NOISE_POLICIES:
             raise ValueError(
                 f"noisy_gate_policy must be one of {NOISE_POLICIES}; got {noisy_gate_policy!r}"
@@ -137,6 +172,13 @@ class TopKGate(nn.Module):
         self.drop_tokens = drop_tokens
         self.noisy_gate_policy = noisy_gate_policy
         self.normalize_weights = k > 1 if normalize_weights is None else normalize_weights
+        self.bias_update_speed = bias_update_speed
+        self.expert_bias: torch.Tensor | None
+        self.expert_load: torch.Tensor | None
+        biased = bias_update_speed > 0
+        self.register_buffer("expert_bias", torch.zeros(num_experts) if biased else None)
+        load = torch.zeros(num_experts, dtype=torch.float64) if biased else None
+        self.register_buffer("expert_load", load, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> Routing:
         """Route ``tokens`` ``(T, M)``; see the class docstring for the rules."""
@@ -153,6 +195,8 @@ class TopKGate(nn.Module):
         if self.training and self.noisy_gate_policy == "RSample":
             gumbel = -torch.log(-torch.log(torch.rand_like(probs).clamp_min(1e-20)))
             scores = logits.float() + gumbel
+        if self.expert_bias is not None:  # selection only: see [Note: the auxiliary-loss-free ...]
+            scores = scores + self.expert_bias
         experts = scores.topk(self.k, dim=-1).indices
         chosen = probs.gather(1, experts)
         if self.normalize_weights:
@@ -171,4 +215,38 @@ class TopKGate(nn.Module):
         aux = self.num_experts * (share * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits.float(), dim=-1).square().mean()
         counts = torch.bincount(experts[kept], minlength=self.num_experts)
+        if self.expert_load is not None and self.training:
+            self.expert_load += one_hot.sum(dim=0).to(self.expert_load.dtype)
         return Routing(experts, weights, kept, aux, z, counts, cap)
+
+    @torch.no_grad()
+    def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """DeepSeek-V3's bias update (2024, section 2.1.2): ``expert_bias += gamma *
+        sign(mean(load) - load)``, ``load`` the choices routed in training since the last
+        update (``expert_load``) summed over ``group``; then ``expert_load`` restarts at
+        0. Call after each ``optimizer.step()`` (see ``[Note: the auxiliary-loss-free
+        expert bias]``).
+
+        Args:
+            group: the ranks holding copies of this gate (``mesh.group("dp")``); their
+                loads are summed (an all-reduce) so every copy takes the same step.
+                Default None: this rank's load alone, no collective.
+
+        Returns:
+            ``(E,)`` the load used (float64).
+
+        Raises:
+            RuntimeError: the gate was built with ``bias_update_speed=0`` (no bias).
+        """
+        if self.expert_bias is None or self.expert_load is None:
+            raise RuntimeError(
+                "update_expert_bias: this gate has no expert bias (bias_update_speed=0); "
+                "build it with bias_update_speed > 0 (DeepSeek-V3 used 1e-3)"
+            )
+        load = self.expert_load.clone()
+        if group is not None:
+            dist.all_reduce(load, group=group)
+        step = torch.sign(load.mean() - load) * self.bias_update_speed
+        self.expert_bias += step.to(self.expert_bias.dtype)
+        self.expert_load.zero_()
+        return load

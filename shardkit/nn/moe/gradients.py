@@ -22,6 +22,18 @@ With torch DDP::
     loss.backward()                                  # DDP averages the dense grads
     all_reduce_expert_gradients(model, mesh.group("edp"))
     optimizer.step()
+
+[Note: refusing DDP across experts]
+Forgetting ``ignore_experts_in_ddp`` trains on: DDP averages expert ``e``'s gradient
+with expert ``e + E / ep``'s, every step, and nothing fails. So an expert-parallel
+:class:`~shardkit.nn.moe.MoE` checks, at its first forward under each torch DDP
+module (``DistributedDataParallel._get_active_ddp_module()``, which DDP sets around
+its forward), whether that DDP reduces its experts over a group holding several of
+their parts (the experts' shard descriptor records the ``ep`` ranks; see
+:func:`shardkit.distributed.validation.parameter_problem`), and raises before any
+gradient is averaged. ``OSS`` (and so ``ShardedDataParallel``) refuses the same
+parameters at construction. A DDP over a group meeting each ``ep`` group in one rank
+(``edp``) is accepted: its ranks hold the same experts.
 """
 
 from __future__ import annotations
@@ -31,7 +43,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["all_reduce_expert_gradients", "expert_parameters", "ignore_experts_in_ddp"]
+from shardkit.distributed.collectives import group_ranks
+from shardkit.distributed.validation import parameter_problem
+
+__all__ = [
+    "all_reduce_expert_gradients",
+    "check_ddp_leaves_experts",
+    "expert_parameters",
+    "ignore_experts_in_ddp",
+]
 
 
 def expert_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -72,3 +92,27 @@ def all_reduce_expert_gradients(module: nn.Module, group: dist.ProcessGroup | No
         dist.all_reduce(grad, group=group)
         grad.div_(size)
     return len(grads)
+
+
+def check_ddp_leaves_experts(ddp: DistributedDataParallel, experts: nn.Module) -> None:
+    """Refuse a torch DDP module that would reduce ``experts``' parameters over ranks
+    holding different experts (see ``[Note: refusing DDP across experts]``).
+
+    Args:
+        ddp: the DDP module whose forward is running.
+        experts: an expert-parallel layer's experts (their parameters carry the shard
+            descriptor of their ``ep`` split).
+
+    Raises:
+        ValueError: an expert parameter is among DDP's reduced parameters and DDP's
+            process group holds several of its parts; the message names the parameter,
+            the ranks and the fix (:func:`ignore_experts_in_ddp` before wrapping).
+    """
+    ignored = ddp.parameters_to_ignore
+    names = {id(p): n for n, p in ddp.module.named_parameters() if n not in ignored}
+    reduced = [(names[id(p)], p) for p in experts.parameters() if id(p) in names]
+    problem = parameter_problem(
+        "torch DistributedDataParallel", reduced, reduce_ranks=group_ranks(ddp.process_group)
+    )
+    if problem is not None:
+        raise problem

@@ -34,10 +34,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.nn.moe.all_to_all import all_to_all
 from shardkit.nn.moe.experts import GroupedExperts, expert_parallel_rank_and_size
 from shardkit.nn.moe.gate import Routing, TopKGate
+from shardkit.nn.moe.gradients import check_ddp_leaves_experts
 
 __all__ = ["MoE"]
 
@@ -74,6 +76,9 @@ class MoE(nn.Module):
         activation: the experts' nonlinearity. Default gelu.
         ep_group: the expert-parallel process group (``ProcessMesh.group("ep")``); the
             experts are split over it. Default None: every expert on this rank.
+        bias_update_speed: ``gamma`` of DeepSeek-V3's auxiliary-loss-free expert bias
+            (selection only; update it with ``moe.gate.update_expert_bias(dp_group)``
+            after each step). Default 0.0: none.
 
     Attributes:
         gate: the router, a :class:`~shardkit.nn.moe.gate.TopKGate`.
@@ -106,6 +111,7 @@ class MoE(nn.Module):
         num_shared_experts: int = 0,
         activation: Callable[[torch.Tensor], torch.Tensor] = F.gelu,
         ep_group: dist.ProcessGroup | None = None,
+        bias_update_speed: float = 0.0,
     ) -> None:
         super().__init__()
         self.gate = TopKGate(
@@ -118,6 +124,7 @@ class MoE(nn.Module):
             drop_tokens,
             noisy_gate_policy,
             normalize_weights,
+            bias_update_speed,
         )
         self.experts = GroupedExperts(
             num_experts, hidden_size, ffn_hidden_size, activation, ep_group
@@ -133,13 +140,21 @@ class MoE(nn.Module):
             )
         self.last_routing: Routing | None = None
         self.last_all_to_all_bytes = {"counts": 0, "dispatch": 0, "combine": 0}
+        self._checked_ddp: int | None = None  # id of the DDP module last checked
 
     def forward(
         self, hidden_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``hidden_states``: ``(..., M)``. Returns ``(output, l_aux, exp_counts)``:
         ``output`` shaped like the input, ``l_aux`` a scalar, ``exp_counts`` ``(E,)``
-        the kept choices per expert on this rank (DeepSpeed's return values)."""
+        the kept choices per expert on this rank (DeepSpeed's return values).
+
+        Raises:
+            ValueError: under a torch DDP whose process group holds several ranks of
+                the ep group, the experts not left out of it (the fix named:
+                :func:`~shardkit.nn.moe.ignore_experts_in_ddp` before wrapping).
+        """
+        self._check_data_parallel()
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
         routing = self.gate(tokens)
@@ -155,6 +170,16 @@ class MoE(nn.Module):
             output = output + self.shared_experts(tokens)
         l_aux = routing.aux_loss + self.z_loss_coef * routing.z_loss
         return output.reshape(shape), l_aux, routing.counts
+
+    def _check_data_parallel(self) -> None:
+        """At the first forward under each torch DDP module: refuse one that reduces the
+        experts over ranks holding others (``shardkit.nn.moe.gradients``' ``[Note:
+        refusing DDP across experts]``)."""
+        ddp = DistributedDataParallel._get_active_ddp_module()
+        if self.ep_size == 1 or ddp is None or id(ddp) == self._checked_ddp:
+            return
+        check_ddp_leaves_experts(ddp, self.experts)
+        self._checked_ddp = id(ddp)
 
     def _run_experts(self, sorted_tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Kept tokens sorted by global expert (``counts[e]`` each) through their experts

@@ -140,22 +140,31 @@ def mark_tensor_parallel(
     return record_view(param, view)
 
 
+def _tensor_parallel_split(view: TensorView) -> bool:
+    """A split over the tensor-parallel mesh dimension (an unrecorded one counts: see
+    ``[Note: the mesh dimension of a split]`` in the shard descriptor's module)."""
+    return view.split_dim is not None and view.mesh_dim in (None, "tp")
+
+
 def is_tensor_parallel(param: torch.Tensor) -> bool:
-    """Whether ``param`` is a tensor-parallel shard (False for a replica on every rank),
-    from its shard descriptor."""
-    return view_of(param).split_dim is not None
+    """Whether ``param`` is a tensor-parallel shard, from its shard descriptor: False for
+    a replica on every rank and for a split over another mesh dimension (an MoE layer's
+    experts, split over ``ep``)."""
+    return _tensor_parallel_split(view_of(param))
 
 
 def split_of(param: torch.Tensor) -> tuple[int, int]:
     """``(split dimension, stride)`` of a tensor-parallel part, from its shard descriptor.
 
     Raises:
-        ValueError: ``param`` is not a tensor-parallel part (its shape named).
+        ValueError: ``param`` is not a tensor-parallel part (its shape and the mesh
+            dimension of its split named).
     """
     view = view_of(param)
-    if view.split_dim is None:
+    if view.split_dim is None or not _tensor_parallel_split(view):
+        over = f" (it is split over {view.mesh_dim!r})" if view.split_dim is not None else ""
         raise ValueError(
-            f"a tensor of shape {tuple(param.shape)} is not a tensor-parallel part: mark "
-            "it with mark_tensor_parallel first"
+            f"a tensor of shape {tuple(param.shape)} is not a tensor-parallel part{over}: "
+            "mark it with mark_tensor_parallel first"
         )
     return view.split_dim, view.stride

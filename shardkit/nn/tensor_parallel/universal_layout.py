@@ -78,6 +78,7 @@ def tensor_parallel_view(
         parts=world_size,
         stride=stride,
         split_group=split_group,
+        mesh_dim="tp",
     )
 
 

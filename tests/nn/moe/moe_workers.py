@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.checkpoint.universal import load_universal, save_universal
+from shardkit.compose import parallelize_model
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
 from shardkit.nn import FullyShardedDataParallel as FSDP
 from shardkit.nn.checkpoint import checkpoint_wrapper
@@ -24,6 +25,8 @@ from shardkit.nn.moe import (
     all_reduce_expert_gradients,
     ignore_experts_in_ddp,
 )
+from shardkit.nn.tensor_parallel import ColumnParallel
+from shardkit.optim import OSS
 
 M, F_HIDDEN, E = 6, 10, 8
 
@@ -317,18 +320,127 @@ def run_fsdp(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"errors": errors, "moved": moved}
 
 
-def run_fsdp_checkpoint(root: str, ep: int) -> dict[str, Any]:
-    """Save the FSDP-wrapped expert-parallel model (experts in a unit over edp) with
-    save_universal; return this rank's experts and the gate for the caller to compare."""
+def run_fsdp_checkpoint(root: str, ep: int, dp_replicate: int = 1) -> dict[str, Any]:
+    """Save the FSDP-wrapped expert-parallel model (experts in a unit over edp; the
+    dense part FSDP over dp, or hybrid sharding over dp_shard x dp_replicate) with
+    save_universal; return the output on fixed tokens for the caller to compare."""
     world = dist.get_world_size()
-    mesh = ProcessMesh(ParallelDims(world_size=world, ep=ep))
+    mesh = ProcessMesh(ParallelDims(world_size=world, dp_replicate=dp_replicate, ep=ep))
     torch.manual_seed(0)
     block = _Block(MoE(M, F_HIDDEN, E, k=2, drop_tokens=False, ep_group=mesh.group("ep")))
     block.moe.experts = FSDP(block.moe.experts, process_group=mesh.group("edp"))  # type: ignore[assignment]
-    model = FSDP(block, process_group=mesh.group("dp"))
+    if dp_replicate > 1:
+        groups = (mesh.group("dp_shard"), mesh.group("dp_replicate"))
+        model = FSDP(block, process_group=groups, sharding_strategy="HYBRID_SHARD")
+    else:
+        model = FSDP(block, process_group=mesh.group("dp"))
     save_universal(Path(root), 1, model)
     x, _ = _tokens(0)
     with torch.no_grad():
         out = model(x)
     mesh.destroy()
     return {"out": out}
+
+
+def _error_of(fn: Any) -> str:
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def run_data_parallel_guards() -> dict[str, Any]:
+    """An expert-parallel MoE (ep 2 of 4 ranks) under torch DDP over dp without
+    ``ignore_experts_in_ddp``, and OSS over dp: both refused; DDP and OSS over edp
+    (ranks holding the same experts) accepted, DDP's gradients the global mean."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {"ep": 2, "k": 2, "drop": True, "factor": 1.0}
+    mesh = ProcessMesh(ParallelDims(world_size=world, ep=2))
+    x, target = _tokens(rank)
+    res: dict[str, Any] = {}
+    block = _Block(_moe(cfg, mesh.group("ep")))
+    ddp = DistributedDataParallel(block, process_group=mesh.group("dp"))
+    res["ddp_dp"] = _error_of(lambda: ddp(x))
+    res["ddp_dp_again"] = _error_of(lambda: ddp(x))  # not only the first forward
+    res["oss_dp"] = _error_of(lambda: OSS(block.parameters(), lr=1.0))
+    # over edp the ranks hold the same experts: accepted, and the mean is DDP's
+    block = _Block(_moe(cfg, mesh.group("ep")))
+    edp = DistributedDataParallel(block, process_group=mesh.group("edp"))
+    (edp(x) * target).sum().backward()
+    _, ref_grads = _reference_grads(_moe(cfg, None), world)
+    lo = block.moe.experts.first_expert
+    hi = lo + block.moe.experts.num_local_experts
+    mean = [(sum(g[i] for g in ref_grads) / world)[lo:hi] for i in (1, 2)]
+    res["edp_errors"] = [
+        _err(p.grad, m)  # type: ignore[arg-type]
+        for p, m in zip((block.moe.experts.w1, block.moe.experts.w2), mean, strict=True)
+    ]
+    res["oss_edp"] = _error_of(
+        lambda: OSS(block.moe.experts.parameters(), lr=1.0, process_group=mesh.group("edp"))
+    )
+    mesh.destroy()
+    return res
+
+
+def run_parallelize_model() -> dict[str, Any]:
+    """``parallelize_model`` with an MoE: refused with tp 2; refused with ep 2 when the
+    experts would go into the dense FSDP over dp; accepted with the experts in a unit
+    over edp first, and then one SGD step equals the single-process step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {"ep": 2, "k": 2, "drop": True, "factor": 1.0}
+    res: dict[str, Any] = {}
+    tp_mesh = ProcessMesh(ParallelDims(world_size=world, tp=2))
+    plan = {"nothing": ColumnParallel()}
+    res["tp"] = _error_of(lambda: parallelize_model(_Block(_moe(cfg, None)), tp_mesh, tp_plan=plan))
+    tp_mesh.destroy()
+    mesh = ProcessMesh(ParallelDims(world_size=world, ep=2))
+    block = _Block(_moe(cfg, mesh.group("ep")))
+    res["fsdp_dp"] = _error_of(lambda: parallelize_model(block, mesh))
+    block.moe.experts = FSDP(block.moe.experts, process_group=mesh.group("edp"))  # type: ignore[assignment]
+    model = parallelize_model(block, mesh).module
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ref = _moe(cfg, None)
+    _, ref_grads = _reference_grads(ref, world)
+    x, target = _tokens(rank)
+    (model(x) * target).sum().backward()
+    opt.step()
+    lo = mesh.local_rank("ep") * (E // 2)
+    mean = [sum(g[i] for g in ref_grads) / world for i in range(3)]
+    with model.summon_full_params():  # type: ignore[operator]
+        got = [block.moe.gate.wg.weight, block.moe.experts.w1, block.moe.experts.w2]
+        want = [
+            ref.gate.wg.weight.detach() - mean[0],
+            (ref.experts.w1.detach() - mean[1])[lo : lo + E // 2],
+            (ref.experts.w2.detach() - mean[2])[lo : lo + E // 2],
+        ]
+        res["errors"] = [_err(g.detach(), w) for g, w in zip(got, want, strict=True)]
+    mesh.destroy()
+    return res
+
+
+def run_expert_bias_update() -> dict[str, Any]:
+    """Each rank routes its own tokens through the same gate; ``update_expert_bias``
+    over the world sums the loads: every rank takes the same step, the one the summed
+    loads of all ranks' tokens (computed here in one process) give."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    gate = MoE(M, F_HIDDEN, E, k=2, bias_update_speed=0.5).gate
+    want = torch.zeros(E, dtype=torch.float64)
+    for r in range(world):
+        x, _ = _tokens(r)
+        choices = gate.route(gate.wg(x.reshape(-1, M))).experts
+        want += torch.bincount(choices.reshape(-1), minlength=E).double()
+    gate.expert_load.zero_()  # type: ignore[union-attr]
+    x, _ = _tokens(rank)
+    gate(x.reshape(-1, M))
+    load = gate.update_expert_bias(dist.group.WORLD)
+    bias = gate.expert_bias.clone()  # type: ignore[union-attr]
+    every = [torch.empty_like(bias) for _ in range(world)]
+    dist.all_gather(every, bias)
+    return {
+        "load": _err(load, want),
+        "bias": _err(bias, 0.5 * torch.sign(want.mean() - want).float()),
+        "same": max(_err(b, bias) for b in every),
+        "moved": float(bias.abs().sum()),
+    }

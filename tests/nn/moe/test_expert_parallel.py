@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from shardkit.checkpoint.universal import load_universal
@@ -121,10 +122,15 @@ def test_fsdp_dense_over_dp_experts_in_a_unit_over_edp(rank_pool: Any) -> None:
                 assert 0 < err < 2e-2 * moved, (cfg, res)
 
 
+@pytest.mark.parametrize("dp_replicate", [1, 2])
 def test_fsdp_wrapped_experts_save_under_their_names_and_load_in_one_process(
-    rank_pool: Any, tmp_path: Path
+    rank_pool: Any, tmp_path: Path, dp_replicate: int
 ) -> None:
-    saved = rank_pool(WORLD).run(w.run_fsdp_checkpoint, str(tmp_path), 2, timeout_s=120)
+    """Under hybrid sharding (dp_replicate 2) the experts' unit over edp spans the
+    replicas: each of its shards is written by the rank holding it, not by replica 0."""
+    saved = rank_pool(WORLD).run(
+        w.run_fsdp_checkpoint, str(tmp_path), 2, dp_replicate, timeout_s=120
+    )
     torch.manual_seed(0)
     want = w._Block(w.MoE(w.M, w.F_HIDDEN, w.E, k=2, drop_tokens=False))
     torch.manual_seed(1)
@@ -135,3 +141,37 @@ def test_fsdp_wrapped_experts_save_under_their_names_and_load_in_one_process(
     x, _ = w._tokens(0)
     with torch.no_grad():
         torch.testing.assert_close(plain(x), saved[0]["out"], atol=1e-6, rtol=1e-5)
+
+
+def test_ddp_or_oss_over_ranks_holding_other_experts_is_refused(rank_pool: Any) -> None:
+    """Without ``ignore_experts_in_ddp`` DDP over dp would average expert e's gradient
+    with another expert's (training on, silently wrong): refused at the forward, OSS
+    at construction; over edp both are right and accepted."""
+    for res in rank_pool(WORLD).run(w.run_data_parallel_guards, timeout_s=120):
+        for key in ("ddp_dp", "ddp_dp_again"):
+            msg = res[key]
+            assert msg.startswith("torch DistributedDataParallel: parameter `moe.experts.w1`"), msg
+            assert "split over 'ep'" in msg and "ignore_experts_in_ddp" in msg, msg
+            assert "process group (ranks [0, 1, 2, 3]) holds 2 of its parts" in msg, msg
+        assert res["oss_dp"].startswith("OSS: parameter `param_groups[0][1]`"), res["oss_dp"]
+        assert "mesh.group('edp')" in res["oss_dp"]
+        assert res["oss_edp"] == "no error"
+        assert max(res["edp_errors"]) < ATOL, res["edp_errors"]
+
+
+def test_parallelize_model_refuses_tp_and_unwrapped_experts_then_matches(
+    rank_pool: Any,
+) -> None:
+    for res in rank_pool(WORLD).run(w.run_parallelize_model, timeout_s=120):
+        assert res["tp"].startswith("tp 2 with a mixture of experts (2 expert parameters"), res
+        assert "build the mesh with tp=1" in res["tp"]
+        msg = res["fsdp_dp"]
+        assert msg.startswith("parallelize_model(data_parallel='fsdp'): parameter `moe.experts.w1`")
+        assert "split over 'ep'" in msg and "mesh.group('edp')" in msg, msg
+        assert max(res["errors"]) < ATOL, res["errors"]
+
+
+def test_expert_bias_update_sums_the_loads_over_the_group(rank_pool: Any) -> None:
+    for res in rank_pool(WORLD).run(w.run_expert_bias_update, timeout_s=60):
+        assert res["load"] == res["bias"] == res["same"] == 0.0, res
+        assert res["moved"] > 0, res

@@ -10,7 +10,9 @@ parameter is a tensor-parallel part when its original carried a view
 (``ParamInfo.view``, taken at wrap time); its range is then within the part.
 
 Writers: with hybrid sharding the replicas (same shard on each shard group) are
-written by replica 0 only; a tensor held whole by every tensor-parallel rank by
+written by replica 0 only, decided per unit from the unit's own groups (a nested unit
+over other ranks, such as an MoE layer's experts in a unit over ``edp`` inside a hybrid
+root, writes each of its shards from the rank holding it); a tensor held whole by every tensor-parallel rank by
 the shard group holding the lowest rank of its shard descriptor's replica group
 (:func:`~shardkit.distributed.shard_descriptor.writes_replica`; no process-wide mesh);
 buffers (whole on every rank) by rank 0 of the shard group. Every rank loads its
@@ -129,6 +131,9 @@ class FSDPLayout:
     ) -> Iterator[ParamEntry]:
         handle = unit.handle
         shard_start = handle.layout.shard_range(handle.rank)[0]
+        replicas = unit.replicate_group  # this unit's: a nested unit may have other groups
+        replica_writer = replicas is None or dist.get_rank(replicas) == 0
+        holders = ranks_of(unit.process_group)
         for index, (info, sharded) in enumerate(zip(handle.infos, handle.sharded_params)):
             a, b = handle.layout.piece(index, handle.rank)
             # an empty piece (no element on this rank) is listed too, written by nobody
@@ -147,7 +152,7 @@ class FSDPLayout:
                 stop=start + max(b - a, 0),
                 tensor=sharded.detach(),
                 param=sharded if id(sharded) in self.held else None,
-                write=holds and self.replica_writer and writes_replica(view, self.holders),
+                write=holds and replica_writer and writes_replica(view, holders),
             )
 
     def aliases(self) -> dict[str, str]:
