@@ -9,6 +9,8 @@
   asynchronous broadcasts of each owner's tensors, planned by
   :func:`plan_owner_broadcast`).
 
+- :mod:`shardkit.distributed.all_to_all`: the differentiable all-to-all of expert
+  parallelism and Ulysses.
 - :mod:`shardkit.distributed.mesh`: :class:`ParallelDims` (pp x dp_replicate x dp_shard
   x tp) and :class:`ProcessMesh` (rank coordinates, groups created on demand).
 - :mod:`shardkit.distributed.mpu`: :class:`ModelParallelUnit` (Megatron-LM / DeepSpeed's

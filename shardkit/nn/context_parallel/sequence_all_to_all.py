@@ -1,8 +1,8 @@
 """The all-to-all of Ulysses: a tensor split on one dimension becomes split on another.
 
 Each rank of a context-parallel group holds a contiguous slice of the sequence and all
-the heads; one ``torch.distributed.all_to_all_single`` gives it all the sequence and a
-slice of the heads (``scatter_idx`` cut into ``cp`` parts, one per rank, and the parts
+the heads; one all-to-all (:func:`shardkit.distributed.all_to_all.all_to_all`) gives it
+all the sequence and a slice of the heads (``scatter_idx`` cut into ``cp`` parts, one per rank, and the parts
 received concatenated along ``gather_idx`` in rank order). The backward of that
 exchange is the same exchange with the two dimensions swapped (Jacobs et al. 2023,
 DeepSpeed-Ulysses, section 3.1).
@@ -10,38 +10,12 @@ DeepSpeed-Ulysses, section 3.1).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
+from shardkit.distributed.all_to_all import all_to_all
+
 __all__ = ["sequence_all_to_all"]
-
-
-def _exchange(
-    x: torch.Tensor, group: dist.ProcessGroup, scatter_idx: int, gather_idx: int
-) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    if world == 1:
-        return x
-    send = torch.stack(x.chunk(world, dim=scatter_idx)).contiguous()  # [world, ...]
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return torch.cat(recv.unbind(0), dim=gather_idx)
-
-
-class _SequenceAllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, scatter_idx: int, gather_idx: int
-    ) -> torch.Tensor:
-        ctx.group, ctx.dims = group, (scatter_idx, gather_idx)
-        return _exchange(x, group, scatter_idx, gather_idx)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        scatter_idx, gather_idx = ctx.dims
-        return _exchange(grad, ctx.group, gather_idx, scatter_idx), None, None, None
 
 
 def sequence_all_to_all(
@@ -70,5 +44,10 @@ def sequence_all_to_all(
             f"dimension {scatter_idx} of size {x.shape[scatter_idx]} cannot be split over "
             f"{world} context-parallel ranks; make it a multiple of {world}"
         )
-    out: torch.Tensor = _SequenceAllToAll.apply(x, group, scatter_idx, gather_idx)
-    return out
+    if world == 1:
+        return x
+    # part r of scatter_idx -> rank r: the parts stacked on a new dim 0 are the rows of
+    # an equal-split exchange (its backward is the same exchange: autograd through
+    # stack / cat gives the swapped dimensions of the reverse all-to-all).
+    received = all_to_all(torch.stack(x.chunk(world, dim=scatter_idx)), group)
+    return torch.cat(received.unbind(0), dim=gather_idx)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from shardkit.nn.moe.all_to_all import all_to_all
+from shardkit.distributed.all_to_all import all_to_all
 from shardkit.nn.moe.experts import GroupedExperts, expert_parallel_rank_and_size
 from shardkit.nn.moe.gate import Routing, TopKGate
 from shardkit.nn.moe.gradients import check_ddp_leaves_experts

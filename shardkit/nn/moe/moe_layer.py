@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.nn.moe.all_to_all import all_to_all
+from shardkit.distributed.all_to_all import all_to_all
 
 __all__ = ["MOELayer"]
 

@@ -1,10 +1,14 @@
-"""The all-to-all of expert parallelism, differentiable, with the bytes it sends counted.
+"""The differentiable all-to-all: one implementation for every layer that exchanges rows.
 
-Dispatch sends each token to the rank holding its expert; combine sends the expert's
-output back. Both are one ``torch.distributed.all_to_all_single`` whose backward is the
-all-to-all with the splits swapped (the gradient of a token goes back the way the token
-came). Variable splits serve dropless routing; equal splits (None) serve FairScale's
-capacity buffer.
+One ``torch.distributed.all_to_all_single`` whose backward is the all-to-all with the
+splits swapped (the gradient of a row goes back the way the row came). Its users:
+
+- expert parallelism (:mod:`shardkit.nn.moe`): dispatch sends each token to the rank
+  holding its expert, combine sends the expert's output back; variable splits serve
+  dropless routing, equal splits (None) FairScale's capacity buffer;
+- Ulysses (:mod:`shardkit.nn.context_parallel`): a tensor split on the sequence becomes
+  split on the heads and back (:func:`shardkit.nn.context_parallel.sequence_all_to_all`
+  stacks the parts on a new dim 0 and exchanges them with equal splits).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def all_to_all(
 
     Args:
         input: ``(rows, ...)``, any dtype ``all_to_all_single`` takes.
-        group: the expert-parallel process group (None: the world).
+        group: the process group (expert- or context-parallel; None: the world).
         output_splits: rows received from each rank; None: equal parts of ``rows``.
         input_splits: rows sent to each rank; None: equal parts of ``rows``.
 
