@@ -24,6 +24,15 @@ checksums and, if the newest checkpoint is damaged (a truncated or corrupted fil
 falls back to the previous one with a one-line warning. Files are read as tensors and
 plain containers only: a file naming any other object is refused (it could run code).
 With several nodes, ``--out-dir`` must be on a shared filesystem.
+
+[Note: --async-checkpoint]
+With ``--async-checkpoint`` a save copies each rank's pieces to host memory at the
+step boundary and returns; a background thread writes, hashes and commits them
+(:class:`shardkit.checkpoint.universal.AsyncCheckpointer`): the same checkpoint, the
+same crash safety (a kill during the background write leaves ``latest`` on the
+previous one). A save due while the previous one is still being written waits for it;
+a failure in the background ends the job at the next save (or at the end of the run)
+on every rank. The run waits for the last commit before it writes ``metrics.json``.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from __future__ import annotations
 import random
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +50,15 @@ from gpt_data import InputError
 
 from shardkit.checkpoint import manifest
 from shardkit.checkpoint.manifest import CheckpointError, CheckpointFallbackWarning
-from shardkit.checkpoint.universal import LoadedCheckpoint, load_universal, save_universal
+from shardkit.checkpoint.universal import (
+    AsyncCheckpointer,
+    LoadedCheckpoint,
+    load_universal,
+    save_universal,
+)
 
 __all__ = [
+    "JobCheckpointer",
     "check_model_flags",
     "check_resumable",
     "find_resume_checkpoint",
@@ -78,6 +93,63 @@ def save_checkpoint(
         The checkpoint directory.
     """
     return Path(save_universal(out_dir, step, model, optimizer, extra=extra, keep=keep))
+
+
+class JobCheckpointer:
+    """Writes the main job's checkpoints: synchronously (every rank waits for the
+    commit), or, with ``--async-checkpoint``, in the background (see [Note:
+    --async-checkpoint]).
+
+    Args:
+        asynchronous: ``--async-checkpoint``. Creating the checkpointer is then a
+            collective over the world (it creates the commit's process group).
+    """
+
+    def __init__(self, asynchronous: bool) -> None:
+        self.background = AsyncCheckpointer() if asynchronous else None
+
+    def save(
+        self,
+        out_dir: Path,
+        step: int,
+        model: Any,
+        optimizer: torch.optim.Optimizer,
+        extra: dict[str, Any],
+        keep: int = 2,
+    ) -> Path:
+        """:func:`save_checkpoint`, or its asynchronous start (returns once the state is
+        copied; the previous background save is waited for first). Collective.
+
+        Returns:
+            The checkpoint directory (being written, when asynchronous).
+
+        Raises:
+            CheckpointError: the previous background save failed (every rank).
+        """
+        if self.background is None:
+            return save_checkpoint(out_dir, step, model, optimizer, extra, keep)
+        return self.background.save(out_dir, step, model, optimizer, extra=extra, keep=keep).path
+
+    def close(self) -> None:
+        """Wait for the save in flight (asynchronous); a no-op otherwise.
+
+        Raises:
+            CheckpointError: that save failed (every rank).
+        """
+        if self.background is not None:
+            self.background.close()
+
+    def __enter__(self) -> JobCheckpointer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        """:meth:`close`; when the block raised, that error is the one that travels
+        (a failure of the save in flight then only ends its own thread's work)."""
+        if kind is None:
+            self.close()
+            return
+        with suppress(Exception):
+            self.close()
 
 
 @contextmanager

@@ -31,11 +31,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gpt_checkpoint import (
+    JobCheckpointer,
     find_resume_checkpoint,
     load_checkpoint,
     reseed,
     rng_state,
-    save_checkpoint,
     set_rng_state,
 )
 from gpt_context_parallel import CP_METHODS, cp_error
@@ -108,6 +108,8 @@ class JobConfig:
         eval_batches: validation batches per rank.
         log_every: steps between train-loss lines; 0: off.
         save_every: steps between checkpoints; 0: never.
+        async_checkpoint: write the checkpoints in the background
+            (:class:`gpt_checkpoint.JobCheckpointer`); needs ``save_every`` > 0.
         keep: checkpoints kept; 0: all.
         stop_after: end this run after this step (None: at ``steps``).
         data: a text file or a directory of ``.txt`` files; None: the default text.
@@ -132,6 +134,7 @@ class JobConfig:
     eval_batches: int = 4
     log_every: int = 0
     save_every: int = 100
+    async_checkpoint: bool = False
     keep: int = 2
     stop_after: int | None = None
     data: str | None = None
@@ -194,6 +197,7 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--eval-batches", type=_positive, default=job.eval_batches, help="val batches per rank")
     add("--log-every", type=_non_negative, default=job.log_every, help="train-loss lines; 0: off")
     add("--save-every", type=_non_negative, default=job.save_every, help="0: never")
+    add("--async-checkpoint", action="store_true", help="write checkpoints in the background")
     add("--keep", type=_non_negative, default=job.keep, help="checkpoints kept; 0: all")
     add("--stop-after", type=_positive, default=None, help="end this run after this step")
     add("--resume", action="store_true", help="continue from the latest checkpoint")
@@ -247,6 +251,11 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     )
     if problem is not None:
         raise InputError(problem)
+    if config.async_checkpoint and not config.save_every:
+        raise InputError(
+            "--async-checkpoint writes the --save-every checkpoints in the background, and "
+            "--save-every is 0; give --save-every N > 0 or drop --async-checkpoint"
+        )
     return config
 
 
@@ -410,6 +419,7 @@ class Run:
     step: int = 0
     steps_this_run: int = 0
     train_time_s: float = 0.0  # seconds in this run's training steps (no eval, no saves)
+    checkpointer: JobCheckpointer = field(default_factory=lambda: JobCheckpointer(False))
 
 
 def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
@@ -599,7 +609,7 @@ def save(run: Run, out_dir: Path) -> None:
     strategy = run.strategy
     module = strategy.checkpoint_module()
     extra = checkpoint_extra(run)
-    save_checkpoint(out_dir, run.step, module, strategy.optimizer, extra, run.config.keep)
+    run.checkpointer.save(out_dir, run.step, module, strategy.optimizer, extra, run.config.keep)
 
 
 def restore(run: Run, step: int, saved_world_size: int, mine: Any, first: Any) -> None:
@@ -969,10 +979,12 @@ def run_job(
         f"{len(data[0]):,} train / "
         f"{len(data[1]):,} val tokens",
     )
-    if config.fault_tolerant is not None:
+    run.checkpointer = JobCheckpointer(config.async_checkpoint)  # collective when async
+    if config.fault_tolerant is not None:  # refuses --save-every, so never async
         ft_train_loop(run, out_dir, report, say)
     else:
-        train_loop(run, out_dir)
+        with run.checkpointer:  # the last background save is committed before finish
+            train_loop(run, out_dir)
     finish(run, out_dir, time.perf_counter() - start)
 
 

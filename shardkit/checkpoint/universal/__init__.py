@@ -4,6 +4,10 @@
     loaded = load_universal(root_or_ckpt, model, optimizer)                  # collective
     loaded.step, loaded.saved_world_size, loaded.saved_strategy, loaded.extra(rank)
 
+    checkpointer = AsyncCheckpointer()                  # collective, once
+    checkpointer.save(root, step, model, optimizer, extra={...}, keep=2)  # returns at once
+    checkpointer.close()                                # waits for the last commit
+
 ``model`` is the wrapped model as the user holds it (plain, DDP, ShardedDataParallel,
 FullyShardedDataParallel (any sharding strategy), a model with tensor-parallel layers,
 Pipe, OffloadModel); ``optimizer`` the one it steps with (plain, OSS, or None).
@@ -15,7 +19,9 @@ did not exist at save time; ``loaded.extra(0)`` always exists).
 Modules: :mod:`.layout` (the adapter contract and registry), :mod:`.adapters` (plain
 module, torch DDP, ``layout_of``), :mod:`.plan` (which saved bytes fill a piece), :mod:`.shardfile` (the safetensors
 shard file and its index), :mod:`.optim_state`, :mod:`.meta` (the manifest layout),
-:mod:`.writer` (``save_universal``), :mod:`.loader` (``load_universal``).
+:mod:`.writer` (``save_universal``), :mod:`.loader` (``load_universal``),
+:mod:`.staging` and :mod:`.asynchronous` (``AsyncCheckpointer``: the same save, copied
+to host memory at the step boundary and committed by a background thread).
 Wrapper adapters live with their wrappers and call :func:`register_layout` at import.
 Every piece is described by its shard descriptor,
 :class:`shardkit.distributed.shard_descriptor.TensorView` (re-exported here), with its
@@ -24,6 +30,7 @@ descriptors only, never a process-wide mesh.
 """
 
 from shardkit.checkpoint.universal.adapters import DDPLayout, PlainLayout, layout_of
+from shardkit.checkpoint.universal.asynchronous import AsyncCheckpointer, AsyncSave
 from shardkit.checkpoint.universal.layout import (
     LayoutAdapter,
     ParamEntry,
@@ -38,6 +45,8 @@ from shardkit.distributed.shard_descriptor import TensorView
 
 __all__ = [
     "FORMAT",
+    "AsyncCheckpointer",
+    "AsyncSave",
     "DDPLayout",
     "LayoutAdapter",
     "LoadedCheckpoint",

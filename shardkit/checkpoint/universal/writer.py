@@ -24,7 +24,8 @@ import builtins
 import contextlib
 import io
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -57,7 +58,7 @@ from shardkit.checkpoint.universal.shardfile import (
 )
 from shardkit.distributed.shard_elements import check_view
 
-__all__ = ["check_entry", "save_universal"]
+__all__ = ["PreparedSave", "check_entry", "commit_save", "prepare_save", "save_universal"]
 
 PathLike = str | os.PathLike[str]
 _INPUT_ERRORS = ("ValueError", "TypeError")  # raised as such on every rank (bad input)
@@ -212,43 +213,105 @@ def save_universal(
             committed. The adapter's ``session`` is left after the commit: an error
             there is raised on its own rank only (the checkpoint is committed).
     """
-    rank, world_size = _rank_world(group)
     with contextlib.ExitStack() as session:  # the adapter's session(), left at the end
-        summary: Any
-        error: Exception | None = None
-        try:
-            adapter = layout_of(model, optimizer, group=group)
-            session.enter_context(session_of(adapter, "save"))
-            entries = list(adapter.entries())
-            file = shard_file_name(rank, world_size)
-            shard, written = _shard_file(entries, optimizer, file)
-            extra_data = _extra_bytes(extra, rank)
-            summary = _local_summary(entries, optimizer, written)
-            summary["aliases"] = aliases_of(adapter)
-            if getattr(adapter, "assumes_replicas", False) and world_size > 1:
-                summary["fingerprints"] = {_piece_id(e): _fingerprint(e.tensor) for e in entries}
-            hyper = group_records(optimizer, {}) if optimizer is not None else None
-            optimizer_name = optimizer_class(optimizer)
-        except Exception as err:  # every rank raises below (no rank left waiting)
-            summary, error = RankFailure.of(rank, err), err
-        summaries = _all_gather(summary, group, world_size)
-        _raise_failures(summaries, error, Path(root) / checkpoint_name(step))
-        problems = _replica_problems(summaries)
-        if problems:
-            raise ValueError(
-                f"the ranks hold different values of {len(problems)} tensors that the "
-                f"{adapter.strategy!r} layout saves as identical replicas (each rank writes 1/"
-                f"{world_size} of every tensor, so the checkpoint would mix them): "
-                + "; ".join(problems[:5])
-                + ". Save a model the ranks hold differently through its wrapper (DDP, FSDP, "
-                "...), mark tensor-parallel parts (shardkit.distributed.shard_descriptor.set_view), or save each "
-                "rank's model with a process group of its own (group=)"
-            )
-        layout = build_layout(summaries, adapter.strategy, world_size, hyper, optimizer_name)
-        files = {file: shard, extra_file_name(rank): extra_data}
-        return save_checkpoint(
-            root, step, files, layout=layout, keep=keep, group=group, save=_write
+        prepared = prepare_save(session, root, step, model, optimizer, extra=extra, group=group)
+        return commit_save(prepared, keep=keep, group=group)
+
+
+@dataclass(frozen=True)
+class PreparedSave:
+    """What a rank writes for one universal save, checked by every rank (see [Note:
+    what a save writes]): ``files`` (its shard file and extra bytes, by file name) and
+    the manifest's ``layout``, for :func:`commit_save`."""
+
+    root: Path
+    step: int
+    files: dict[str, Any]
+    layout: dict[str, Any]
+
+
+Stage = Callable[[ShardFile], ShardFile]
+
+
+def prepare_save(
+    session: contextlib.ExitStack,
+    root: PathLike,
+    step: int,
+    model: Any,
+    optimizer: Any = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+    stage: Stage | None = None,
+) -> PreparedSave:
+    """The first half of :func:`save_universal`, a collective over ``group``: build this
+    rank's pieces inside the adapter's session (entered on ``session``), all-gather
+    what every rank will write and check it. ``stage`` (default None: the shard file
+    reads the model's own storage while it is written) replaces the shard file by one
+    holding copies (:class:`~shardkit.checkpoint.universal.staging.StagingBuffer`),
+    before the all-gather, so a failure to copy travels in it like any other.
+
+    Raises:
+        ValueError, TypeError, CheckpointError: see :func:`save_universal`.
+    """
+    rank, world_size = _rank_world(group)
+    summary: Any
+    error: Exception | None = None
+    try:
+        adapter = layout_of(model, optimizer, group=group)
+        session.enter_context(session_of(adapter, "save"))
+        entries = list(adapter.entries())
+        file = shard_file_name(rank, world_size)
+        shard, written = _shard_file(entries, optimizer, file)
+        if stage is not None:
+            shard = stage(shard)
+        extra_data = _extra_bytes(extra, rank)
+        summary = _local_summary(entries, optimizer, written)
+        summary["aliases"] = aliases_of(adapter)
+        if getattr(adapter, "assumes_replicas", False) and world_size > 1:
+            summary["fingerprints"] = {_piece_id(e): _fingerprint(e.tensor) for e in entries}
+        hyper = group_records(optimizer, {}) if optimizer is not None else None
+        optimizer_name = optimizer_class(optimizer)
+    except Exception as err:  # every rank raises below (no rank left waiting)
+        summary, error = RankFailure.of(rank, err), err
+    summaries = _all_gather(summary, group, world_size)
+    _raise_failures(summaries, error, Path(root) / checkpoint_name(step))
+    problems = _replica_problems(summaries)
+    if problems:
+        raise ValueError(
+            f"the ranks hold different values of {len(problems)} tensors that the "
+            f"{adapter.strategy!r} layout saves as identical replicas (each rank writes 1/"
+            f"{world_size} of every tensor, so the checkpoint would mix them): "
+            + "; ".join(problems[:5])
+            + ". Save a model the ranks hold differently through its wrapper (DDP, FSDP, "
+            "...), mark tensor-parallel parts (shardkit.distributed.shard_descriptor.set_view), or save each "
+            "rank's model with a process group of its own (group=)"
         )
+    layout = build_layout(summaries, adapter.strategy, world_size, hyper, optimizer_name)
+    files = {file: shard, extra_file_name(rank): extra_data}
+    return PreparedSave(Path(root), step, files, layout)
+
+
+def commit_save(
+    prepared: PreparedSave, *, keep: int = 0, group: dist.ProcessGroup | None = None
+) -> Path:
+    """The second half of :func:`save_universal`, a collective over ``group`` (the same
+    ranks, in the same order, as the :func:`prepare_save` that made ``prepared``):
+    write, checksum and commit the files through
+    :func:`shardkit.checkpoint.manifest.save_checkpoint`.
+
+    Raises:
+        CheckpointError: see :func:`save_universal`.
+    """
+    return save_checkpoint(
+        prepared.root,
+        prepared.step,
+        prepared.files,
+        layout=prepared.layout,
+        keep=keep,
+        group=group,
+        save=_write,
+    )
 
 
 def _raise_failures(summaries: list[Any], error: Exception | None, ckpt: Path) -> None:
