@@ -10,7 +10,7 @@ with large aligned asynchronous I/O that bypasses it; so does this module.
 [Note: direct I/O and alignment]
 ``O_DIRECT`` needs the memory address, the file offset and the length of each call
 aligned to the device's block (:data:`PAGE` bytes covers every common one). Memory
-that is page-aligned (from :func:`aligned_empty` or a :class:`BufferPool`: the
+that is page-aligned (from :func:`aligned_empty` or an :class:`AlignedBufferPool`: the
 optimizer-state buffers of the file-backed optimizer) is read and written in place, in
 calls of up to :data:`IN_PLACE` bytes; any other tensor goes through a page-aligned
 bounce buffer of :data:`CHUNK` bytes per I/O thread (one ``memmove`` per call, a
@@ -45,7 +45,7 @@ __all__ = [
     "CHUNK",
     "IN_PLACE",
     "PAGE",
-    "BufferPool",
+    "AlignedBufferPool",
     "Segment",
     "aligned_empty",
     "read_file",
@@ -93,8 +93,11 @@ def _anonymous(nbytes: int) -> mmap.mmap:
     return memory
 
 
-class BufferPool:
+class AlignedBufferPool:
     """Page-aligned buffers kept warm between uses, up to ``limit_bytes`` of free ones.
+
+    Host memory for O_DIRECT file I/O (not :class:`shardkit.distributed.BufferPool`,
+    whose flat buffers of one dtype serve collectives and are handed back by ``put``).
 
     Reading a file into memory touched for the first time costs a page fault per page
     (the kernel zeroes each): on a loaded machine that is most of the read's time, so

@@ -54,7 +54,7 @@ import torch
 
 from shardkit.checkpoint.atomic import atomic_write, fsync_dir
 from shardkit.checkpoint.direct_io import (
-    BufferPool,
+    AlignedBufferPool,
     Segment,
     read_file,
     segments_of,
@@ -221,7 +221,7 @@ class GenerationStore:
         self.inflight_bytes = 0
         self.peak_inflight_bytes = 0
         self.io_seconds = 0.0
-        self.buffers = BufferPool(write_behind_bytes)
+        self.buffers = AlignedBufferPool(write_behind_bytes)
         self._active = 0  # reads and writes running
         self._busy_since = 0.0
         self._pending: dict[str, Future[int]] = {}  # file name -> its write in flight

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shardkit.checkpoint.direct_io as direct_io
-from shardkit.checkpoint.direct_io import CHUNK, PAGE, BufferPool, aligned_empty
+from shardkit.checkpoint.direct_io import CHUNK, PAGE, AlignedBufferPool, aligned_empty
 from shardkit.checkpoint.generations import MANIFEST, GenerationStore
 
 OWNED = re.compile(r"^e\d+\.\w+\.g\d+$")
@@ -143,7 +143,7 @@ def test_close_waits_for_writes_started_from_other_threads(
 
 
 def test_buffer_pool_reuses_a_buffer_only_once_nothing_views_it() -> None:
-    pool = BufferPool(limit_bytes=3 * PAGE)
+    pool = AlignedBufferPool(limit_bytes=3 * PAGE)
     first = pool.take(PAGE)
     address = first.data_ptr()
     assert address % PAGE == 0
@@ -152,5 +152,5 @@ def test_buffer_pool_reuses_a_buffer_only_once_nothing_views_it() -> None:
     assert pool.take(PAGE).data_ptr() != address  # still viewed: not handed out again
     del view
     assert pool.take(PAGE).data_ptr() == address  # free: warm memory reused
-    unpooled = BufferPool(limit_bytes=0)
+    unpooled = AlignedBufferPool(limit_bytes=0)
     assert unpooled.take(PAGE).data_ptr() % PAGE == 0 and not unpooled._buffers
