@@ -38,6 +38,7 @@ from gpt_checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from gpt_compile import compile_blocks, compile_error
 from gpt_data import VOCAB_SIZE, BatchSampler, InputError, eval_windows, load_bytes, split_tokens
 from gpt_dist import Env, all_gather_ints, setup_distributed
 from gpt_moe import AUX_LOSS_COEF, MoEGPT, MoESettings, active_and_total, moe_step_stats
@@ -109,6 +110,7 @@ class JobConfig:
         data: a text file or a directory of ``.txt`` files; None: the default text.
         profile_steps: ``"a:b"``: a ``torch.profiler`` trace of steps a..b per rank
             (``trace-rank<r>.json`` in ``out_dir``); None: no profiling.
+        compile: ``torch.compile`` each block before wrapping (``gpt_compile``).
     """
 
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
@@ -129,6 +131,7 @@ class JobConfig:
     stop_after: int | None = None
     data: str | None = None
     profile_steps: str | None = None
+    compile: bool = False
 
     @property
     def warmup(self) -> int:
@@ -213,6 +216,7 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--moe-every", type=_positive, default=opt.moe_every, help="MoE in every N-th block")
     add("--ep", type=_positive, default=opt.ep, help="expert-parallel degree (splits dp_shard)")
     add("--profile-steps", default=None, metavar="A:B", help="torch.profiler trace of steps A..B")
+    add("--compile", action="store_true", help="torch.compile each Block before wrapping")
     flags = vars(p.parse_args(argv))
     flags["strategy"] = flags["strategy"] or shorthand(flags)
     config = JobConfig.from_flags(flags)
@@ -222,6 +226,8 @@ def parse_args(argv: list[str] | None) -> JobConfig:
         except ValueError as err:
             raise InputError(str(err)) from None
     problem = option_error(config.strategy)
+    if problem is None and config.compile:
+        problem = compile_error(config.strategy.name, config.strategy.moe_experts)
     if problem is not None:
         raise InputError(problem)
     return config
@@ -495,6 +501,8 @@ def build_run(config: JobConfig, env: Env, train: torch.Tensor, val: torch.Tenso
     else:
         model = GPT(shape).to(env.device)
     num_params = model.num_parameters()
+    if config.compile:
+        compile_blocks(model)
     moe_params = active_and_total(model) if isinstance(model, MoEGPT) else (0, 0)
     strategy = build_strategy(model, config.strategy, env.device)  # + precision, checkpointing
     scheduler = torch.optim.lr_scheduler.LambdaLR(
