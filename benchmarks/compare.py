@@ -141,7 +141,9 @@ def run_config(spec: Mapping[str, Any]) -> dict[str, Any]:
             library's default).
 
     Returns:
-        ``times`` (s per timed step, slowest rank), ``losses`` (this rank's loss of
+        ``times`` (s per timed step, slowest rank), ``warmup_times`` (s per warm-up
+        step, slowest rank: the first one compiles a compiled row's blocks; it also
+        measures the state, a few ms), ``losses`` (this rank's loss of
         every step, warm-up included), ``state`` (bytes by category),
         ``comm`` (:meth:`benchmarks.comm.CommCounter.snapshot` over the timed steps),
         ``rss_start`` / ``rss_peak`` (``VmHWM`` bytes before building / over the run),
@@ -163,12 +165,18 @@ def run_config(spec: Mapping[str, Any]) -> dict[str, Any]:
         x, y = _batch(config, spec["batch"])
         built_peak = peak_rss_bytes()
         per_step = reset_peak_rss()
+        dist.barrier()
+        first_start = time.perf_counter()
         loss, state = _measured_step(runner, x, y)
         rss_steps.append(peak_rss_bytes())
         losses = [loss]
+        warmup_times = [slowest(time.perf_counter() - first_start)]
         for _ in range(spec["warmup"] - 1):
+            dist.barrier()
             reset_peak_rss()
+            start = time.perf_counter()
             losses.append(runner.train_step(x, y))
+            warmup_times.append(slowest(time.perf_counter() - start))
             rss_steps.append(peak_rss_bytes())
         times = []
         for _ in range(spec["steps"]):
@@ -184,6 +192,7 @@ def run_config(spec: Mapping[str, Any]) -> dict[str, Any]:
         comm.uninstall()  # a reused process (a test's rank pool) gets torch's own back
     return {
         "times": times,
+        "warmup_times": warmup_times,
         "losses": [float(v) for v in losses],
         "state": state,
         "comm": counter.snapshot(),
@@ -280,6 +289,7 @@ def run_grid(
                         round=round_index,
                         psi=num_params(config),
                         stage=BY_NAME[name].stage,
+                        compiled_from=BY_NAME[name].compiled_from,
                     )
                     if "error" in record:
                         failed.add(name)
@@ -301,14 +311,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add = p.add_argument
     add("--world-sizes", type=int, nargs="+", default=[2], help="default: 2")
     add("--model-sizes", nargs="+", default=["tiny"], choices=sorted(SIZES), help="default tiny")
-    default = [s.name for s in STRATEGIES if not s.scale_only]
+    default = [s.name for s in STRATEGIES if not s.scale_only and s.compiled_from is None]
     add(
         "--strategies",
         nargs="+",
         default=default,
         choices=names,
         metavar="NAME",
-        help="default: all but scale-only",
+        help="default: all but scale-only and '+ compile' rows",
     )
     add_run_args(p, batch=8)
     add("--render", type=Path, default=None, help="re-render the .md and plots of a results JSON")

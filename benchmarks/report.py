@@ -132,6 +132,35 @@ def _add_ratios(rows: list[Row]) -> None:
             row["x_ddp_paired"] = statistics.median(paired)
 
 
+def _paired(row: Row, base: Row) -> list[float]:
+    """``row``'s round medians over ``base``'s, round by round (both ran in each round)."""
+    theirs = base.get("round_medians", {})
+    return [m / theirs[k] for k, m in row.get("round_medians", {}).items() if k in theirs]
+
+
+def _add_compile(rows: list[Row]) -> None:
+    """For a compiled row (``compiled_from``: its eager row): ``x_eager_paired`` (the
+    eager row's step time over this one's, paired by round: the speedup) and
+    ``compile_s`` (the median over rounds of this row's first step minus the eager
+    row's first step: the compile, excluded from the timed steps)."""
+    by_key = {(r["world_size"], r["model_size"], r["strategy"]): r for r in rows}
+    for row in rows:
+        eager = by_key.get((row["world_size"], row["model_size"], row.get("compiled_from")))
+        if eager is None or "round_medians" not in row or "round_medians" not in eager:
+            continue
+        speedups = [1 / v for v in _paired(row, eager)]
+        if speedups:
+            row["x_eager_rounds"] = speedups
+            row["x_eager_paired"] = statistics.median(speedups)
+        firsts = [
+            row["first_step_s"][k] - eager["first_step_s"][k]
+            for k in row["first_step_s"]
+            if k in eager["first_step_s"]
+        ]
+        if firsts:
+            row["compile_s"] = statistics.median(firsts)
+
+
 def summarize(records: Iterable[dict[str, Any]], batch: int, seq_len: int) -> list[Row]:
     """One row per (world size, model size, strategy), in first-run order.
 
@@ -166,13 +195,42 @@ def summarize(records: Iterable[dict[str, Any]], batch: int, seq_len: int) -> li
             rows.append(row)
             continue
         row.update(_timing(ok, world * batch * seq_len))
+        row["compiled_from"] = recs[0].get("compiled_from")
+        row["first_step_s"] = {
+            r["round"]: r["ranks"][0]["warmup_times"][0]
+            for r in ok
+            if "warmup_times" in r["ranks"][0]
+        }
         row.update(_memory(ok, world, psi, stage))
         row.update(_comm(ok, world, psi, stage))
         row["losses"] = _global_losses(ok)
         rows.append(row)
     _add_ratios(rows)
     _add_loss_check(rows)
+    _add_compile(rows)
     return rows
+
+
+def compile_table(rows: list[Row]) -> str:
+    """The Markdown table of the compiled rows against their eager rows ("" if none)."""
+    compiled = [r for r in rows if "x_eager_paired" in r]
+    if not compiled:
+        return ""
+    lines = [
+        "| strategy | N | step s: median | eager row's step s | x eager: paired [rounds] "
+        "| compile s (first step over the eager row's) |",
+        "|---|---|---|---|---|---|",
+    ]
+    by_key = {(r["world_size"], r["model_size"], r["strategy"]): r for r in rows}
+    for row in compiled:
+        eager = by_key[(row["world_size"], row["model_size"], row["compiled_from"])]
+        spread = f"{min(row['x_eager_rounds']):.2f}-{max(row['x_eager_rounds']):.2f}"
+        lines.append(
+            f"| {row['strategy']} | {row['world_size']} | {row['median_s']:.3f} "
+            f"| {eager['median_s']:.3f} | {row['x_eager_paired']:.2f} [{spread}] "
+            f"| {_fmt(row.get('compile_s'), '.1f')} |"
+        )
+    return "\n".join(lines)
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
@@ -245,6 +303,13 @@ NOTES = """\
   by slice (other initial weights), so its figure is no parity check."""
 
 
+COMPILE_NOTES = """\
+- a compiled row: its strategy with each transformer block torch.compile-d (inductor) before
+  wrapping; its timed steps exclude the compile, which runs in the first warm-up step.
+- x eager: the eager row's step time over this row's, paired by round (a speedup: > 1 is faster).
+- compile s: this row's first step minus the eager row's first step (median over rounds)."""
+
+
 def render_markdown(doc: dict[str, Any], not_installed: Iterable[str] = ()) -> str:
     """The results page: command, machine, load averages, the table and its notes."""
     m = doc["machine"]
@@ -262,6 +327,9 @@ def render_markdown(doc: dict[str, Any], not_installed: Iterable[str] = ()) -> s
         "",
         NOTES,
     ]
+    compiled = compile_table(doc["summary"])
+    if compiled:
+        lines += ["", "## Compiled rows", "", compiled, "", COMPILE_NOTES]
     return "\n".join(lines)
 
 

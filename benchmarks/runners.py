@@ -42,6 +42,7 @@ EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 if str(EXAMPLES_DIR) not in sys.path:  # the main job's registry is a script, not a package
     sys.path.insert(0, str(EXAMPLES_DIR))
 
+from gpt_compile import compile_blocks  # noqa: E402  (examples/gpt_compile.py)
 from strategies import STRATEGIES as MAIN_JOB  # noqa: E402  (examples/strategies.py)
 from strategies import OffloadGPT, StrategyConfig  # noqa: E402
 
@@ -108,6 +109,11 @@ class BenchStrategy:
         state_on_disk: its model state lives on disk, so the ZeRO formula does not
             bound its resident set (``benchmarks.scale`` starts its search at the top
             rung). Default False.
+        compiled_from: the eager row this one compiles: the same strategy with each
+            transformer block ``torch.compile``-d (inductor) before wrapping. Its first
+            warm-up step compiles; the report gives the compile time apart and the
+            speedup over that row. Not in ``benchmarks.compare``'s default set (the
+            compile takes longer than a default run). None: an eager row.
     """
 
     name: str
@@ -116,6 +122,7 @@ class BenchStrategy:
     requires: str | None = None
     scale_only: bool = False
     state_on_disk: bool = False
+    compiled_from: str | None = None
 
 
 def _registry_config(key: str, spec: Mapping[str, Any]) -> StrategyConfig:
@@ -129,14 +136,18 @@ def _registry_config(key: str, spec: Mapping[str, Any]) -> StrategyConfig:
     )
 
 
-def _from_registry(key: str, meta: bool = False) -> Builder:
+def _from_registry(key: str, meta: bool = False, compiled: bool = False) -> Builder:
     """The main job's strategy ``key`` on ``GPT(config)``; with ``meta``, on a GPT built
     on the meta device that the strategy materialises (fsdp: unit by unit, so no rank
-    holds the whole model; the initial values differ from ``GPT(config)``'s)."""
+    holds the whole model; the initial values differ from ``GPT(config)``'s); with
+    ``compiled``, each block compiled before the strategy wraps the model (the main
+    job's ``--compile``)."""
 
     def build(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
         with torch.device("meta") if meta else contextlib.nullcontext():
             model = GPT(config)
+        if compiled:
+            compile_blocks(model)
         strategy = MAIN_JOB[key](model, _registry_config(key, spec), torch.device("cpu"))
         count_ddp(strategy.module)
         opt = strategy.optimizer
@@ -150,7 +161,7 @@ def _from_registry(key: str, meta: bool = False) -> Builder:
             strategy.module, step, lambda: opt.state, forward_backward_fn=strategy.forward_backward
         )
 
-    build.__name__ = f"build_{key}{'_meta' if meta else ''}"
+    build.__name__ = f"build_{key}{'_meta' if meta else ''}{'_compiled' if compiled else ''}"
     return build
 
 
@@ -192,6 +203,15 @@ def _fairscale_oss(params: list[nn.Parameter]) -> Any:
 def build_torch_fsdp2_runner(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
     """torch FSDP2: ``fully_shard`` per Block and the root (ZeRO-3); AdamW."""
     module = build_torch_fsdp2(GPT(config))
+    opt = torch.optim.AdamW(module.parameters(), **ADAMW)
+    return Runner(module, _plain_step(opt), lambda: opt.state)
+
+
+def build_torch_fsdp2_compiled(config: GPTConfig, spec: Mapping[str, Any]) -> Runner:
+    """torch FSDP2 with each Block compiled before ``fully_shard`` (torchtitan's order)."""
+    model = GPT(config)
+    compile_blocks(model)
+    module = build_torch_fsdp2(model)
     opt = torch.optim.AdamW(module.parameters(), **ADAMW)
     return Runner(module, _plain_step(opt), lambda: opt.state)
 
@@ -393,6 +413,15 @@ STRATEGIES: list[BenchStrategy] = [
     BenchStrategy("FairScale ShardedDDP + OSS", 2, build_fairscale_sdp, requires="fairscale"),
     *_SHARDKIT,
     BenchStrategy("shardkit offload (disk)", 0, build_offload_disk, state_on_disk=True),
+    *(
+        BenchStrategy(f"{label} + compile", stage, build, compiled_from=eager)
+        for label, eager, stage, build in (
+            ("torch DDP", "torch DDP", 0, _from_registry("ddp", compiled=True)),
+            ("torch FSDP2", "torch FSDP2 fully_shard", 3, build_torch_fsdp2_compiled),
+            ("shardkit sdp", "shardkit sdp", 2, _from_registry("sdp", compiled=True)),
+            ("shardkit fsdp", "shardkit fsdp", 3, _from_registry("fsdp", compiled=True)),
+        )
+    ),
 ]
 """Every strategy, in table order; the first is the baseline of the ratios."""
 

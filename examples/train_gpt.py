@@ -38,6 +38,7 @@ from gpt_checkpoint import (
     rng_state,
     set_rng_state,
 )
+from gpt_compile import compile_blocks, compile_error
 from gpt_context_parallel import CP_METHODS, cp_error
 from gpt_data import VOCAB_SIZE, BatchSampler, InputError, eval_windows, load_bytes, split_tokens
 from gpt_dist import Env, all_gather_ints, setup_distributed
@@ -118,6 +119,7 @@ class JobConfig:
         fault_tolerant: ``HOST:PORT`` of the quorum store: this process is replica
             ``replica_id`` of ``max_replicas`` (``examples/gpt_fault_tolerant.py``);
             ``ft_timeout`` seconds drop a silent replica. None: off.
+        compile: ``torch.compile`` each block before wrapping (``gpt_compile``).
     """
 
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
@@ -143,6 +145,7 @@ class JobConfig:
     replica_id: int = 0
     max_replicas: int = 1
     ft_timeout: float = 10.0
+    compile: bool = False
 
     @property
     def warmup(self) -> int:
@@ -235,6 +238,7 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--replica-id", type=_non_negative, default=0, help="--fault-tolerant: this replica")
     add("--max-replicas", type=_positive, default=1, help="--fault-tolerant: replica ids")
     add("--ft-timeout", type=float, default=job.ft_timeout, help="seconds: drop a replica")
+    add("--compile", action="store_true", help="torch.compile each Block before wrapping")
     flags = vars(p.parse_args(argv))
     flags["strategy"] = flags["strategy"] or shorthand(flags)
     config = JobConfig.from_flags(flags)
@@ -249,6 +253,8 @@ def parse_args(argv: list[str] | None) -> JobConfig:
         or sequence_parallel_error(opt.sequence_parallel, opt.tp, config.seq_len, opt.name)
         or _cp_error(config)
     )
+    if problem is None and config.compile:
+        problem = compile_error(opt.name, opt.moe_experts, opt.cp, opt.sequence_parallel)
     if problem is not None:
         raise InputError(problem)
     if config.async_checkpoint and not config.save_every:
@@ -534,6 +540,8 @@ def build_run(config: JobConfig, env: Env, train: torch.Tensor, val: torch.Tenso
     else:
         model = GPT(shape).to(env.device)
     num_params = model.num_parameters()
+    if config.compile:
+        compile_blocks(model)
     moe_params = active_and_total(model) if isinstance(model, MoEGPT) else (0, 0)
     strategy = build_strategy(model, config.strategy, env.device)  # + precision, checkpointing
     scheduler = torch.optim.lr_scheduler.LambdaLR(

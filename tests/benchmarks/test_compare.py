@@ -31,7 +31,8 @@ CONFIG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64
 PSI = num_params(CONFIG)  # 0.12M: tied embedding 256 x 64 is the largest tensor
 WORLD = 2
 STEPS = 2
-BUILT_IN = [s.name for s in STRATEGIES if s.requires is None]
+# the "+ compile" rows compile with inductor (minutes): not run here, see tests/compile
+BUILT_IN = [s.name for s in STRATEGIES if s.requires is None and s.compiled_from is None]
 # initialised slice by slice / unit by unit: other initial weights than GPT(config)
 OWN_INIT = (
     "shardkit offload (disk)",

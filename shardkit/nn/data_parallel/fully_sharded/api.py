@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -93,6 +93,14 @@ from shardkit.nn.forwarding import ForwardingMixin
 from shardkit.nn.prefix_hooks import hide_child_prefix
 
 __all__ = ["FSDP", "FullyShardedDataParallel"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _never_traced(fn: _F) -> _F:
+    """``fn`` run eagerly, with all it calls, under ``torch.compile`` (a typed
+    ``torch.compiler.disable``)."""
+    return cast(_F, torch.compiler.disable(fn))
 
 
 class FullyShardedDataParallel(ForwardingMixin, nn.Module):
@@ -394,8 +402,20 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
             check_one_tier(units_in(self))
 
     # forward -------------------------------------------------------------------
+    # [Note: FSDP and torch.compile]
+    # The forward runs the unit's hooks: all-gathers, state transitions, tensor hooks
+    # registered on the outputs. Traced by dynamo (the wrapped model compiled as a
+    # whole), these Python side effects recompile at every state change and end in a
+    # wrong ParametersChangedError. So the forward is excluded from tracing, with all it
+    # calls: compiling an FSDP model as a whole compiles nothing around the units, while
+    # blocks compiled before wrapping (``block.compile()``, the documented order, as
+    # torch's FSDP2 per-block compile) still run compiled inside it.
+    @_never_traced
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module with its full parameters (see the class docstring)."""
+        """Run the wrapped module with its full parameters (see the class docstring).
+
+        Never traced by ``torch.compile`` (compile the blocks before wrapping them).
+        """
         unit = self._unit
         if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
             # Inside summon_full_params (e.g. generate()): the parameters are already
