@@ -12,6 +12,7 @@ from shardkit.deprecation import moved_names
 # each name this old path still serves -> the canonical module (a literal dict:
 # tools/api_table.py reads it without importing)
 _TARGETS = {
+    "AttentionCore": "shardkit.models",
     "GPT": "shardkit.models",
     "MODEL_SIZES": "shardkit.models",
     "Block": "shardkit.models",
