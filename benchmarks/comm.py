@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._dynamo  # before install(): see [Note: dynamo before the wrappers]
 import torch.distributed as dist
 from torch import nn
 
@@ -212,7 +213,17 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install() -> CommCounter:
-    """Put counting wrappers in place of the collectives (idempotent); the counter."""
+    """Put counting wrappers in place of the collectives (idempotent); the counter.
+
+    [Note: dynamo before the wrappers]
+    ``torch._dynamo`` builds its tables of the collectives it traces when it is first
+    imported (torch DDP's constructor imports it); imported while the wrappers are in
+    place, it keeps the wrappers as the collectives it knows, and every later
+    ``torch.compile`` in the process (after :func:`uninstall`) no longer recognises
+    ``torch.distributed.all_reduce`` inside a block and compiles 11 graphs where 1 is
+    right (tests/compile after tests/benchmarks/test_comm.py in one rank pool). This
+    module therefore imports ``torch._dynamo`` before anything can be wrapped.
+    """
     from torch.distributed import distributed_c10d
 
     for name in COUNTED:
