@@ -76,15 +76,13 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
 
 
 def _split_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    rank, world = rank_and_size(group)
-    if world == 1:
-        return x
+    world = rank_and_size(group)[1]
     size = x.shape[-1]
     if size % world != 0:
         raise ValueError(
             f"last dimension {size} is not divisible by the tensor-parallel degree {world}"
         )
-    return x.chunk(world, dim=-1)[rank].contiguous()
+    return _split_dim(x, -1, group)
 
 
 def _gather_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

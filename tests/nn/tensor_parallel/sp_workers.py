@@ -10,9 +10,6 @@ the tensor-parallel workers (meshes, full gradients) are reused.
 from __future__ import annotations
 
 import copy
-import os
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +29,7 @@ from tests.nn.tensor_parallel.tp_workers import (
     _gather_tp,
     diff,
     mesh_of,
+    run_named,
 )
 
 BATCH, SEQ, STEPS, MICRO, LR = 2, 12, 2, 2, 0.3
@@ -40,19 +38,8 @@ CHUNK_PARAMS = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "proj.bi
 
 
 def run_jobs(jobs: list[tuple[str, dict[str, Any]]]) -> list[Any]:
-    """Run ``(worker name, config)`` pairs of this module; an exception becomes
-    ``{"error": traceback}``."""
-    out = []
-    for name, cfg in jobs:
-        torch.manual_seed(0)
-        start = time.perf_counter()
-        try:
-            out.append(globals()[name](cfg))
-        except Exception:
-            out.append({"error": traceback.format_exc()})
-        if os.environ.get("SHARDKIT_TP_TIMING") and dist.get_rank() == 0:
-            print(f"{name} {cfg}: {time.perf_counter() - start:.2f} s", flush=True)
-    return out
+    """:func:`~tests.nn.tensor_parallel.tp_workers.run_named` over this module's workers."""
+    return run_named(globals(), jobs)
 
 
 def _data(seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,19 +42,25 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
 
 
-def run_jobs(jobs: list[tuple[str, dict[str, Any]]]) -> list[Any]:
-    """Run ``(worker name, config)`` pairs; an exception becomes ``{"error": traceback}``."""
+def run_named(workers: dict[str, Any], jobs: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+    """Run ``(worker name, config)`` pairs, the names looked up in ``workers`` (a worker
+    module's ``globals()``); an exception becomes ``{"error": traceback}``."""
     out = []
     for name, cfg in jobs:
         torch.manual_seed(0)
         start = time.perf_counter()
         try:
-            out.append(globals()[name](cfg))
+            out.append(workers[name](cfg))
         except Exception:
             out.append({"error": traceback.format_exc()})
         if os.environ.get("SHARDKIT_TP_TIMING") and dist.get_rank() == 0:
             print(f"{name} {cfg}: {time.perf_counter() - start:.2f} s", flush=True)
     return out
+
+
+def run_jobs(jobs: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+    """:func:`run_named` over this module's workers."""
+    return run_named(globals(), jobs)
 
 
 # layers --------------------------------------------------------------------------------------
