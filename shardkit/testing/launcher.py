@@ -21,38 +21,38 @@ silent kills every rank and raises :class:`RankTimeoutError` naming the silent r
 A rank that dies without reporting (a signal, ``os._exit``) is detected from its exit
 code. No child outlives the call that failed.
 
-[Note: prompt rank exit]
-A rank told to stop leaves its process group, runs its ``atexit`` handlers, flushes its
-report queue and standard streams, and ends with ``os._exit``: the interpreter's own
-teardown with torch loaded (freeing every module, C++ static destructors) took 0.7 to
-2.5 s per group on the 2-core CI machine, paid by every :func:`run_distributed` call and
-every pool closed, and it does nothing a finished rank needs. Threads a task left running
-end with the rank, as they would at any other exit of a daemon process.
+[Note: ranks forked from a server with torch imported]
+Ranks start from multiprocessing's fork server (spawned where there is none), which
+imports ``_PRELOAD`` once and forks a fresh single-threaded process per rank: a group
+starts in about 0.1 s instead of paying ``import torch`` per rank (2 to 4 s per group).
+As with spawn, a rank gets the parent's working directory, ``sys.path``, main module
+and environment as they are when the group starts (the environment is passed along:
+the server's is that of its own start, which is also when torch read the variables it
+reads at import). ``set_forkserver_preload`` is one list per process: it replaces one
+set before and does not change a server already running.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import queue as queue_mod
 import shutil
-import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from shardkit.testing._rank import _START_TIMEOUT_S, _worker_main
 
 __all__ = ["RankError", "RankPool", "RankTimeoutError", "run_distributed"]
 
 _POLL_S = 0.05
-_START_TIMEOUT_S = 120.0
+# imported once by the fork server, not by every rank ([Note: ranks forked from a server])
+_PRELOAD = ["__main__", "torch", "torch.distributed", "shardkit.testing"]
 
 
 class RankError(RuntimeError):
@@ -92,141 +92,14 @@ class RankTimeoutError(TimeoutError):
         )
 
 
-def _seed_everything(seed: int) -> None:
-    import random
-
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:  # numpy is optional
-        pass
-
-
-def _set_collective_timeout(seconds: float) -> None:
-    """Give the default group's collectives their own timeout after start-up."""
-    from torch.distributed import distributed_c10d
-
-    setter = getattr(distributed_c10d, "_set_pg_timeout", None)
-    if setter is not None:  # private in torch 2.13; without it the start-up timeout stays
-        setter(timedelta(seconds=seconds))
-
-
-def _bind_device(backend: str, rank: int) -> torch.device | None:
-    """With NCCL, make ``cuda:(rank % device count)`` this rank's current device (NCCL
-    needs one device per rank, chosen before the group's first collective); with other
-    backends change nothing. Returns the device bound, or None.
-
-    Raises:
-        RuntimeError: NCCL was asked for where CUDA is not available.
-    """
-    if "nccl" not in backend.lower():
-        return None
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            f"backend {backend!r} needs CUDA, which is not available on this machine; "
-            'use backend="gloo" (CPU)'
-        )
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
-
-
-def _worker_main(
-    rank: int,
-    world_size: int,
-    init_method: str,
-    backend: str,
-    pg_timeout_s: float,
-    num_threads: int | None,
-    tasks: Any,
-    reports: Any,
-    result_dir: str,
-) -> None:
-    """Body of one rank: init the process group, run tasks until told to stop, then end
-    the process at once (see [Note: prompt rank exit])."""
-    exit_code = 0
-    try:
-        _serve(
-            rank,
-            world_size,
-            init_method,
-            backend,
-            pg_timeout_s,
-            num_threads,
-            tasks,
-            reports,
-            result_dir,
-        )
-    except BaseException:  # e.g. the parent went away while this rank waited for a task
-        traceback.print_exc()
-        exit_code = 1
-    _exit_now(reports, exit_code)
-
-
-def _exit_now(reports: Any, exit_code: int) -> None:
-    """End this rank's process without the interpreter's teardown: run the ``atexit``
-    handlers, deliver every report still buffered, flush the streams, ``os._exit``."""
-    try:
-        atexit._run_exitfuncs()
-        reports.close()
-        reports.join_thread()  # the queue's feeder thread has written every report
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(exit_code)
-
-
-def _serve(
-    rank: int,
-    world_size: int,
-    init_method: str,
-    backend: str,
-    pg_timeout_s: float,
-    num_threads: int | None,
-    tasks: Any,
-    reports: Any,
-    result_dir: str,
-) -> None:
-    """Init the process group, then run tasks until a ``None`` task arrives."""
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
-    try:
-        _bind_device(backend, rank)
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            # Start-up on a loaded machine may take longer than a short task timeout.
-            timeout=timedelta(seconds=max(_START_TIMEOUT_S, pg_timeout_s)),
-        )
-        _set_collective_timeout(pg_timeout_s)
-    except BaseException:
-        reports.put((rank, -1, "error", traceback.format_exc()))
-        return
-    reports.put((rank, -1, "ready", ""))
-    try:
-        while True:
-            task = tasks.get()
-            if task is None:
-                break
-            task_id, fn, args, kwargs, seed = task
-            _seed_everything(seed)
-            try:
-                result = fn(*args, **kwargs)
-                path = os.path.join(result_dir, f"task{task_id}-rank{rank}.pt")
-                torch.save(result, path + ".tmp")
-                os.replace(path + ".tmp", path)
-                reports.put((rank, task_id, "ok", path))
-            except BaseException:
-                reports.put((rank, task_id, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _context() -> Any:
+    """The fork server's context with torch preloaded, or spawn's where the platform has
+    no fork server (see [Note: ranks forked from a server with torch imported])."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 class RankPool:
@@ -285,7 +158,7 @@ class RankPool:
 
     # lifecycle -----------------------------------------------------------------
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._tmpdir = tempfile.mkdtemp(prefix="shardkit-ranks-")
         init_method = "file://" + os.path.join(self._tmpdir, "store")
         self._reports = ctx.Queue()
@@ -304,6 +177,7 @@ class RankPool:
                     self._tasks[rank],
                     self._reports,
                     self._tmpdir,
+                    dict(os.environ),
                 ),
                 daemon=True,
             )

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.testing import RankError, RankPool, RankTimeoutError, run_distributed
-from shardkit.testing.launcher import _bind_device
+from shardkit.testing._rank import _bind_device
 
 
 def _sum_of_ranks(offset: float) -> tuple[int, int, float, int]:
@@ -48,6 +48,10 @@ def _random_draw() -> float:
 
 def _pid() -> int:
     return os.getpid()
+
+
+def _env_and_cwd(name: str) -> tuple[str | None, str, str]:
+    return os.environ.get(name), os.getcwd(), os.environ["RANK"]
 
 
 def test_results_in_rank_order_and_one_thread(rank_pool) -> None:
@@ -121,6 +125,23 @@ def test_rank_that_dies_without_reporting_is_named() -> None:
         run_distributed(_exit_hard, 2, timeout_s=60.0)
     assert info.value.rank == 1
     assert "exited with code 7" in info.value.remote_traceback
+
+
+def test_ranks_see_the_parents_environment_and_directory_at_start(tmp_path, monkeypatch) -> None:
+    # Ranks come from a fork server started earlier in the session, with its own
+    # environment and directory: each group still gets the parent's as they are now.
+    name = "SHARDKIT_TEST_LAUNCHER_ENV"
+    monkeypatch.setenv(name, "first")
+    monkeypatch.chdir(tmp_path)
+    assert run_distributed(_env_and_cwd, 2, name) == [
+        ("first", str(tmp_path), "0"),
+        ("first", str(tmp_path), "1"),
+    ]
+    monkeypatch.setenv(name, "second")
+    monkeypatch.delenv("RANK", raising=False)
+    assert run_distributed(_env_and_cwd, 1, name) == [("second", str(tmp_path), "0")]
+    monkeypatch.delenv(name)
+    assert run_distributed(_env_and_cwd, 1, name)[0][0] is None
 
 
 def test_seed_is_deterministic_and_equal_across_ranks(rank_pool) -> None:
