@@ -23,8 +23,9 @@ code. No child outlives the call that failed.
 
 [Note: ranks forked from a server with torch imported]
 Ranks start from multiprocessing's fork server (spawned where there is none), which
-imports ``_PRELOAD`` once and forks a fresh single-threaded process per rank: a group
-starts in about 0.1 s instead of paying ``import torch`` per rank (2 to 4 s per group).
+imports ``_PRELOAD`` (torch; shardkit's wrappers, by name only: this module still
+imports no wrapper) once and forks a fresh single-threaded process per rank: a group
+starts in about 0.1 s instead of paying those imports in every rank (3 to 6 s per group).
 As with spawn, a rank gets the parent's working directory, ``sys.path``, main module
 and environment as they are when the group starts (the environment is passed along:
 the server's is that of its own start, which is also when torch read the variables it
@@ -51,8 +52,18 @@ from shardkit.testing._rank import _START_TIMEOUT_S, _worker_main
 __all__ = ["RankError", "RankPool", "RankTimeoutError", "run_distributed"]
 
 _POLL_S = 0.05
-# imported once by the fork server, not by every rank ([Note: ranks forked from a server])
-_PRELOAD = ["__main__", "torch", "torch.distributed", "shardkit.testing"]
+# imported once by the fork server, not by every rank ([Note: ranks forked from a server]):
+# torch, and shardkit's wrappers (they import torch._dynamo and torch._inductor, as long
+# again as torch itself); none of them starts a thread.
+_PRELOAD = [
+    "__main__",
+    "torch",
+    "torch.distributed",
+    "shardkit.testing",
+    "shardkit.nn",
+    "shardkit.compose",
+    "shardkit.models",
+]
 
 
 class RankError(RuntimeError):
