@@ -100,6 +100,8 @@ class GroupedExperts(nn.Module):
         first_expert: the global index of local expert 0, ``ep_rank * E / ep``.
         grad_scale: ``1 / ep``, applied to the experts' gradients in backward (see
             ``[Note: expert gradients are means over the ep group]``).
+        last_all_reduce_bytes: the bytes the last forward handed to the all-reduce over
+            ``tp`` (``N x M x dtype bytes`` for ``N`` tokens; 0 without ``tp``).
 
     Raises:
         ValueError: ``num_experts`` is not a multiple of the ep group's size, or
@@ -136,6 +138,7 @@ class GroupedExperts(nn.Module):
         self.activation = activation
         self.tp_group = tp_group if tp > 1 else None
         self.tp_size = tp
+        self.last_all_reduce_bytes = 0
         ep_split = Split(0, ep_rank, ep, group=_ranks(group), mesh_dim="ep")
         tp_splits = [Split(d, tp_rank, tp, group=_ranks(tp_group), mesh_dim="tp") for d in (2, 1)]
         self.w1 = self._slice_of((num_experts, dim, hidden_dim), dim, (ep_split, tp_splits[0]))
@@ -174,7 +177,10 @@ class GroupedExperts(nn.Module):
         if not outputs:
             return tokens.new_zeros(tokens.shape)
         out = torch.cat(outputs)
-        return reduce_from_region(out, self.tp_group) if self.tp_group is not None else out
+        if self.tp_group is None:
+            return out
+        self.last_all_reduce_bytes = out.numel() * out.element_size()
+        return reduce_from_region(out, self.tp_group)
 
     def extra_repr(self) -> str:
         return (

@@ -37,6 +37,8 @@ def _check_parity(configs: list[dict[str, Any]], per_rank: list[list[dict[str, A
             local_experts, hidden = E // cfg["ep"], F_HIDDEN // cfg["tp"]
             assert res["shapes"] == [(local_experts, M, hidden), (local_experts, hidden, M)]
             assert res["moved"] > 1e-3, (cfg, res)  # the step changes the experts
+            sent, formula = res["all_reduce_bytes"]
+            assert sent == formula > 0, (cfg, rank, sent, formula)
             for key in ("init", "out", "x", "gate", "w1", "w2", "step_w1", "step_out"):
                 assert res[key] < ATOL, (cfg, rank, key, res[key])
 

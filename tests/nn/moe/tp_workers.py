@@ -108,6 +108,13 @@ def run_tp_parity(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "w2": _err(moe.experts.w2.grad, cut.w2(mean_ep[1])),  # type: ignore[arg-type]
             "dropped": int((~moe.last_routing.kept).sum()),  # type: ignore[union-attr]
         }
+        # the tp all-reduce carries the tokens this rank received: over the ep group,
+        # as many as its ranks kept (kept choices x M x 4 bytes)
+        kept = int(moe.last_routing.kept.sum())  # type: ignore[union-attr]
+        counted = torch.tensor([moe.experts.last_all_reduce_bytes, kept * M * 4])
+        if cfg["ep"] > 1:
+            dist.all_reduce(counted, group=mesh.group("ep"))
+        res["all_reduce_bytes"] = counted.tolist()
         all_reduce_expert_gradients(moe, mesh.group("edp"))
         gate_grad = moe.gate.wg.weight.grad
         dist.all_reduce(gate_grad, group=mesh.group("dp"))  # type: ignore[arg-type]
