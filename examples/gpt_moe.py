@@ -133,6 +133,14 @@ def moe_tp_plan(model: GPT, plan: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in plan.items() if not k.startswith("blocks.*.mlp.")}
 
 
+def moe_model_flags(experts: int, every: int) -> dict[str, int]:
+    """The MoE flags that fix the model's tensors, for the checkpoint's model flags: a
+    resume with others (a dense checkpoint into an MoE run, or the reverse) is refused
+    naming them, before any key is looked up. ``--moe-top-k`` and ``--ep`` are not
+    among them (the same tensors; the experts load at any ``--ep``)."""
+    return {"moe_experts": experts, "moe_every": every if experts else 1}
+
+
 def active_and_total(model: MoEGPT) -> tuple[int, int]:
     """Parameters one token goes through (dense ones plus ``k / E`` of the experts) and
     all of them; counted before any expert-parallel split."""

@@ -32,7 +32,9 @@ def _run_main(argvs: list[list[str]]) -> list[int]:
     return [train_gpt.main(argv) for argv in argvs]
 
 
-def test_ep2_follows_ep1_under_ddp_and_fsdp(rank_pool: Any, tmp_path: Path) -> None:
+def test_ep2_follows_ep1_under_ddp_and_fsdp(
+    rank_pool: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """One spawned group for every main-job MoE run: ep 1 / 2 under ddp and fsdp, ep 1
     under oss, sdp (both with --moe-every 2) and hsdp, and a ddp --ep 2 checkpoint
     resumed at --ep 1; on 4 ranks, fsdp --ep 2 --tp 2 (the same global batch: 2
@@ -97,6 +99,12 @@ def test_ep2_follows_ep1_under_ddp_and_fsdp(rank_pool: Any, tmp_path: Path) -> N
     resumed = _metrics(tmp_path / "saved")["train_loss"]
     assert [int(step) for step, _ in resumed] == [1, 2], resumed
     assert abs(resumed[0][1] - ddp1[0][1]) < 1e-5 and abs(resumed[1][1] - ddp1[1][1]) < 1e-4
+    # a dense run resuming the MoE checkpoint is refused, naming the flag (not the keys)
+    dense = COMMON[:-4]
+    assert dense + ["--moe-experts", "4", "--moe-top-k", "2"] == COMMON
+    code = train_gpt.main([*dense, "--resume", "--out-dir", str(tmp_path / "saved")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--moe-experts 4 (this run: 0)" in err, err
     # fsdp --ep 2 --tp 2: experts split over both, saved at step 1, resumed on 2 ranks
     saved = json.loads((tmp_path / "ep_tp" / "ckpt-000001" / "manifest.json").read_text())
     assert saved["layout"]["strategy"] == "fsdp+ep2+tp2", saved["layout"]["strategy"]

@@ -49,8 +49,13 @@ def test_experts_split_over_ep_and_tp_equal_the_plain_layer(rank_pool: Any) -> N
 
 
 def test_parallelize_model_with_experts_over_ep_and_tp(rank_pool: Any) -> None:
-    for res in rank_pool(4).run(w.run_parallelize_moe_tp, timeout_s=120):
+    for rank, res in enumerate(rank_pool(4).run(w.run_parallelize_moe_tp, timeout_s=120)):
         assert res["moved"] > 1e-3, res
+        ep_peers = [rank % 2, rank % 2 + 2]  # ep groups (0, 2), (1, 3); tp groups (0, 1), (2, 3)
+        for name in ("dp", "world"):
+            msg = res[name]
+            assert msg.startswith("FullyShardedDataParallel: parameter `w1`"), (name, msg)
+            assert f"split over 'ep' across ranks {ep_peers}" in msg, (name, msg)
         assert max(res["errors"]) < ATOL, res["errors"]
 
 

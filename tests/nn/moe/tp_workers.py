@@ -169,10 +169,19 @@ def run_tp_checkpoint(root: str, ep: int, tp: int, save: bool) -> dict[str, Any]
 def run_parallelize_moe_tp() -> dict[str, Any]:
     """``parallelize_model`` over ep 2 x tp 2 (4 ranks): the experts split over both in
     an FSDP unit over edp, the gate FSDP over dp_shard; one SGD step equals the
-    single-process step on the mean gradient."""
+    single-process step on the mean gradient. Before that, FSDP units whose gradient
+    reduction would mix expert parts: over dp (ep peers) and over the world (tp peers
+    too) refused at construction."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = {"k": 2, "drop": True, "factor": 1.0}
     mesh = ProcessMesh(ParallelDims(world_size=world, ep=2, tp=2))
+    refused = {}
+    for name, group in (("dp", mesh.group("dp")), ("world", None)):
+        try:
+            FSDP(_moe(cfg, mesh).experts, process_group=group)
+            refused[name] = "no error"
+        except ValueError as err:
+            refused[name] = str(err)
     block = _Block(_moe(cfg, mesh))
     cut = _Slices(block.moe, mesh)
     block.moe.experts = FSDP(block.moe.experts, process_group=mesh.group("edp"))  # type: ignore[assignment]
@@ -194,4 +203,4 @@ def run_parallelize_moe_tp() -> dict[str, Any]:
         ]
         errors = [_err(g.detach(), w) for g, w in zip(got, expect, strict=True)]
     mesh.destroy()
-    return {"errors": errors, "moved": float(want[0]["grads"][1].abs().max())}
+    return {"errors": errors, "moved": float(want[0]["grads"][1].abs().max()), **refused}
