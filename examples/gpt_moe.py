@@ -1,6 +1,6 @@
 """The main job's mixture of experts: the GPT with each Block's MLP an ``MoE``.
 
-``--moe-experts E --moe-top-k K [--moe-every N] [--ep P]`` (``train_gpt.py``) builds a
+``--moe-experts E --moe-top-k K [--moe-every N] [--ep P] [--tp T]`` (``train_gpt.py``) builds a
 :class:`MoEGPT`: a :class:`shardkit.models.GPT` whose every ``N``-th block (blocks
 ``N-1, 2N-1, ...``; every block with ``N = 1``) has a :class:`shardkit.nn.moe.MoE` of
 ``E`` experts (each the dense MLP's shape, hidden size ``4 x n_embd``), top-``K``
@@ -11,12 +11,16 @@ passes them on by its residual). Its loss is the cross entropy plus
 Each MoE layer is built from its own seed (``seed + layer index``), with every expert on
 the rank; :meth:`MoEGPT.split_experts` rebuilds the layers over the mesh's ``ep`` group
 from the same seeds, each rank keeping its ``E / P`` experts: the weights are the same
-at every ``--ep`` (the expert-parallel run follows the ``--ep 1`` run).
+at every ``--ep`` (the expert-parallel run follows the ``--ep 1`` run). With ``--tp T``
+each expert is split over the mesh's ``tp`` group as well (its hidden dimension:
+``MoE(..., tp_group=...)``), and :func:`moe_tp_plan` leaves the MoE blocks' MLP
+patterns out of the GPT's tensor-parallel plan.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,16 +92,19 @@ class MoEGPT(GPT):
         """The MoE MLPs, in block order."""
         return [m for m in self.modules() if isinstance(m, MoEMLP)]
 
-    def split_experts(self, ep_group: dist.ProcessGroup | None) -> None:
-        """(Re)build the MoE layers over ``ep_group`` (None: every expert here), each
-        from its seed: the same weights at any expert-parallel size. Before wrapping."""
+    def split_experts(
+        self, ep_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None = None
+    ) -> None:
+        """(Re)build the MoE layers over ``ep_group`` (None: every expert here) and each
+        expert over ``tp_group`` (None: whole experts), each layer from its seed: the
+        same weights at any expert- and tensor-parallel size. Before wrapping."""
         s, n = self.moe_settings, self.config.n_embd
         for i, block in enumerate(self.blocks):
             if i % s.every != s.every - 1:
                 continue
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(s.seed + i)
-                moe = MoE(n, 4 * n, s.experts, k=s.top_k, ep_group=ep_group)
+                moe = MoE(n, 4 * n, s.experts, k=s.top_k, ep_group=ep_group, tp_group=tp_group)
             block.mlp = MoEMLP(moe.to(self.wte.weight.device))
 
     def aux_loss(self) -> torch.Tensor:
@@ -116,6 +123,22 @@ class MoEGPT(GPT):
         if loss is not None:
             loss = loss + AUX_LOSS_COEF * self.aux_loss().to(loss.dtype)
         return logits, loss
+
+
+def moe_tp_plan(model: GPT, plan: dict[str, Any]) -> dict[str, Any]:
+    """``plan`` (the GPT's tensor-parallel plan) for ``model``: without the dense MLP's
+    patterns when every block's MLP is an MoE (the experts split over tp themselves)."""
+    if not isinstance(model, MoEGPT) or model.moe_settings.every > 1:
+        return plan
+    return {k: v for k, v in plan.items() if not k.startswith("blocks.*.mlp.")}
+
+
+def moe_model_flags(experts: int, every: int) -> dict[str, int]:
+    """The MoE flags that fix the model's tensors, for the checkpoint's model flags: a
+    resume with others (a dense checkpoint into an MoE run, or the reverse) is refused
+    naming them, before any key is looked up. ``--moe-top-k`` and ``--ep`` are not
+    among them (the same tensors; the experts load at any ``--ep``)."""
+    return {"moe_experts": experts, "moe_every": every if experts else 1}
 
 
 def active_and_total(model: MoEGPT) -> tuple[int, int]:
@@ -139,10 +162,12 @@ def moe_step_stats(model: nn.Module, device: torch.device) -> tuple[float, float
     return float(both[0]), float(both[1])
 
 
-def moe_error(experts: int, top_k: int, every: int, ep: int, tp: int, strategy: str) -> str | None:
+def moe_error(
+    experts: int, top_k: int, every: int, ep: int, tp: int, strategy: str, sequence_parallel: bool
+) -> str | None:
     """Why the MoE flags do not fit (``--moe-top-k`` above ``--moe-experts``, experts
-    not split evenly over ``--ep``, flags given without ``--moe-experts``, ``--tp``, a
-    strategy without MoE support), or None when they do."""
+    not split evenly over ``--ep``, flags given without ``--moe-experts``, ``--tp`` with
+    ``--sequence-parallel``, a strategy without MoE support), or None when they do."""
     if experts == 0:
         if (top_k, every, ep) != (1, 1, 1):
             return (
@@ -159,9 +184,10 @@ def moe_error(experts: int, top_k: int, every: int, ep: int, tp: int, strategy: 
             f"--moe-experts {experts} does not split over --ep {ep} ranks; choose an --ep "
             f"that divides {experts}"
         )
-    if tp > 1:
+    if tp > 1 and sequence_parallel:
         return (
-            f"--moe-experts with --tp {tp}: the MoE layers have no tensor-parallel plan; use --tp 1"
+            f"--moe-experts with --tp {tp} --sequence-parallel: the gate needs each token "
+            "on every tensor-parallel rank, not a sequence chunk; drop --sequence-parallel"
         )
     if strategy not in ("ddp", "oss", "sdp", "fsdp", "hsdp"):
         return (

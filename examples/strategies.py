@@ -44,7 +44,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from gpt_context_parallel import apply_context_parallel
-from gpt_moe import MoEGPT, moe_error
+from gpt_moe import MoEGPT, moe_error, moe_tp_plan
 from gpt_stage_init import materialize_stage
 from gpt_strategy import (
     PRECISIONS,
@@ -337,7 +337,7 @@ def _parallelize(
     return parallelize_model(
         model,
         mesh,
-        tp_plan=tp.gpt_plan(sequence_parallel=config.sequence_parallel),
+        tp_plan=moe_tp_plan(model, tp.gpt_plan(sequence_parallel=config.sequence_parallel)),
         activation_checkpointing={Block} if config.activation_checkpointing else (),
         fsdp_units={Block},
         mixed_precision=fsdp_policy(config.precision) if fsdp else None,
@@ -569,7 +569,8 @@ def option_error(config: StrategyConfig) -> str | None:
             f"use --strategy {owners[0]}"
         )
     problem = moe_error(
-        config.moe_experts, config.moe_top_k, config.moe_every, config.ep, config.tp, config.name
+        *(config.moe_experts, config.moe_top_k, config.moe_every, config.ep, config.tp),
+        *(config.name, config.sequence_parallel),
     )
     if problem is not None:
         return problem
@@ -611,8 +612,8 @@ def build_strategy(model: GPT, config: StrategyConfig, device: torch.device) -> 
         raise ValueError(problem)
     spec = STRATEGIES[config.name]
     mesh = ProcessMesh(parallel_dims(config, dist.get_world_size()))
-    if isinstance(model, MoEGPT) and mesh.size("ep") > 1:
-        model.split_experts(mesh.group("ep"))  # each rank keeps its experts
+    if isinstance(model, MoEGPT) and mesh.size("ep", "tp") > 1:  # each rank keeps its experts
+        model.split_experts(mesh.group("ep"), mesh.group("tp") if mesh.size("tp") > 1 else None)
     if mesh.size("cp") > 1:  # attention over the cp group; inputs split by a pre-hook
         apply_context_parallel(model, mesh.group("cp"), config.cp_method)
     split: dict[str, tuple[int, int]] = {}

@@ -44,7 +44,14 @@ from gpt_data import VOCAB_SIZE, BatchSampler, InputError, eval_windows, load_by
 from gpt_dist import Env, all_gather_ints, setup_distributed
 from gpt_fault_tolerant import flag_error as ft_flag_error
 from gpt_fault_tolerant import train_loop as ft_train_loop
-from gpt_moe import AUX_LOSS_COEF, MoEGPT, MoESettings, active_and_total, moe_step_stats
+from gpt_moe import (
+    AUX_LOSS_COEF,
+    MoEGPT,
+    MoESettings,
+    active_and_total,
+    moe_model_flags,
+    moe_step_stats,
+)
 from gpt_report import SAMPLE_PROMPT, StepProfiler, parse_steps, plot_metrics, sample_text
 from gpt_sequence_parallel import sequence_parallel_error
 from strategies import (
@@ -708,7 +715,8 @@ def model_flags(config: JobConfig) -> dict[str, Any]:
     """The flags that fix the model's shapes (kept in each checkpoint; a resume with
     others is refused). ``--tp`` is not one: the universal checkpoint holds the plain
     GPT's tensors, so a resume may change the tensor-parallel degree."""
-    return {"model_size": config.model_size, "seq_len": config.seq_len}
+    moe = moe_model_flags(config.strategy.moe_experts, config.strategy.moe_every)
+    return {"model_size": config.model_size, "seq_len": config.seq_len, **moe}
 
 
 def maybe_resume(run: Run, out_dir: Path) -> None:

@@ -46,10 +46,10 @@ Every product of the four degrees runs, with these rules:
   pipeline (use ``torch.autocast`` around the forward otherwise);
 - ``data_parallel="none"`` leaves data parallelism to the caller (torch DDP, OSS,
   ShardedDataParallel over ``mesh.group("dp")``); it refuses a pipeline;
-- a mixture of experts (parameters marked ``expert``, :mod:`shardkit.nn.moe`) with
-  ``tp > 1`` is refused: tensor parallel inside each expert needs two splits of one
-  expert weight (dim 0 over ``ep``, a feature dimension over ``tp``), and a shard
-  descriptor records one;
+- a mixture of experts with ``tp > 1`` splits each expert itself: build the layer with
+  ``MoE(..., ep_group=mesh.group("ep"), tp_group=mesh.group("tp"))`` (its first
+  projection column-parallel, its second row-parallel; the weights' shard descriptors
+  record both splits); the ``tp_plan`` covers the dense layers only;
 - experts split over ``ep`` must be data parallel over ``edp`` only: wrap them first
   (``FullyShardedDataParallel(moe.experts, process_group=mesh.group("edp"))``, or
   ``ignore_experts_in_ddp`` for ``"ddp"``); FSDP over ``dp`` holding an unwrapped
@@ -309,19 +309,9 @@ def _check(
 
 
 def _check_experts(model: nn.Module, mesh: ProcessMesh, data_parallel: DataParallel) -> None:
-    """Raise the ValueError of ``[Note: what composes]`` for a mixture of experts with
-    ``tp > 1``, or for expert parts the data-parallel wrapper would average across
-    ranks holding other experts."""
+    """Raise the ValueError of ``[Note: what composes]`` for expert parts the
+    data-parallel wrapper would average across ranks holding other experts."""
     experts = expert_parameters(model)
-    if experts and mesh.size("tp") > 1:
-        name = next(iter(experts))
-        raise ValueError(
-            f"tp {mesh.size('tp')} with a mixture of experts ({len(experts)} expert "
-            f"parameters, e.g. `{name}`): tensor parallel inside the experts is not "
-            "available (an expert weight would be split twice, over ep and over tp, and "
-            "a shard descriptor records one split); build the mesh with tp=1 and split "
-            "the experts over ep instead"
-        )
     if data_parallel != "fsdp" or mesh.size("dp") == 1:
         return  # torch DDP: the MoE layer refuses it at the first forward (the same rule)
     wrapper = "parallelize_model(data_parallel='fsdp')"

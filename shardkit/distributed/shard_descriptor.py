@@ -55,6 +55,19 @@ tensor-parallel keys) does not take the other for it. Like the groups it says wh
 the parts, not what the data is: it is left out of equality and of the checkpoint, and
 None (a view made by hand, or read back from a checkpoint) means "not recorded", which
 tensor-parallel readers take as ``"tp"`` (the only split that existed before).
+
+[Note: several splits]
+A tensor can be split over several mesh dimensions at once: tensor parallel inside each
+expert cuts an MoE layer's stacked ``(E, M, F)`` weight on dim 0 over ``ep`` and on dim
+2 over ``tp``. A view holds an ordered tuple of :class:`Split` (:attr:`TensorView.splits`),
+each on a *different* dimension of the global tensor, so the local tensor is the same
+whichever order the cuts are made in. The first split keeps the fields a single-split
+view always had (``split_dim``, ``part``, ``parts``, ``stride``, ``split_group``,
+``mesh_dim``), so every single-split view, constructor call and checkpoint file reads
+and compares exactly as before; the others are in ``inner_splits``. Equality compares
+every split's data (dimension, part, parts, stride), never its group or mesh
+dimension. A writer of a checkpoint with ``inner_splits`` appends them to the piece's
+``view`` record; a reader of a file without them gets ``()``.
 """
 
 from __future__ import annotations
@@ -71,6 +84,7 @@ from shardkit.distributed.collectives import group_ranks
 __all__ = [
     "VIEW_ATTRIBUTE",
     "Ranks",
+    "Split",
     "TensorView",
     "ranks_of",
     "set_view",
@@ -84,6 +98,32 @@ Ranks = tuple[int, ...]
 
 #: The tensor attribute holding a local tensor's :class:`TensorView`.
 VIEW_ATTRIBUTE = "universal_view"
+
+
+@dataclass(frozen=True)
+class Split:
+    """One split of a tensor over one mesh dimension (see ``[Note: several splits]``).
+
+    Dimension ``dim`` of the tensor is cut into ``stride * parts`` equal blocks and
+    part ``part`` keeps blocks ``part, part + parts, ...``, concatenated.
+
+    Attributes:
+        dim: the dimension split (of the global tensor).
+        part: this rank's part, in ``[0, parts)``. Default 0.
+        parts: the number of parts (the degree of the mesh dimension). Default 1.
+        stride: interleaved blocks per part. Default 1.
+        group: the global ranks the tensor is split over (sorted), part ``i`` on the
+            ``i``-th; None when not known. Left out of equality.
+        mesh_dim: the process-mesh dimension (``"tp"``, ``"ep"``), or None: not
+            recorded. Left out of equality.
+    """
+
+    dim: int
+    part: int = 0
+    parts: int = 1
+    stride: int = 1
+    group: Ranks | None = field(default=None, compare=False, repr=False)
+    mesh_dim: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -110,9 +150,13 @@ class TensorView:
             tensor]``), sorted; None: no such copies are known.
         mesh_dim: the process-mesh dimension the split is over (``"tp"``, ``"ep"``),
             or None: not recorded (see ``[Note: the mesh dimension of a split]``).
+        inner_splits: the further splits, each on another dimension (see ``[Note:
+            several splits]``); needs ``split_dim`` set. Default ``()``: one split
+            (or none).
 
     The two groups and ``mesh_dim`` are left out of equality, hashing and ``repr``
-    (see ``[Note: groups as rank tuples]``).
+    (see ``[Note: groups as rank tuples]``); ``inner_splits`` is in all three (shown
+    in ``repr`` when not empty).
     """
 
     global_shape: tuple[int, ...]
@@ -123,21 +167,74 @@ class TensorView:
     split_group: Ranks | None = field(default=None, compare=False, repr=False)
     replicate_group: Ranks | None = field(default=None, compare=False, repr=False)
     mesh_dim: str | None = field(default=None, compare=False, repr=False)
+    inner_splits: tuple[Split, ...] = field(default=(), repr=False)
+
+    @classmethod
+    def of_splits(
+        cls,
+        global_shape: tuple[int, ...],
+        splits: tuple[Split, ...],
+        replicate_group: Ranks | None = None,
+    ) -> TensorView:
+        """The view of ``splits`` applied to a tensor of ``global_shape`` (no split:
+        the whole tensor), copies on ``replicate_group``.
+
+        Example::
+
+            # expert block 1 of 2 over ep, hidden part 0 of 2 over tp, of an (8, 16, 64) w1
+            TensorView.of_splits((8, 16, 64), (Split(0, 1, 2, mesh_dim="ep"),
+                                               Split(2, 0, 2, mesh_dim="tp")))
+        """
+        if not splits:
+            return cls(global_shape, replicate_group=replicate_group)
+        first, *inner = splits
+        return cls(
+            global_shape,
+            first.dim,
+            first.part,
+            first.parts,
+            first.stride,
+            split_group=first.group,
+            replicate_group=replicate_group,
+            mesh_dim=first.mesh_dim,
+            inner_splits=tuple(inner),
+        )
+
+    @property
+    def splits(self) -> tuple[Split, ...]:
+        """Every split, in order (``()`` for a whole tensor); the first is the one in
+        ``split_dim``, ``part``, ``parts``, ``stride``, ``split_group`` and ``mesh_dim``."""
+        if self.split_dim is None:
+            return self.inner_splits
+        first = Split(
+            self.split_dim, self.part, self.parts, self.stride, self.split_group, self.mesh_dim
+        )
+        return (first, *self.inner_splits)
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        """The shape of the local tensor: ``global_shape`` with ``split_dim`` divided
-        by ``parts``."""
-        if self.split_dim is None:
+        """The shape of the local tensor: ``global_shape`` with each split's dimension
+        divided by its ``parts``."""
+        if self.split_dim is None and not self.inner_splits:
             return self.global_shape
         shape = list(self.global_shape)
-        shape[self.split_dim] //= self.parts
+        for split in self.splits:
+            shape[split.dim] //= split.parts
         return tuple(shape)
 
     @property
     def local_numel(self) -> int:
         """The number of elements of the local tensor."""
         return math.prod(self.local_shape)
+
+    def __repr__(self) -> str:
+        text = (
+            f"TensorView(global_shape={self.global_shape!r}, split_dim={self.split_dim!r}, "
+            f"part={self.part!r}, parts={self.parts!r}, stride={self.stride!r}"
+        )
+        if self.inner_splits:
+            text += f", inner_splits={self.inner_splits!r}"
+        return text + ")"
 
 
 def ranks_of(group: dist.ProcessGroup | None) -> Ranks | None:
@@ -201,10 +298,29 @@ def writes_part(view: TensorView, model_holders: Collection[int]) -> bool:
 
     The replica group decides when recorded (its lowest rank writes); else the split
     group holding the lowest of ``model_holders`` writes (every part when the split
-    group is not known, or ``model_holders`` is empty).
+    group is not known, or ``model_holders`` is empty). A view of several splits: the
+    grid of ranks its split groups span from this rank (one rank per combination of
+    parts) writes when it holds the lowest of ``model_holders``.
     """
     if view.replicate_group:
         return writes_replica(view)
     if view.split_group is None or not model_holders:
         return True
-    return min(model_holders) in view.split_group
+    if not view.inner_splits:
+        return min(model_holders) in view.split_group
+    span = _holders_of_every_part(view)
+    return span is None or min(model_holders) in span
+
+
+def _holders_of_every_part(view: TensorView) -> set[int] | None:
+    """The ranks holding the parts of every split of ``view`` that this rank's own
+    groups reach (a mesh numbers its ranks as a grid, each group an axis through this
+    rank: the grid points ``rank + sum_i (g_i - rank)``, one ``g_i`` from each split's
+    group); every rank when a group is not known."""
+    rank = _this_rank()
+    span = {rank}
+    for split in view.splits:
+        if split.group is None:
+            return None
+        span = {r + g - rank for r in span for g in split.group}
+    return span

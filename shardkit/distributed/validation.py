@@ -38,7 +38,7 @@ from collections.abc import Collection, Iterable
 import torch
 from torch import nn
 
-from shardkit.distributed.shard_descriptor import view_of
+from shardkit.distributed.shard_descriptor import Split, view_of
 
 __all__ = ["check_not_wrapped", "check_parameters", "parameter_problem"]
 
@@ -79,16 +79,28 @@ def _meta_problem(name: str, param: torch.Tensor, wrapper: str) -> str:
 def _mixed_parts_problem(
     name: str, param: torch.Tensor, wrapper: str, reduce_ranks: Collection[int]
 ) -> str | None:
-    view = view_of(param)
-    if view.split_dim is None or view.split_group is None:
-        return None
-    inside = sorted(set(view.split_group) & set(reduce_ranks))
-    if len(inside) <= 1:
-        return None
-    over = repr(view.mesh_dim) if view.mesh_dim is not None else "a mesh dimension"
+    for split in view_of(param).splits:  # each mesh dimension the tensor is split over
+        if split.group is None:
+            continue
+        inside = sorted(set(split.group) & set(reduce_ranks))
+        if len(inside) > 1:
+            return _mixed_parts_message(name, param, wrapper, reduce_ranks, split, inside)
+    return None
+
+
+def _mixed_parts_message(
+    name: str,
+    param: torch.Tensor,
+    wrapper: str,
+    reduce_ranks: Collection[int],
+    split: Split,
+    inside: list[int],
+) -> str:
+    over = repr(split.mesh_dim) if split.mesh_dim is not None else "a mesh dimension"
+    group = list(split.group or ())
     return (
-        f"{wrapper}: parameter `{name}` (shape {tuple(param.shape)}) is part {view.part} of "
-        f"{view.parts} of a tensor split over {over} across ranks {list(view.split_group)}, "
+        f"{wrapper}: parameter `{name}` (shape {tuple(param.shape)}) is part {split.part} of "
+        f"{split.parts} of a tensor split over {over} across ranks {group}, "
         f"and the {wrapper} process group (ranks {sorted(reduce_ranks)}) holds {len(inside)} "
         f"of its parts (ranks {inside}): it would average or broadcast different parts as "
         "if they were copies (silently wrong training). Leave such parameters out of it "

@@ -1,6 +1,8 @@
 """The main job with ``--moe-experts``: each Block's MLP an ``MoE``; the expert-parallel
 run (``--ep 2``) follows the ``--ep 1`` run under ddp (experts out of DDP, averaged over
-``edp``) and fsdp (experts in a unit over ``edp``), and bad MoE flags are refused."""
+``edp``) and fsdp (experts in a unit over ``edp``), and so does ``--ep 2 --tp 2`` on 4
+ranks (each expert split over tp too), resumed at ``--ep 1`` on 2; bad MoE flags are
+refused."""
 
 from __future__ import annotations
 
@@ -30,10 +32,13 @@ def _run_main(argvs: list[list[str]]) -> list[int]:
     return [train_gpt.main(argv) for argv in argvs]
 
 
-def test_ep2_follows_ep1_under_ddp_and_fsdp(rank_pool: Any, tmp_path: Path) -> None:
+def test_ep2_follows_ep1_under_ddp_and_fsdp(
+    rank_pool: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """One spawned group for every main-job MoE run: ep 1 / 2 under ddp and fsdp, ep 1
     under oss, sdp (both with --moe-every 2) and hsdp, and a ddp --ep 2 checkpoint
-    resumed at --ep 1."""
+    resumed at --ep 1; on 4 ranks, fsdp --ep 2 --tp 2 (the same global batch: 2
+    data-parallel ranks) saved at step 1 and resumed at --ep 1 on 2 ranks."""
     runs = [(s, ep) for s in ("ddp", "fsdp") for ep in (1, 2)]
     argvs = [
         [*COMMON, "--strategy", s, "--ep", str(ep), "--out-dir", str(tmp_path / f"{s}{ep}")]
@@ -48,8 +53,12 @@ def test_ep2_follows_ep1_under_ddp_and_fsdp(rank_pool: Any, tmp_path: Path) -> N
     argvs += [[*COMMON, *a, "--out-dir", str(tmp_path / name)] for name, a in others.items()]
     pool = rank_pool(2)
     assert pool.run(_run_main, argvs, timeout_s=300) == [[0] * len(argvs)] * 2
+    ep_tp = ["--strategy", "fsdp", "--ep", "2", "--tp", "2", "--save-every", "1"]
+    ep_tp_argv = [*COMMON, *ep_tp, "--stop-after", "1", "--out-dir", str(tmp_path / "ep_tp")]
+    assert rank_pool(4).run(_run_main, [ep_tp_argv], timeout_s=300) == [[0]] * 4
     resume = [*COMMON, "--strategy", "ddp", "--ep", "1", "--resume"]
-    assert pool.run(_run_main, [[*resume, "--out-dir", str(tmp_path / "saved")]]) == [[0]] * 2
+    for name in ("saved", "ep_tp"):
+        assert pool.run(_run_main, [[*resume, "--out-dir", str(tmp_path / name)]]) == [[0]] * 2
     model = MoEGPT(gpt_config("tiny", vocab_size=256, block_size=32), MoESettings(4, 2))
     active, total = active_and_total(model)
     # 4 blocks x 4 experts x (2 x 128 x 512) expert weights; a token uses 2 of 4
@@ -90,6 +99,18 @@ def test_ep2_follows_ep1_under_ddp_and_fsdp(rank_pool: Any, tmp_path: Path) -> N
     resumed = _metrics(tmp_path / "saved")["train_loss"]
     assert [int(step) for step, _ in resumed] == [1, 2], resumed
     assert abs(resumed[0][1] - ddp1[0][1]) < 1e-5 and abs(resumed[1][1] - ddp1[1][1]) < 1e-4
+    # a dense run resuming the MoE checkpoint is refused, naming the flag (not the keys)
+    dense = COMMON[:-4]
+    assert dense + ["--moe-experts", "4", "--moe-top-k", "2"] == COMMON
+    code = train_gpt.main([*dense, "--resume", "--out-dir", str(tmp_path / "saved")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--moe-experts 4 (this run: 0)" in err, err
+    # fsdp --ep 2 --tp 2: experts split over both, saved at step 1, resumed on 2 ranks
+    saved = json.loads((tmp_path / "ep_tp" / "ckpt-000001" / "manifest.json").read_text())
+    assert saved["layout"]["strategy"] == "fsdp+ep2+tp2", saved["layout"]["strategy"]
+    resumed = _metrics(tmp_path / "ep_tp")["train_loss"]
+    assert [int(step) for step, _ in resumed] == [1, 2], resumed
+    assert abs(resumed[0][1] - ddp1[0][1]) < 1e-5 and abs(resumed[1][1] - ddp1[1][1]) < 1e-4
 
 
 @pytest.mark.parametrize(
@@ -112,6 +133,10 @@ def test_ep2_follows_ep1_under_ddp_and_fsdp(rank_pool: Any, tmp_path: Path) -> N
         (
             ["--moe-experts", "4", "--ep", "2", "--strategy", "sdp"],
             "--ep 2 with --strategy sdp",
+        ),
+        (
+            ["--moe-experts", "4", "--tp", "2", "--sequence-parallel"],
+            "--moe-experts with --tp 2 --sequence-parallel: the gate needs each token",
         ),
     ],
 )

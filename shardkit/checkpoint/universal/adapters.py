@@ -154,8 +154,8 @@ class DDPLayout(PlainLayout):
         super().__init__(model.module, group if group is not None else model.process_group)
 
     def _writes(self, view: TensorView) -> tuple[bool, bool]:
-        split = view.split_group if view.split_dim is not None else None
-        if split is not None and len(set(split) & set(self.holders)) > 1:
+        holders = set(self.holders)
+        if any(s.group is not None and len(set(s.group) & holders) > 1 for s in view.splits):
             return writes_part(view, self.holders), False  # other parts on DDP's ranks
         return writes_replica(view, self.holders), True
 

@@ -167,7 +167,7 @@ def strategy_name(base: str, views: Iterable[TensorView]) -> str:
     ``strategy`` an adapter reports."""
     degrees: dict[str, int] = {}
     for v in views:
-        if v.split_dim is not None:
-            dim = v.mesh_dim or "tp"
-            degrees[dim] = max(degrees.get(dim, 0), v.parts)
+        for split in v.splits:
+            dim = split.mesh_dim or "tp"
+            degrees[dim] = max(degrees.get(dim, 0), split.parts)
     return base + "".join(f"+{dim}{parts}" for dim, parts in sorted(degrees.items()))

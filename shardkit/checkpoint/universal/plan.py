@@ -14,13 +14,15 @@ the saved pieces of the same key and state:
   key's next pieces reuse it.
 
 The saved pieces of a key are checked first (:func:`cover_problem`): one split (same
-``split_dim``, ``parts``, ``stride``), the checkpoint's global shape, and every
-element of every part exactly once. Pure functions of the index, except the reads,
+``split_dim``, ``parts``, ``stride``; the same of every split for a view of several),
+the checkpoint's global shape, and every element of every part (every combination of
+the splits' parts) exactly once. Pure functions of the index, except the reads,
 which go through a :class:`PieceSource` (the shard files; a dict in tests).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,25 +68,43 @@ def cover_problem(pieces: Sequence[SavedPiece], global_shape: tuple[int, ...]) -
     ``global_shape`` exactly once, or None when they do."""
     if not pieces:
         return "no saved piece"
-    splits = sorted({(p.view.split_dim, p.view.parts, p.view.stride) for p in pieces}, key=str)
+    splits = sorted({_split_key(p.view) for p in pieces}, key=str)
     if len(splits) > 1:
         return f"pieces in different splits (split_dim, parts, stride): {splits}"
     shapes = sorted({p.view.global_shape for p in pieces})
     if shapes != [tuple(global_shape)]:
         return f"pieces of global shapes {shapes}, the checkpoint says {list(global_shape)}"
-    parts = pieces[0].view.parts
-    for part in range(parts):
-        ranges = sorted((p.start, p.stop) for p in pieces if p.view.part == part)
-        end, numel = 0, pieces[0].view.local_numel
+    view = pieces[0].view
+    several = bool(view.inner_splits)
+    counts = [s.parts for s in view.splits] if several else [view.parts]
+    for index in itertools.product(*(range(n) for n in counts)):
+        ranges = sorted((p.start, p.stop) for p in pieces if _part(p.view) == index)
+        name = f"part {index if several else index[0]} of {tuple(counts) if several else counts[0]}"
+        end, numel = 0, view.local_numel
         for lo, hi in ranges:
             if lo < end:
-                return f"part {part} of {parts}: elements [{lo}, {min(hi, end)}) saved twice"
+                return f"{name}: elements [{lo}, {min(hi, end)}) saved twice"
             if lo > end:
-                return f"part {part} of {parts}: elements [{end}, {lo}) missing"
+                return f"{name}: elements [{end}, {lo}) missing"
             end = hi
         if end != numel:
-            return f"part {part} of {parts}: elements [{end}, {numel}) missing"
+            return f"{name}: elements [{end}, {numel}) missing"
     return None
+
+
+def _split_key(view: TensorView) -> tuple[int | None, int, int] | tuple[tuple[int, int, int], ...]:
+    """What pieces of one split share: ``(split_dim, parts, stride)``, or that of every
+    split for a view of several."""
+    if not view.inner_splits:
+        return (view.split_dim, view.parts, view.stride)
+    return tuple((s.dim, s.parts, s.stride) for s in view.splits)
+
+
+def _part(view: TensorView) -> tuple[int, ...]:
+    """The part of each split (``(part,)`` for one split or none)."""
+    if not view.inner_splits:
+        return (view.part,)
+    return tuple(s.part for s in view.splits)
 
 
 def direct_copies(

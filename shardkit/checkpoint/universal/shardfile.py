@@ -21,7 +21,7 @@ from typing import IO, Any
 
 import torch
 
-from shardkit.distributed.shard_descriptor import TensorView
+from shardkit.distributed.shard_descriptor import Split, TensorView
 from shardkit.distributed.shard_elements import check_view
 
 __all__ = [
@@ -87,10 +87,13 @@ class SavedPiece:
 
     def to_json(self) -> dict[str, Any]:
         v = self.view
+        view: list[Any] = [list(v.global_shape), v.split_dim, v.part, v.parts, v.stride]
+        if v.inner_splits:  # see [Note: several splits] in the shard descriptor
+            view.append([[s.dim, s.part, s.parts, s.stride] for s in v.inner_splits])
         return {
             "key": self.key,
             "state": self.state,
-            "view": [list(v.global_shape), v.split_dim, v.part, v.parts, v.stride],
+            "view": view,
             "start": self.start,
             "stop": self.stop,
             "dtype": self.dtype,
@@ -99,8 +102,13 @@ class SavedPiece:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], file: str) -> SavedPiece:
-        shape, split_dim, part, parts, stride = raw["view"]
-        view = TensorView(tuple(int(d) for d in shape), split_dim, part, parts, stride)
+        shape, split_dim, part, parts, stride, *more = raw["view"]
+        inner = tuple(
+            Split(int(d), int(p), int(n), int(st)) for d, p, n, st in (more[0] if more else ())
+        )
+        view = TensorView(
+            tuple(int(d) for d in shape), split_dim, part, parts, stride, inner_splits=inner
+        )
         return cls(
             str(raw["key"]),
             str(raw["state"]),

@@ -342,6 +342,7 @@ def _piece_id(entry: ParamEntry) -> tuple[Any, ...]:
         v.part,
         v.parts,
         v.stride,
+        v.inner_splits,
         entry.start,
         entry.stop,
     )

@@ -79,6 +79,12 @@ class MoE(nn.Module):
         bias_update_speed: ``gamma`` of DeepSeek-V3's auxiliary-loss-free expert bias
             (selection only; update it with ``moe.gate.update_expert_bias(dp_group)``
             after each step). Default 0.0: none.
+        tp_group: the tensor-parallel process group (``ProcessMesh.group("tp")``): each
+            expert's first projection is column-parallel and its second row-parallel
+            over it, the partial outputs all-reduced (see :class:`GroupedExperts`'
+            ``[Note: tensor parallel inside each expert]``); the gate and the shared
+            experts stay whole, and the input must be the same on every rank of it.
+            Default None: whole experts.
 
     Attributes:
         gate: the router, a :class:`~shardkit.nn.moe.gate.TopKGate`.
@@ -92,7 +98,8 @@ class MoE(nn.Module):
 
     Raises:
         ValueError: ``num_experts`` not a multiple of the ep group's size, ``k`` outside
-            ``[1, num_experts]``, a capacity factor ``<= 0``.
+            ``[1, num_experts]``, a capacity factor ``<= 0``, ``ffn_hidden_size`` not
+            a multiple of the tp group's size.
     """
 
     def __init__(
@@ -112,6 +119,7 @@ class MoE(nn.Module):
         activation: Callable[[torch.Tensor], torch.Tensor] = F.gelu,
         ep_group: dist.ProcessGroup | None = None,
         bias_update_speed: float = 0.0,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.gate = TopKGate(
@@ -127,7 +135,7 @@ class MoE(nn.Module):
             bias_update_speed,
         )
         self.experts = GroupedExperts(
-            num_experts, hidden_size, ffn_hidden_size, activation, ep_group
+            num_experts, hidden_size, ffn_hidden_size, activation, ep_group, tp_group
         )
         self.ep_group = ep_group
         self.ep_rank, self.ep_size = expert_parallel_rank_and_size(ep_group)

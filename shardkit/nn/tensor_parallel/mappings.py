@@ -13,7 +13,9 @@ Shoeybi et al. 2019 (Megatron-LM), section 3, call the first two ``f`` and ``g``
 the output (so each contributes a partial gradient of the input: summed in backward);
 ``reduce`` leaves a region whose ranks each hold a partial sum of the output. FairScale
 names them ``*_model_parallel_region``; both names are exported. With one rank every
-operator is the identity and issues no collective.
+operator is the identity and issues no collective. ``copy`` and ``reduce`` are
+:mod:`shardkit.distributed.all_reduce`'s (shared with tensor parallel inside experts),
+called here with the layer's group resolved.
 
 [Note: sequence-parallel regions]
 Megatron-LM's sequence parallelism (Korthikanti et al. 2022, "Reducing Activation
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardkit.distributed.all_reduce import copy_to_region, reduce_from_region
 from shardkit.nn.tensor_parallel.groups import TPGroup, rank_and_size, resolve_group
 
 __all__ = [
@@ -66,13 +69,6 @@ __all__ = [
 #: activations are ``(batch, sequence, features)`` (torch's ``SequenceParallel`` default;
 #: Megatron-LM's own layout is sequence-first, ``dim=0``).
 SEQUENCE_DIM = 1
-
-
-def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    out = x.contiguous().clone()
-    if rank_and_size(group)[1] > 1:
-        dist.all_reduce(out, group=group)
-    return out
 
 
 def _split_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -136,27 +132,6 @@ def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup | No
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
     dist.reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim)
-
-
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
@@ -223,12 +198,12 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: TPGroup = None) -> torch.Tensor:
     """Identity in forward; all-reduce (sum) of the gradient over ``group`` in backward
     (Megatron-LM's ``f``). Default group: see :func:`~shardkit.nn.tensor_parallel.groups.resolve_group`."""
-    return _CopyToRegion.apply(x, resolve_group(group))
+    return copy_to_region(x, resolve_group(group))
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group: TPGroup = None) -> torch.Tensor:
     """All-reduce (sum) over ``group`` in forward; identity in backward (Megatron-LM's ``g``)."""
-    return _ReduceFromRegion.apply(x, resolve_group(group))
+    return reduce_from_region(x, resolve_group(group))
 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group: TPGroup = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardkit.distributed.shard_descriptor import TensorView, ranks_of, view_of
+from shardkit.distributed.shard_descriptor import Split, TensorView, ranks_of, view_of
 from shardkit.nn.tensor_parallel.groups import rank_and_size
 from shardkit.nn.tensor_parallel.universal_layout import record_view, tensor_parallel_view
 
@@ -140,17 +140,18 @@ def mark_tensor_parallel(
     return record_view(param, view)
 
 
-def _tensor_parallel_split(view: TensorView) -> bool:
-    """A split over the tensor-parallel mesh dimension (an unrecorded one counts: see
-    ``[Note: the mesh dimension of a split]`` in the shard descriptor's module)."""
-    return view.split_dim is not None and view.mesh_dim in (None, "tp")
+def _tensor_parallel_split(view: TensorView) -> Split | None:
+    """The view's split over the tensor-parallel mesh dimension (an unrecorded one
+    counts: see ``[Note: the mesh dimension of a split]`` in the shard descriptor's
+    module; the first of them for a view of several splits), or None."""
+    return next((s for s in view.splits if s.mesh_dim in (None, "tp")), None)
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
     """Whether ``param`` is a tensor-parallel shard, from its shard descriptor: False for
     a replica on every rank and for a split over another mesh dimension (an MoE layer's
-    experts, split over ``ep``)."""
-    return _tensor_parallel_split(view_of(param))
+    experts, split over ``ep``; True for experts split over ``ep`` and ``tp``)."""
+    return _tensor_parallel_split(view_of(param)) is not None
 
 
 def split_of(param: torch.Tensor) -> tuple[int, int]:
@@ -161,10 +162,11 @@ def split_of(param: torch.Tensor) -> tuple[int, int]:
             dimension of its split named).
     """
     view = view_of(param)
-    if view.split_dim is None or not _tensor_parallel_split(view):
+    split = _tensor_parallel_split(view)
+    if split is None:
         over = f" (it is split over {view.mesh_dim!r})" if view.split_dim is not None else ""
         raise ValueError(
             f"a tensor of shape {tuple(param.shape)} is not a tensor-parallel part{over}: "
             "mark it with mark_tensor_parallel first"
         )
-    return view.split_dim, view.stride
+    return split.dim, split.stride

@@ -25,7 +25,6 @@ from shardkit.nn.moe import (
     all_reduce_expert_gradients,
     ignore_experts_in_ddp,
 )
-from shardkit.nn.tensor_parallel import ColumnParallel
 from shardkit.optim import OSS
 
 M, F_HIDDEN, E = 6, 10, 8
@@ -384,15 +383,17 @@ def run_data_parallel_guards() -> dict[str, Any]:
 
 
 def run_parallelize_model() -> dict[str, Any]:
-    """``parallelize_model`` with an MoE: refused with tp 2; refused with ep 2 when the
-    experts would go into the dense FSDP over dp; accepted with the experts in a unit
-    over edp first, and then one SGD step equals the single-process step."""
+    """``parallelize_model`` with an MoE: accepted with tp 2 (the experts split over tp
+    inside the layer; its parity is ``tests/nn/moe/test_tensor_parallel_experts.py``'s);
+    refused with ep 2 when the experts would go into the dense FSDP over dp; accepted
+    with the experts in a unit over edp first, and then one SGD step equals the
+    single-process step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = {"ep": 2, "k": 2, "drop": True, "factor": 1.0}
     res: dict[str, Any] = {}
     tp_mesh = ProcessMesh(ParallelDims(world_size=world, tp=2))
-    plan = {"nothing": ColumnParallel()}
-    res["tp"] = _error_of(lambda: parallelize_model(_Block(_moe(cfg, None)), tp_mesh, tp_plan=plan))
+    moe = MoE(M, F_HIDDEN, E, k=2, tp_group=tp_mesh.group("tp"))
+    res["tp"] = _error_of(lambda: parallelize_model(_Block(moe), tp_mesh, tp_plan={}))
     tp_mesh.destroy()
     mesh = ProcessMesh(ParallelDims(world_size=world, ep=2))
     block = _Block(_moe(cfg, mesh.group("ep")))

@@ -159,12 +159,11 @@ def test_ddp_or_oss_over_ranks_holding_other_experts_is_refused(rank_pool: Any) 
         assert max(res["edp_errors"]) < ATOL, res["edp_errors"]
 
 
-def test_parallelize_model_refuses_tp_and_unwrapped_experts_then_matches(
+def test_parallelize_model_accepts_tp_refuses_unwrapped_experts_then_matches(
     rank_pool: Any,
 ) -> None:
     for res in rank_pool(WORLD).run(w.run_parallelize_model, timeout_s=120):
-        assert res["tp"].startswith("tp 2 with a mixture of experts (2 expert parameters"), res
-        assert "build the mesh with tp=1" in res["tp"]
+        assert res["tp"] == "no error", res
         msg = res["fsdp_dp"]
         assert msg.startswith("parallelize_model(data_parallel='fsdp'): parameter `moe.experts.w1`")
         assert "split over 'ep'" in msg and "mesh.group('edp')" in msg, msg

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.checkpoint.agreement import gather_failures
-from shardkit.distributed.collectives import check_group, group_rank, group_size
+from shardkit.distributed.collectives import check_group, group_rank, group_ranks, group_size
 from shardkit.distributed.compression import GradCompressor, get_compressor
 from shardkit.distributed.consistency import (
     describe_parameters,
@@ -34,7 +34,7 @@ from shardkit.distributed.consistency import (
 )
 from shardkit.distributed.grad_norm import clip_grad_norm_sharded
 from shardkit.distributed.hybrid import hybrid_groups
-from shardkit.distributed.validation import check_parameters
+from shardkit.distributed.validation import check_parameters, parameter_problem
 from shardkit.nn.data_parallel.fully_sharded import state_dict as sd
 from shardkit.nn.data_parallel.fully_sharded.collectives import broadcast_data_parallel
 from shardkit.nn.data_parallel.fully_sharded.config import (
@@ -369,7 +369,26 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
             materialize_unit(module, is_unit, device, self._param_init_fn)
         infos = collect_params(module, is_unit, label)
         check_same_device_and_dtype(infos, module)
-        return infos, [_original(info) for info in infos]
+        originals = [_original(info) for info in infos]
+        problem = parameter_problem(  # no two parts of a split tensor (MoE experts, tp)
+            "FullyShardedDataParallel",
+            ((info.name, p) for info, p in zip(infos, originals, strict=True)),
+            allow_meta=True,
+            reduce_ranks=self._reduce_ranks(),
+        )
+        if problem is not None:
+            raise problem
+        return infos, originals
+
+    def _reduce_ranks(self) -> set[int] | None:
+        """The global ranks this rank's gradients are averaged with: its shard group and,
+        under hybrid sharding, its replica group (None: one process, no group)."""
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        ranks = set(group_ranks(self._process_group))  # None: the world
+        if self._replicate_group is not None:
+            ranks.update(group_ranks(self._replicate_group))
+        return ranks
 
     def _register_state_dict_hooks(self, module: nn.Module) -> None:
         hide_child_prefix(self, WRAPPED, on_save=False)  # state_dict() is full_state_dict
