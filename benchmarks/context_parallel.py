@@ -24,9 +24,13 @@ each hold ``L / cp`` tokens of one sequence (``--batch`` rows); cp = 1 is the pl
   ``cp - 1`` K/V blocks (``2 x batch x L/cp x n_embd``) per layer forward, and in the
   backward those again plus ``cp`` fp32 dK/dV blocks.
 
-The longest L whose activations fit ``--act-budget-mib`` per rank (and whose peak RSS
-fits ``--rss-budget-mib``) is reported per (cp, method); a spawn stops at the first L
-over the RSS budget. Markdown to stdout, JSON to ``benchmarks/results/``.
+The headline, per (cp, method): the longest L whose **peak RSS per rank** fits
+``--rss-budget-mib`` (the memory a rank really has), and its ratio to cp = 1 (the
+target is at least 3.5x at cp = 4: the activations per rank fall as 1/cp, the rest of
+the process does not grow with L); beside it the longest L whose activations fit
+``--act-budget-mib``. A spawn stops at the first L over the RSS budget, so give
+``--seq-lens`` a grid fine enough to resolve the ratio (e.g. steps of 256 tokens).
+Markdown to stdout, JSON to ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -181,21 +185,57 @@ def run_sweep(method: str, cp: int, args: argparse.Namespace) -> list[dict[str, 
     return rows
 
 
-def longest(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Per (cp, method): the longest L under both budgets (None: not even the shortest)."""
+def _longest_under(
+    rows: list[dict[str, Any]], field: str, budget: float
+) -> dict[tuple[int, str], int | None]:
+    """Per (cp, method): the longest L whose ``field`` is within ``budget`` (None: not
+    even the shortest L measured)."""
     out: dict[tuple[int, str], int | None] = {}
     for r in rows:
         key = (r["cp"], r["method"])
-        fits = (
-            r["activation_mib"] <= args.act_budget_mib and r["peak_rss_mib"] <= args.rss_budget_mib
-        )
         out.setdefault(key, None)
-        if fits:
+        if r[field] <= budget:
             out[key] = max(out[key] or 0, r["seq_len"])
-    return [{"cp": k[0], "method": k[1], "longest_seq_len": v} for k, v in sorted(out.items())]
+    return out
 
 
-def render_markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]]) -> str:
+def _ratio(value: int | None, base: int | None) -> float | None:
+    return None if value is None or not base else value / base
+
+
+def longest(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per (cp, method): ``longest_seq_len``, the longest L whose peak RSS per rank fits
+    ``args.rss_budget_mib`` (the headline), ``longest_by_activations``, the longest
+    whose activations per rank fit ``args.act_budget_mib``, and each as a multiple of
+    cp = 1's (``x_cp1_rss``, ``x_cp1_activations``; None without a cp = 1 row or when
+    either is None)."""
+    by_rss = _longest_under(rows, "peak_rss_mib", args.rss_budget_mib)
+    by_act = _longest_under(rows, "activation_mib", args.act_budget_mib)
+    base = next(((k, v) for k, v in by_rss.items() if k[0] == 1), None)
+    base_rss = base[1] if base else None
+    base_act = by_act[base[0]] if base else None
+    return [
+        {
+            "cp": k[0],
+            "method": k[1],
+            "longest_seq_len": v,
+            "x_cp1_rss": _ratio(v, base_rss),
+            "longest_by_activations": by_act[k],
+            "x_cp1_activations": _ratio(by_act[k], base_act),
+        }
+        for k, v in sorted(by_rss.items())
+    ]
+
+
+def _cell(value: int | None, ratio: float | None) -> str:
+    if value is None:
+        return "none"
+    return f"{value}" if ratio is None else f"{value} ({ratio:.2f}x)"
+
+
+def render_markdown(
+    rows: list[dict[str, Any]], fits: list[dict[str, Any]], args: argparse.Namespace | None = None
+) -> str:
     lines = [
         "| cp | method | L | activations MiB / rank | peak RSS MiB | us / token | sent fwd (counted / formula) | sent bwd (counted / formula) |",
         "|---|---|---|---|---|---|---|---|",
@@ -207,8 +247,19 @@ def render_markdown(rows: list[dict[str, Any]], fits: list[dict[str, Any]]) -> s
             f"| {r['peak_rss_mib']:.0f} | {r['us_per_token']:.1f} "
             f"| {s['forward']} / {f['forward']} | {s['backward']} / {f['backward']} |"
         )
-    lines += ["", "| cp | method | longest L within the budgets |", "|---|---|---|"]
-    lines += [f"| {f['cp']} | {f['method']} | {f['longest_seq_len']} |" for f in fits]
+    rss = f" {args.rss_budget_mib:.0f} MiB" if args is not None else ""
+    act = f" {args.act_budget_mib:.0f} MiB" if args is not None else ""
+    lines += [
+        "",
+        f"| cp | method | longest L, peak RSS per rank <={rss} (x cp 1) "
+        f"| longest L, activations per rank <={act} (x cp 1) |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {f['cp']} | {f['method']} | {_cell(f['longest_seq_len'], f['x_cp1_rss'])} "
+        f"| {_cell(f['longest_by_activations'], f['x_cp1_activations'])} |"
+        for f in fits
+    ]
     return "\n".join(lines)
 
 
@@ -230,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows += run_distributed(run_sweep, cp, method, cp, args, timeout_s=600)[0]
     fits = longest(rows, args)
     doc = {"args": vars(args), "rows": rows, "longest": fits}
-    print(render_markdown(rows, fits))
+    print(render_markdown(rows, fits, args))
     out = RESULTS.__class__(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"context_parallel-{time.strftime('%Y%m%d-%H%M%S')}.json"

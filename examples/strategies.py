@@ -99,8 +99,9 @@ def parallel_dims(config: StrategyConfig, world_size: int) -> ParallelDims:
     ``--dp-shard``, ``--tp`` given, the others inferred as the strategy's shorthand says:
 
     - fsdp: ``dp_shard`` is the rest (``dp_replicate`` default 1);
-    - hsdp: ``dp_shard`` is ``--shard-size`` (default ``LOCAL_WORLD_SIZE / tp``: one
-      node's data-parallel ranks), ``dp_replicate`` the rest;
+    - hsdp: ``dp_shard`` is ``--shard-size`` (default ``LOCAL_WORLD_SIZE / (tp x cp)``:
+      one node's data-parallel ranks; the shard group is ``dp_shard x cp`` ranks),
+      ``dp_replicate`` the rest;
     - pipe: ``pp`` is the rest (one stage per rank by default), ``dp_shard`` is the
       rest when ``--pp`` is given;
     - ddp, oss, sdp, offload: ``tp`` only; the data-parallel ranks are the rest.
@@ -109,7 +110,7 @@ def parallel_dims(config: StrategyConfig, world_size: int) -> ParallelDims:
         ValueError: degrees whose product is not ``world_size`` (the equation named),
             or ``--shard-size`` and ``--dp-shard`` both given and different.
     """
-    tp_, pp, dpr, dps = config.tp, config.pp, config.dp_replicate, config.dp_shard
+    tp_, pp, dpr, dps, cp = config.tp, config.pp, config.dp_replicate, config.dp_shard, config.cp
     if config.name == "hsdp":
         if config.shard_size is not None and dps not in (None, config.shard_size):
             raise ValueError(
@@ -118,16 +119,18 @@ def parallel_dims(config: StrategyConfig, world_size: int) -> ParallelDims:
             )
         if dps is None:
             dps = config.shard_size
-        if dps is None and dpr is None:
-            dps = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) // tp_)
+        if dps is None and dpr is None:  # one node's data-parallel ranks
+            dps = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) // (tp_ * cp))
         if dpr is None:
-            others = (pp or 1) * tp_ * (dps or 1)
+            others = (pp or 1) * tp_ * cp * (dps or 1)
             dpr = world_size // others if world_size % others == 0 else -1
             if dpr < 1:
+                cp_term = f" x cp ({cp})" if cp > 1 else ""
                 raise ValueError(
                     f"hsdp: the world size {world_size} is not a multiple of "
-                    f"dp_shard ({dps}) x tp ({tp_}) = {others}; choose a --shard-size "
-                    f"(or --dp-shard) whose product with --tp divides {world_size}"
+                    f"dp_shard ({dps}){cp_term} x tp ({tp_}) = {others}; choose a --shard-size "
+                    f"(or --dp-shard) whose product with --tp{' and --cp' if cp > 1 else ''} "
+                    f"divides {world_size}"
                 )
     elif config.name == "pipe" and pp is None:
         others = (dpr or 1) * (dps or 1) * tp_

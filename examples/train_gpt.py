@@ -238,7 +238,7 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--moe-top-k", type=_positive, default=opt.moe_top_k, help="MoE: experts per token")
     add("--moe-every", type=_positive, default=opt.moe_every, help="MoE in every N-th block")
     add("--ep", type=_positive, default=opt.ep, help="expert-parallel degree (splits dp_shard)")
-    add("--cp", type=_positive, default=opt.cp, help="ddp/fsdp: context-parallel degree")
+    add("--cp", type=_positive, default=opt.cp, help="context-parallel degree (not pipe/offload)")
     add("--cp-method", default=opt.cp_method, choices=list(CP_METHODS), help="--cp attention")
     add("--profile-steps", default=None, metavar="A:B", help="torch.profiler trace of steps A..B")
     add("--fault-tolerant", default=None, metavar="HOST:PORT", help="quorum store: one replica")
@@ -276,7 +276,9 @@ def _cp_error(config: JobConfig) -> str | None:
     opt = config.strategy
     heads = MODEL_SIZES[config.model_size]["n_head"]
     moe = opt.moe_experts > 0
-    return cp_error(opt.cp, opt.cp_method, opt.name, config.seq_len, heads, opt.tp, moe)
+    return cp_error(
+        opt.cp, opt.cp_method, opt.name, config.seq_len, heads, opt.tp, moe, opt.sequence_parallel
+    )
 
 
 def shorthand(flags: dict[str, Any]) -> str:
@@ -426,7 +428,7 @@ class Run:
     train_tokens: torch.Tensor
     val_tokens: torch.Tensor
     num_params: int  # of the whole model, counted before a strategy shards it
-    mesh: dict[str, int]  # the degrees the strategy runs on (pp, dp_replicate, dp_shard, tp)
+    mesh: dict[str, int]  # the degrees the strategy runs on (pp, dp_replicate, dp_shard, cp, tp)
     moe_params: tuple[int, int] = (0, 0)  # MoE: active (per token) and total parameters
     history: History = field(default_factory=History)
     step: int = 0
@@ -557,7 +559,7 @@ def build_run(config: JobConfig, env: Env, train: torch.Tensor, val: torch.Tenso
     plan = batch_plan(config, data_parallel(config, env)[1])
     sampler, val_xy = _data(config, env, plan, train, val)
     dims = parallel_dims(config.strategy, env.world_size)
-    mesh = {d: getattr(dims, d) for d in ("pp", "dp_replicate", "dp_shard", "tp")}
+    mesh = {d: getattr(dims, d) for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
     return Run(
         config,
         env,
@@ -974,8 +976,9 @@ def run_job(
         callback(run)
     if config.resume:  # may change the batch plan, or refuse it: the banner comes after
         maybe_resume(run, out_dir)
-    degree = config.strategy.tp
-    tp_note = f" | tensor parallel {degree} (data parallel {env.world_size // degree})"
+    degree, cp = config.strategy.tp, config.strategy.cp
+    tp_note = f" | tensor parallel {degree} (data parallel {env.world_size // (degree * cp)})"
+    cp_note = f" | context parallel {cp} ({config.strategy.cp_method})" if cp > 1 else ""
     mesh = " x ".join(f"{d} {n}" for d, n in run.mesh.items() if n > 1)
     mesh_note = f" | mesh {mesh}" if STRATEGIES[config.strategy.name].composes and mesh else ""
     moe_note = ""
@@ -989,7 +992,7 @@ def run_job(
     say(
         run,
         f"{config.model_size} GPT: {run.num_params:,} parameters | strategy "
-        f"{config.strategy.name}{tp_note if degree > 1 else ''}{mesh_note}{moe_note} | "
+        f"{config.strategy.name}{tp_note if degree > 1 else ''}{cp_note}{mesh_note}{moe_note} | "
         f"{env.world_size} rank(s) on "
         f"{env.device.type} | {run.plan.describe()}, {config.seq_len} tokens each | "
         f"{len(data[0]):,} train / "

@@ -4,13 +4,17 @@ Two interfaces over one :class:`~shardkit.distributed.mesh.ProcessMesh`:
 
 - :class:`ModelParallelUnit`, the object DeepSpeed (``deepspeed.initialize(mpu=...)``)
   and Megatron-LM code ask for groups: ``get_tensor_model_parallel_*``,
-  ``get_pipeline_model_parallel_*`` / ``get_pipe_parallel_*``, ``get_data_parallel_*``,
+  ``get_pipeline_model_parallel_*`` / ``get_pipe_parallel_*``, ``get_data_parallel_*``
+  (Megatron-LM's ``with_context_parallel``), ``get_context_parallel_*``,
   ``get_model_parallel_*``.
 - FairScale's module-level ``fairscale.nn.model_parallel.initialize`` family:
-  :func:`initialize_model_parallel`, :func:`get_model_parallel_group`, ...,
-  :func:`get_context_parallel_group` (and its size, rank and ranks: the trivial
-  one-rank group until context parallelism comes to the mesh),
+  :func:`initialize_model_parallel` (with FairScale 0.4.13's ``context_parallel_size``:
+  the mesh's ``cp`` dimension), :func:`get_model_parallel_group`, ...,
+  :func:`get_context_parallel_group` (and its size, rank and ranks),
   :func:`destroy_model_parallel`, holding one process-wide mesh.
+
+Every group comes from the one mesh (:meth:`ProcessMesh.group`); this module creates
+none of its own.
 
 [Note: what "model parallel" means]
 The name differs between the codebases users come from, and shardkit follows each:
@@ -21,16 +25,19 @@ The name differs between the codebases users come from, and shardkit follows eac
 | ``mpu.get_model_parallel_group()`` | ``tp x pp`` (Megatron-LM, DeepSpeed: "both intra- and pipeline") |
 | ``get_model_parallel_group()`` (module) | ``tp`` only (FairScale) |
 | ``get_data_parallel_group()`` (both) | ``dp_replicate x dp_shard`` |
+| ``mpu.get_data_parallel_group(with_context_parallel=True)`` | ``dp_replicate x dp_shard x cp`` (Megatron-LM: the gradient reduction) |
+| ``get_context_parallel_group()`` (both) | ``cp`` (the ranks splitting each sequence) |
 | ``get_pipeline_parallel_group()`` (module) | ``pp`` (FairScale's name) |
 
 With one pipeline stage (the common case) the two meanings of "model parallel" agree.
 
 Rank layout: shardkit's mesh order (``pp`` outermost, ``tp`` innermost, as Megatron-LM);
-FairScale's own layout put data parallelism outermost and the pipeline in the middle.
-Tensor-parallel groups are the same in both (consecutive ranks); data and pipeline
-groups hold other ranks when both degrees exceed 1, so code that hard-codes global
-ranks of FairScale's pipeline groups must read them from
-:func:`get_pipeline_parallel_ranks` instead.
+FairScale's own layout put data parallelism outermost and the pipeline in the middle
+(``dp, pp, cp, tp``). Tensor-parallel groups are the same in both (consecutive
+ranks), and so are the context-parallel groups when there is one pipeline stage
+(``cp`` ranks ``tp`` apart); data and pipeline groups hold other ranks when both
+degrees exceed 1, so code that hard-codes global ranks of FairScale's pipeline groups
+must read them from :func:`get_pipeline_parallel_ranks` instead.
 """
 
 from __future__ import annotations
@@ -123,15 +130,31 @@ class ModelParallelUnit:
     get_pipe_parallel_rank = get_pipeline_model_parallel_rank
     get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
 
-    # data parallel (replicate x shard)
-    def get_data_parallel_group(self) -> dist.ProcessGroup:
-        return self.mesh.group("dp")
+    # data parallel (replicate x shard; with_context_parallel: x cp, Megatron-LM's flag)
+    def get_data_parallel_group(self, with_context_parallel: bool = False) -> dist.ProcessGroup:
+        """The ranks seeing different data (``"dp"``); ``with_context_parallel``: also
+        the context-parallel ranks (``"dp_cp"``, the gradient reduction). Default False."""
+        return self.mesh.group(_dp_name(with_context_parallel))
 
-    def get_data_parallel_rank(self) -> int:
-        return self.mesh.local_rank("dp")
+    def get_data_parallel_rank(self, with_context_parallel: bool = False) -> int:
+        return self.mesh.local_rank(_dp_name(with_context_parallel))
 
-    def get_data_parallel_world_size(self) -> int:
-        return self.mesh.dims.dp
+    def get_data_parallel_world_size(self, with_context_parallel: bool = False) -> int:
+        return self.mesh.size(_dp_name(with_context_parallel))
+
+    # context parallel (Megatron-LM's names)
+    def get_context_parallel_group(self) -> dist.ProcessGroup:
+        return self.mesh.group("cp")
+
+    def get_context_parallel_rank(self) -> int:
+        return self.mesh.coordinates["cp"]
+
+    def get_context_parallel_world_size(self) -> int:
+        return self.mesh.dims.cp
+
+    def get_context_parallel_global_ranks(self) -> list[int]:
+        """The global ranks of this rank's context-parallel group, ascending."""
+        return self.mesh.ranks("cp")
 
     # model parallel: tensor x pipeline (Megatron-LM and DeepSpeed's meaning)
     def get_model_parallel_group(self) -> dist.ProcessGroup:
@@ -147,8 +170,11 @@ class ModelParallelUnit:
         return f"ModelParallelUnit({self.mesh!r})"
 
 
+def _dp_name(with_context_parallel: bool) -> str:
+    return "dp_cp" if with_context_parallel else "dp"
+
+
 _MESH: list[ProcessMesh | None] = [None]
-_CONTEXT_GROUP: list[dist.ProcessGroup | None] = [None]  # FairScale's context-parallel view
 
 
 def set_mesh(mesh: ProcessMesh | None) -> None:
@@ -190,23 +216,34 @@ def initialize_model_parallel(
     timeout: timedelta | None = None,
 ) -> ProcessMesh:
     """FairScale's ``initialize_model_parallel``: split the world into tensor-parallel
-    groups of ``model_parallel_size_`` ranks, ``pipeline_length`` stages, and data
-    parallelism over the rest (``dp_shard``), and create the groups (a collective on
-    every rank).
+    groups of ``model_parallel_size_`` ranks, ``pipeline_length`` stages,
+    context-parallel groups of ``context_parallel_size`` ranks, and data parallelism
+    over the rest (``dp_shard``), and create the groups (a collective on every rank).
 
-    FairScale's full signature (0.4.13 with its context-parallel additions). Context
-    parallelism is not available through this function yet: ``context_parallel_size``
-    must be 1, and :func:`get_context_parallel_group` and its siblings then describe the
-    trivial group of this rank alone (size 1, rank 0), as FairScale's do.
+    FairScale 0.4.13's full signature. The groups are those of one
+    :class:`~shardkit.distributed.mesh.ProcessMesh` with ``cp = context_parallel_size``
+    (``[Note: the order of the dimensions]`` there): a context-parallel group is
+    ``context_parallel_size`` ranks ``model_parallel_size_`` apart, as in FairScale's
+    layout when ``pipeline_length`` is 1. :func:`get_context_parallel_group` and its
+    siblings return it (at size 1: this rank alone, size 1, rank 0). The context-parallel
+    ranks hold the same parameters, so reduce gradients over
+    ``get_mpu().get_data_parallel_group(with_context_parallel=True)``; the data loader
+    splits the batch over :func:`get_data_parallel_group` and each sequence over the
+    context-parallel group (``shardkit.nn.context_parallel``).
+
+    Example::
+
+        initialize_model_parallel(2, context_parallel_size=2)   # 8 ranks: tp 2, cp 2, dp 2
+        attn = DistributedAttention(local_attn, get_context_parallel_group())
 
     Args:
         model_parallel_size_: tensor-parallel degree.
         pipeline_length: pipeline-parallel degree. Default 1.
-        context_parallel_size: context-parallel degree; only 1 (the default) is accepted.
+        context_parallel_size: context-parallel degree (the mesh's ``cp``). Default 1.
         model_parallel_backend: backend of the tensor-parallel groups; default None
             (the default group's).
         pipeline_backend: backend of the pipeline groups; default None.
-        cp_backend: backend of the (one-rank) context-parallel groups; default None.
+        cp_backend: backend of the context-parallel groups; default None.
         ddp_backend: backend of the data-parallel groups; default None.
         timeout: collective timeout of every group created here; default None (torch's
             default, 30 minutes).
@@ -218,12 +255,11 @@ def initialize_model_parallel(
         RuntimeError: ``torch.distributed`` is not initialised, or model parallel is
             already initialised (call :func:`destroy_model_parallel` first).
         ValueError: the world size is not divisible by ``model_parallel_size_ x
-            pipeline_length`` (the message gives the numbers), or
-            ``context_parallel_size`` is below 1.
-        NotImplementedError: ``context_parallel_size`` above 1.
+            pipeline_length x context_parallel_size`` (the message gives the
+            equation), or ``context_parallel_size`` is below 1.
     """
-    if context_parallel_size != 1:
-        _refuse_context_parallel(context_parallel_size)
+    if context_parallel_size < 1:
+        raise ValueError(f"context_parallel_size must be >= 1; got {context_parallel_size}")
     if _MESH[0] is not None:
         raise RuntimeError(
             "model parallel is already initialized; call destroy_model_parallel() first"
@@ -231,37 +267,19 @@ def initialize_model_parallel(
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed initialised first")
     dims = ParallelDims(
-        world_size=dist.get_world_size(), pp=pipeline_length, tp=model_parallel_size_
+        world_size=dist.get_world_size(),
+        pp=pipeline_length,
+        tp=model_parallel_size_,
+        cp=context_parallel_size,
     )
     mesh = ProcessMesh(dims, timeout=timeout)
     mesh.group("tp", backend=model_parallel_backend)
     mesh.group("pp", backend=pipeline_backend)
+    mesh.group("cp", backend=cp_backend)
     mesh.group("dp", backend=ddp_backend)
-    _CONTEXT_GROUP[0] = _one_rank_groups(cp_backend, timeout)
+    mesh.group("dp_cp", backend=ddp_backend)  # the gradient reduction (the same at cp 1)
     set_mesh(mesh)
     return mesh
-
-
-def _refuse_context_parallel(size: int) -> None:
-    if size < 1:
-        raise ValueError(f"context_parallel_size must be >= 1; got {size}")
-    raise NotImplementedError(
-        f"initialize_model_parallel(context_parallel_size={size}): context parallelism "
-        "through the FairScale-style mpu is not implemented yet; pass "
-        "context_parallel_size=1 (the sequence is then not split across ranks)"
-    )
-
-
-def _one_rank_groups(backend: str | None, timeout: timedelta | None) -> dist.ProcessGroup:
-    """This rank's context-parallel group of size 1 (every rank creates all of them, in
-    rank order, as ``new_group`` requires)."""
-    mine = None
-    for rank in range(dist.get_world_size()):
-        group = dist.new_group([rank], backend=backend, timeout=timeout)
-        if rank == dist.get_rank():
-            mine = group
-    assert mine is not None
-    return mine
 
 
 def model_parallel_is_initialized() -> bool:
@@ -320,31 +338,29 @@ def get_data_parallel_ranks() -> list[int]:
 
 
 def get_context_parallel_group() -> dist.ProcessGroup:
-    """The context-parallel group: this rank alone (``context_parallel_size`` is 1).
+    """The context-parallel group: the mesh's ``"cp"`` ranks, which split each sequence
+    (this rank alone when ``context_parallel_size`` is 1). The first call on a mesh set
+    by :func:`set_mesh` creates the groups: a collective, on every rank.
 
     Raises:
         RuntimeError: model parallel is not initialized.
     """
-    get_mesh()  # raises when not initialized
-    group = _CONTEXT_GROUP[0]
-    if group is None:  # a mesh set by set_mesh(): create the one-rank groups now
-        group = _CONTEXT_GROUP[0] = _one_rank_groups(None, None)
-    return group
+    return get_mesh().group("cp")
 
 
 def get_context_parallel_world_size() -> int:
-    """The context-parallel degree: 1."""
-    return dist.get_world_size(get_context_parallel_group())
+    """The context-parallel degree (``context_parallel_size``)."""
+    return get_mesh().dims.cp
 
 
 def get_context_parallel_rank() -> int:
-    """This rank's context-parallel rank: 0."""
-    return dist.get_rank(get_context_parallel_group())
+    """This rank's index in its context-parallel group (its ``cp`` coordinate)."""
+    return get_mesh().coordinates["cp"]
 
 
 def get_context_parallel_ranks() -> list[int]:
-    """The global ranks of this rank's context-parallel group: ``[this rank]``."""
-    return dist.get_process_group_ranks(get_context_parallel_group())
+    """The global ranks of this rank's context-parallel group, ascending."""
+    return get_mesh().ranks("cp")
 
 
 def destroy_model_parallel() -> None:
@@ -352,8 +368,4 @@ def destroy_model_parallel() -> None:
     mesh = _MESH[0]
     if mesh is not None:
         mesh.destroy()
-    group = _CONTEXT_GROUP[0]
-    if group is not None:
-        dist.destroy_process_group(group)
-        _CONTEXT_GROUP[0] = None
     set_mesh(None)

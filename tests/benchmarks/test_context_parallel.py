@@ -38,5 +38,28 @@ def test_counted_bytes_match_the_formulas(rank_pool: Any) -> None:
     for method in ("ulysses", "ring"):
         assert by[(method, 64)]["activation_mib"] < 0.75 * by[("plain", 64)]["activation_mib"]
     fits = {(f["cp"], f["method"]): f["longest_seq_len"] for f in longest(rows, args)}
-    assert set(fits) == {(1, "plain"), (2, "ulysses"), (2, "ring")}
+    assert fits == {(1, "plain"): 64, (2, "ulysses"): 64, (2, "ring"): 64}  # RSS 1e6 MiB
     assert "| 2 | ring | 64 |" in render_markdown(rows, longest(rows, args))
+
+
+def _row(cp: int, method: str, seq: int, rss: float, act: float) -> dict[str, Any]:
+    return {"cp": cp, "method": method, "seq_len": seq, "peak_rss_mib": rss, "activation_mib": act}
+
+
+def test_longest_under_the_rss_budget_and_its_ratio_to_cp1() -> None:
+    """The headline: per cp the longest L whose peak RSS fits the budget, as a multiple
+    of cp 1's; the activation budget beside it; None where nothing fits."""
+    rows = [_row(1, "plain", 256, 300, 8), _row(1, "plain", 512, 340, 16)]
+    rows += [_row(1, "plain", 768, 380, 24)]
+    rows += [_row(4, "ulysses", s, 290 + s // 64, s // 128) for s in (1024, 1536, 2048, 2560)]
+    rows += [_row(2, "ring", 4096, 900, 40)]
+    args = argparse.Namespace(rss_budget_mib=340.0, act_budget_mib=16.0)
+    got = {(f["cp"], f["method"]): f for f in longest(rows, args)}
+    assert got[(1, "plain")]["longest_seq_len"] == 512 and got[(1, "plain")]["x_cp1_rss"] == 1.0
+    four = got[(4, "ulysses")]  # RSS 306, 314, 322, 330: all fit; activations 8 .. 20
+    assert four["longest_seq_len"] == 2560 and four["x_cp1_rss"] == 5.0
+    assert four["longest_by_activations"] == 2048 and four["x_cp1_activations"] == 4.0
+    assert got[(2, "ring")]["longest_seq_len"] is None and got[(2, "ring")]["x_cp1_rss"] is None
+    text = render_markdown([], list(got.values()), args)  # the summary table only
+    assert "| 4 | ulysses | 2560 (5.00x) | 2048 (4.00x) |" in text, text
+    assert "| 2 | ring | none | none |" in text, text

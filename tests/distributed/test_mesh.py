@@ -246,55 +246,89 @@ def test_mpu_interfaces(rank_pool: Any, world: int, mp: int, pipe: int) -> None:
         assert res["mp"] == (mp_group.index(rank), mp * pipe, mp_group)  # Megatron: tp x pp
 
 
-def run_mpu_fairscale_signature(model_parallel_size: int) -> dict[str, Any]:
+def run_mpu_fairscale_signature(configs: list[tuple[int, int]]) -> dict[str, Any]:
     refused = []
-    for size in (2, 0):  # refused before any group is created, so no rank waits
+    for size in (0, 3):  # refused before any group is created, so no rank waits
         try:
-            mpu.initialize_model_parallel(model_parallel_size, 1, size)
-        except (NotImplementedError, ValueError) as err:
-            refused.append((type(err).__name__, str(err)))
+            mpu.initialize_model_parallel(1, 1, size)
+        except ValueError as err:
+            refused.append(str(err))
     assert not mpu.model_parallel_is_initialized()
-    mpu.initialize_model_parallel(
-        model_parallel_size,
-        1,
-        1,
-        model_parallel_backend="gloo",
-        pipeline_backend="gloo",
-        cp_backend="gloo",
-        ddp_backend="gloo",
-        timeout=timedelta(seconds=45),
-    )
-    try:
-        cp = mpu.get_context_parallel_group()
-        t = torch.tensor([float(dist.get_rank() + 1)])
-        dist.all_reduce(t, group=cp)  # a working group: the sum over this rank alone
-        return {
-            "refused": refused,
-            "cp": (
-                mpu.get_context_parallel_world_size(),
-                mpu.get_context_parallel_rank(),
-                mpu.get_context_parallel_ranks(),
-                t.item(),
-            ),
-            "dp_ranks": mpu.get_data_parallel_ranks(),
-            "mp": _members(mpu.get_model_parallel_group(), dist.get_world_size()),
-        }
-    finally:
-        mpu.destroy_model_parallel()
+    world, out = dist.get_world_size(), []
+    for mp, cp_size in configs:
+        mpu.initialize_model_parallel(
+            mp,
+            1,
+            cp_size,
+            model_parallel_backend="gloo",
+            pipeline_backend="gloo",
+            cp_backend="gloo",
+            ddp_backend="gloo",
+            timeout=timedelta(seconds=45),
+        )
+        try:
+            cp = mpu.get_context_parallel_group()
+            t = torch.tensor([float(dist.get_rank() + 1)])
+            dist.all_reduce(t, group=cp)  # a working group: the sum over its ranks
+            unit = mpu.get_mpu()
+            out.append(
+                {
+                    "cp": (
+                        mpu.get_context_parallel_world_size(),
+                        mpu.get_context_parallel_rank(),
+                        mpu.get_context_parallel_ranks(),
+                        _members(cp, world),
+                        t.item(),
+                    ),
+                    "unit_cp": (
+                        unit.get_context_parallel_world_size(),
+                        unit.get_context_parallel_rank(),
+                        unit.get_context_parallel_global_ranks(),
+                        _members(unit.get_context_parallel_group(), world),
+                    ),
+                    "dp": (
+                        mpu.get_data_parallel_ranks(),
+                        _members(mpu.get_data_parallel_group(), world),
+                    ),
+                    "dp_cp": (
+                        unit.get_data_parallel_world_size(with_context_parallel=True),
+                        unit.get_data_parallel_rank(with_context_parallel=True),
+                        _members(unit.get_data_parallel_group(with_context_parallel=True), world),
+                    ),
+                    "mp": _members(mpu.get_model_parallel_group(), world),
+                }
+            )
+        finally:
+            mpu.destroy_model_parallel()
+    return {"refused": refused, "configs": out}
 
 
-def test_mpu_takes_fairscales_full_signature_with_trivial_context_parallel(
-    rank_pool: Any,
-) -> None:
-    per_rank = rank_pool(4).run(run_mpu_fairscale_signature, 2)
+def _fairscale_groups(world: int, mp: int, cp: int, rank: int) -> dict[str, list[int]]:
+    """FairScale 0.4.13's groups of ``rank`` with one pipeline stage: the ranks laid out
+    as ``arange(world).reshape(dp, 1, cp, mp)``; a context-parallel group is
+    ``groups[i, 0, :, k]``, a data-parallel one ``groups[:, 0, c, k]``."""
+    grid = torch.arange(world).reshape(world // (cp * mp), cp, mp)
+    i, c, k = (int(x[0]) for x in torch.where(grid == rank))
+    return {"cp": grid[i, :, k].tolist(), "dp": grid[:, c, k].tolist(), "mp": grid[i, c].tolist()}
+
+
+def test_mpu_takes_fairscales_full_signature_with_context_parallel(rank_pool: Any) -> None:
+    configs = [(2, 1), (2, 2), (1, 2)]  # (model_parallel_size_, context_parallel_size)
+    per_rank = rank_pool(4).run(run_mpu_fairscale_signature, configs)
     for rank, res in enumerate(per_rank):
-        (kind2, msg2), (kind0, msg0) = res["refused"]
-        assert kind2 == "NotImplementedError" and "context_parallel_size=2" in msg2
-        assert "pass context_parallel_size=1" in msg2
-        assert kind0 == "ValueError" and "context_parallel_size must be >= 1; got 0" in msg0
-        assert res["cp"] == (1, 0, [rank], float(rank + 1))
-        assert res["dp_ranks"] == [rank % 2, rank % 2 + 2]
-        assert res["mp"] == [rank - rank % 2, rank - rank % 2 + 1]
+        msg0, msg3 = res["refused"]
+        assert "context_parallel_size must be >= 1; got 0" in msg0
+        assert "cp (3) must divide the world size (4)" in msg3
+        for (mp, cp), got in zip(configs, res["configs"], strict=True):
+            want = _fairscale_groups(4, mp, cp, rank)
+            cp_rank = want["cp"].index(rank)
+            summed = float(sum(r + 1 for r in want["cp"]))
+            assert got["cp"] == (cp, cp_rank, want["cp"], want["cp"], summed), (mp, cp, rank)
+            assert got["unit_cp"] == (cp, cp_rank, want["cp"], want["cp"]), (mp, cp, rank)
+            assert got["dp"] == (want["dp"], want["dp"]), (mp, cp, rank)
+            dp_cp = [r for r in range(4) if r % mp == rank % mp]  # all but the tp split
+            assert got["dp_cp"] == (4 // mp, dp_cp.index(rank), dp_cp), (mp, cp, rank)
+            assert got["mp"] == want["mp"], (mp, cp, rank)
 
 
 # expert parallelism: ep splits dp_shard -----------------------------------------------------
