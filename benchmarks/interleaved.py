@@ -23,6 +23,15 @@ round ratio, with the median of the per-step ratios and their range. With two ra
 on two cores the CPU time is what a quiet machine's wall time is made of (gloo's
 threads take their cycles from compute), and other jobs' load moves it far less. Caveat: the strategies share one process (allocator,
 caches), which ``benchmarks.compare`` does not; confirm a final number there.
+
+Compiled rows: a name ending in ``+ compile`` is that strategy with each block compiled
+first (the main job's ``--compile``; the first warm-up step compiles); ``torch FSDP2``
+(``fully_shard`` per block and the root) and ``blocks`` (the transformer blocks'
+forward and backward alone) may be given too. With ``blocks`` and ``blocks + compile``
+among the strategies, each compiled row gets its ceiling (:func:`compile_ceilings`)::
+
+    python -m benchmarks.interleaved --strategies "shardkit fsdp" "shardkit fsdp + compile" \
+        "torch FSDP2" "torch FSDP2 + compile" "blocks" "blocks + compile"
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import torch.distributed as dist
 
 from benchmarks.common import add_run_args, add_strategy_args, slowest, timestamp
 from benchmarks.compare import _batch, model_config
-from benchmarks.profile_step import _step, _strategy
+from benchmarks.profile_step import COMPILED, _step, _strategy
 from shardkit.testing import run_distributed
 
 
@@ -92,6 +101,32 @@ def summarize(times: Mapping[str, list[list[float]]]) -> dict[str, dict[str, flo
     return out
 
 
+def compile_ceilings(summary: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Per compiled row ``"<X> + compile"`` run with its eager row ``X`` and with the
+    ``blocks`` rows (the transformer blocks' forward and backward alone, eager and
+    compiled, :func:`benchmarks.profile_step._strategy`): ``x_eager`` (X's median step
+    over its own, measured) and ``ceiling``: X's step with the blocks' eager time
+    replaced by their compiled time, ``t_X / (t_X - t_blocks + t_blocks_compiled)``,
+    the speedup compiling the blocks can give X when nothing else in the step changes
+    (communication, the LM head and loss, the optimizer: what compile does not touch).
+    Empty without both ``blocks`` rows."""
+    blocks, blocks_compiled = summary.get("blocks"), summary.get(f"blocks{COMPILED}")
+    if blocks is None or blocks_compiled is None:
+        return {}
+    saved = blocks["median_ms"] - blocks_compiled["median_ms"]
+    out = {}
+    for name, row in summary.items():
+        eager = summary.get(name.removesuffix(COMPILED))
+        if not name.endswith(COMPILED) or name.startswith("blocks") or eager is None:
+            continue
+        out[name] = {
+            "x_eager": eager["median_ms"] / row["median_ms"],
+            "ceiling": eager["median_ms"] / (eager["median_ms"] - saved),
+            "blocks_share": blocks["median_ms"] / eager["median_ms"],
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.interleaved", description=__doc__)
     add_strategy_args(parser)
@@ -118,9 +153,21 @@ def main(argv: list[str] | None = None) -> None:
                 f"{name:<16}{row['median_ms']:11.0f}{row['round_ratio']:18.3f}{row['step_ratio']:17.3f}"
                 f"  [{row['step_ratio_min']:.2f}, {row['step_ratio_max']:.2f}]"
             )
+    ceilings = {kind: compile_ceilings(rows) for kind, rows in summary.items()}
+    for kind, rows in ceilings.items():
+        for name, c in rows.items():
+            print(
+                f"{kind}: {name} {c['x_eager']:.3f}x its eager step; ceiling {c['ceiling']:.3f}x "
+                f"(blocks {100 * c['blocks_share']:.0f}% of the eager step)"
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"interleaved-{timestamp()}.json"
-    record = {"args": {**vars(args), "out": str(args.out)}, "times": times, "summary": summary}
+    record = {
+        "args": {**vars(args), "out": str(args.out)},
+        "times": times,
+        "summary": summary,
+        "compile_ceilings": ceilings,
+    }
     path.write_text(json.dumps(record, indent=1))
     print(f"wrote {path}")
 

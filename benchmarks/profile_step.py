@@ -13,6 +13,12 @@ each split into labelled phases: ``step::forward``, ``step::backward``,
 ``record_function`` labels (``FSDP::pre_forward``, ``FSDP::post_backward``,
 ``FSDP::finalize_backward``, ...) and every operator show inside them.
 
+A name ending in ``+ compile`` builds the strategy with each block compiled first (the
+main job's ``--compile``; the warm-up compiles), and the output says what dynamo did
+(graphs compiled, graph breaks) after the warm-up and after the
+profiled steps: equal counts mean nothing recompiled. ``torch FSDP2`` and ``blocks``
+(the transformer blocks alone, the part compile speeds) may be given as well.
+
 Output (rank 0's profile; the step time is the slowest rank's): per strategy, the mean
 milliseconds per step of each phase, and the top ``--top`` entries by self CPU time and
 the wrappers' labels by total CPU time; also ``benchmarks/results/profile-<time>.json``.
@@ -31,12 +37,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.common import add_run_args, add_strategy_args, slowest, timestamp
+from benchmarks.common import (
+    ADAMW,
+    add_run_args,
+    add_strategy_args,
+    build_torch_fsdp2,
+    slowest,
+    timestamp,
+)
 from benchmarks.compare import _batch, model_config
 from benchmarks.runners import _registry_config
+from examples.gpt_compile import compile_blocks
 from examples.strategies import STRATEGIES as MAIN_JOB
+from examples.strategies import Strategy
 from shardkit.models import GPT
 from shardkit.testing import run_distributed
 
@@ -44,10 +61,73 @@ PHASES = ("step::forward", "step::backward", "step::optimizer")
 """The labels one step is split into."""
 
 
+COMPILED = " + compile"
+"""A strategy name ending in it: the main job's ``--compile`` (each block compiled with
+inductor before the strategy wraps the model), e.g. ``"shardkit fsdp + compile"``."""
+
+
+class _Blocks(nn.Module):
+    """The GPT's transformer blocks alone: ``(idx, targets) -> (h, mean of h^2)``, the
+    embedding run without gradient (the part of a step that compiling the blocks speeds)."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.wte, self.blocks = model.wte, model.blocks
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            h = self.wte(idx)
+        for block in self.blocks:
+            h = block(h)
+        return h, h.square().mean()
+
+
+class _BlocksOnly:
+    """:class:`_Blocks` as a strategy of :func:`_step`, with no optimizer step (only
+    ``zero_grad``)."""
+
+    def __init__(self, model: GPT) -> None:
+        self.module = _Blocks(model)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.0)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def before_step(self) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+
 def _strategy(name: str, config: Any, spec: Mapping[str, Any]) -> Any:
-    key = "ddp" if name == "torch DDP" else name.removeprefix("shardkit ")
+    """The main job's strategy ``name`` ("torch DDP", "shardkit <key>"), torch FSDP2
+    ("torch FSDP2": ``fully_shard`` per Block and the root, AdamW) or "blocks" (the
+    transformer blocks' forward and backward alone, no wrapper, no communication, no
+    optimizer step), each optionally ``+ compile``."""
+    base = name.removesuffix(COMPILED)
     torch.manual_seed(0)
-    return MAIN_JOB[key](GPT(config), _registry_config(key, spec), torch.device("cpu"))
+    model = GPT(config)
+    if name.endswith(COMPILED):
+        compile_blocks(model)
+    if base == "blocks":
+        return _BlocksOnly(model)
+    if base == "torch FSDP2":
+        module = build_torch_fsdp2(model)
+        return Strategy(module, torch.optim.AdamW(module.parameters(), **ADAMW))
+    key = "ddp" if base == "torch DDP" else base.removeprefix("shardkit ")
+    return MAIN_JOB[key](model, _registry_config(key, spec), torch.device("cpu"))
+
+
+def dynamo_counts() -> dict[str, int]:
+    """What ``torch.compile`` did in this process so far: graphs compiled
+    (``unique_graphs``: a recompile adds one) and graph breaks."""
+    return {
+        "graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
 
 
 def _step(strategy: Any, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -78,6 +158,7 @@ def profile_rank(spec: Mapping[str, Any]) -> dict[str, Any]:
     x, y = _batch(config, spec["batch"])
     for _ in range(spec["warmup"]):
         _step(strategy, x, y)
+    after_warmup = dynamo_counts()
     times = []
     for _ in range(spec["steps"]):
         dist.barrier()
@@ -95,6 +176,7 @@ def profile_rank(spec: Mapping[str, Any]) -> dict[str, Any]:
     labels = [r for r in rows if "::" in r["name"] and not r["name"].startswith("aten::")]
     return {
         "times": times,
+        "dynamo": {"after_warmup": after_warmup, "after_profile": dynamo_counts()},
         "phases": {r["name"]: r["total_ms"] for r in rows if r["name"] in PHASES},
         "top_self": rows[: spec["top"]],
         "labels": sorted(labels, key=lambda r: -r["total_ms"]),
@@ -105,6 +187,7 @@ def _print(name: str, result: dict[str, Any]) -> None:
     times = sorted(result["times"])
     print(f"\n== {name}: step median {1e3 * times[len(times) // 2]:.1f} ms (slowest rank)")
     print("   phases: " + ", ".join(f"{k} {v:.1f}" for k, v in result["phases"].items()))
+    print(f"   torch.compile: {result['dynamo']}")
     print(f"   {'top self CPU (ms/step)':<46}{'self':>8}{'total':>9}{'calls':>7}")
     for row in result["top_self"]:
         print(

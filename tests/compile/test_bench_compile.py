@@ -6,10 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from benchmarks.compare import parse_args
+from benchmarks.interleaved import compile_ceilings
+from benchmarks.profile_step import _strategy
 from benchmarks.report import _add_compile, compile_table
 from benchmarks.runners import BY_NAME
+from shardkit.models import GPTConfig
 
 
 def _row(name: str, rounds: dict[int, float], first: dict[int, float], **kw: Any) -> Any:
@@ -54,3 +58,49 @@ def test_speedup_and_compile_time_from_known_times() -> None:
     assert len(table) == 3  # header, rule, the compiled row
     assert table[2] == "| shardkit fsdp + compile | 2 | 1.000 | 1.500 | 1.50 [1.25-2.00] | 10.0 |"
     assert compile_table([eager, other]) == ""
+
+
+def test_compile_ceiling_from_known_times() -> None:
+    """benchmarks.interleaved: each compiled row's speedup and the speedup its blocks
+    allow (the eager step with the blocks' eager time swapped for their compiled time)."""
+    rows = {
+        "shardkit fsdp": {"median_ms": 2000.0},
+        "shardkit fsdp + compile": {"median_ms": 1800.0},
+        "torch DDP + compile": {"median_ms": 900.0},  # its eager row not run: skipped
+        "blocks": {"median_ms": 1000.0},
+        "blocks + compile": {"median_ms": 600.0},
+    }
+    ceilings = compile_ceilings(rows)
+    assert list(ceilings) == ["shardkit fsdp + compile"]
+    c = ceilings["shardkit fsdp + compile"]
+    assert c["x_eager"] == pytest.approx(2000 / 1800)
+    assert c["ceiling"] == pytest.approx(2000 / (2000 - 400))  # 1.25
+    assert c["blocks_share"] == pytest.approx(0.5)
+    del rows["blocks + compile"]
+    assert compile_ceilings(rows) == {}
+
+
+def test_blocks_row_runs_the_blocks_alone() -> None:
+    """The ``blocks`` row of profile_step / interleaved: forward and backward of the
+    transformer blocks only (no embedding gradient, no optimizer step); ``+ compile``
+    compiles each block in place, as the main job's ``--compile``."""
+    config = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    eager = _strategy("blocks", config, {})
+    compiled = _strategy("blocks + compile", config, {})
+    assert all(b._compiled_call_impl is None for b in eager.module.blocks)
+    assert all(b._compiled_call_impl is not None for b in compiled.module.blocks)
+    x = torch.randint(0, 32, (2, 8))
+    before = [p.detach().clone() for p in eager.module.parameters()]
+    _, loss = eager.module(x, targets=x)
+    h = eager.module.wte(x)
+    for block in eager.module.blocks:
+        h = block(h)
+    assert float(loss.detach()) == float(h.detach().square().mean())
+    eager.backward(loss)
+    assert eager.module.wte.weight.grad is None
+    assert all(
+        p.grad is not None and p.grad.abs().sum() > 0 for p in eager.module.blocks.parameters()
+    )
+    eager.before_step()
+    eager.step()  # no optimizer step: the parameters are unchanged
+    assert all(torch.equal(a, b) for a, b in zip(before, eager.module.parameters()))
