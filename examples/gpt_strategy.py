@@ -117,6 +117,9 @@ class StrategyConfig:
             Default 1.
         cp_method: ``ulysses`` or ``ring``, the attention of ``cp > 1``. Default
             ``ulysses``.
+        optimizer: ``adamw``, ``muon`` (Muon for the blocks' matrices + AdamW) or
+            ``adafactor``, at the peak LR ``lr`` (``examples/gpt_optimizer.py``).
+            Default ``adamw``.
     """
 
     name: str = "ddp"
@@ -140,6 +143,7 @@ class StrategyConfig:
     ep: int = 1
     cp: int = 1
     cp_method: str = "ulysses"
+    optimizer: str = "adamw"
 
 
 class Strategy:

@@ -45,6 +45,13 @@ import torch
 import torch.distributed as dist
 from gpt_context_parallel import apply_context_parallel
 from gpt_moe import MoEGPT, moe_error, moe_tp_plan
+from gpt_optimizer import (
+    muon_names,
+    optimizer_kwargs,
+    oss_class,
+    sharded_optimizer,
+    whole_optimizer,
+)
 from gpt_stage_init import materialize_stage
 from gpt_strategy import (
     PRECISIONS,
@@ -189,7 +196,7 @@ def _ddp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     )
     if config.grad_compression is not None:
         register_ddp_comm_hook(module, config.grad_compression)
-    optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(config))
+    optimizer = whole_optimizer(config.optimizer, model.parameters(), adamw_kwargs(config))
     if moe:
         edp = strategy_mesh(config).group("edp")
         return _MoEDDPStrategy(module=module, optimizer=optimizer, model=model, edp=edp)
@@ -212,7 +219,10 @@ def _oss(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     group = data_parallel_group()
     module = DistributedDataParallel(model, device_ids=device_ids, process_group=group)
     optimizer = OSS(
-        model.parameters(), optim=torch.optim.AdamW, process_group=group, **adamw_kwargs(config)
+        model.parameters(),
+        optim=oss_class(config.optimizer),
+        process_group=group,
+        **optimizer_kwargs(config.optimizer, config.lr, adamw_kwargs(config)),
     )
     register_reduce_to_owner_hook(module, optimizer, grad_compression=config.grad_compression)
     return _OSSStrategy(module=module, optimizer=optimizer, model=model)
@@ -222,7 +232,10 @@ def _sdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """ShardedDataParallel + OSS(AdamW): gradients and optimizer state sharded (ZeRO-2)."""
     group = data_parallel_group()
     optimizer = OSS(
-        model.parameters(), optim=torch.optim.AdamW, process_group=group, **adamw_kwargs(config)
+        model.parameters(),
+        optim=oss_class(config.optimizer),
+        process_group=group,
+        **optimizer_kwargs(config.optimizer, config.lr, adamw_kwargs(config)),
     )
     module = ShardedDataParallel(
         model, optimizer, process_group=group, grad_compression=config.grad_compression
@@ -296,8 +309,17 @@ def _fsdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     every strategy (one param group: a checkpoint moves between strategies, and the
     universal checkpoint refuses param groups whose hyperparameters differ).
     ``--precision bf16|fp16``: FSDP's own mixed precision (:func:`fsdp_policy`)."""
-    parallel = _parallelize(model, config, strategy_mesh(config), "fsdp", device)
-    optimizer = torch.optim.AdamW(parallel.parameters(), **adamw_kwargs(config))
+    muon = muon_names(model)  # --optimizer muon: the blocks' matrices, before wrapping
+    mesh = strategy_mesh(config)
+    parallel = _parallelize(model, config, mesh, "fsdp", device)
+    optimizer = sharded_optimizer(
+        config.optimizer,
+        parallel.module,
+        list(parallel.parameters()),
+        muon,
+        adamw_kwargs(config),
+        mesh.group("dp_shard_cp"),
+    )
     strategy = _FSDPStrategy(module=parallel.module, optimizer=optimizer)
     strategy.split_tensors = parallel.split_tensors
     return strategy

@@ -52,6 +52,7 @@ from gpt_moe import (
     moe_model_flags,
     moe_step_stats,
 )
+from gpt_optimizer import OPTIMIZERS, optimizer_error
 from gpt_report import SAMPLE_PROMPT, StepProfiler, parse_steps, plot_metrics, sample_text
 from gpt_sequence_parallel import sequence_parallel_error
 from strategies import (
@@ -246,6 +247,7 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--max-replicas", type=_positive, default=1, help="--fault-tolerant: replica ids")
     add("--ft-timeout", type=float, default=job.ft_timeout, help="seconds: drop a replica")
     add("--compile", action="store_true", help="torch.compile each Block before wrapping")
+    add("--optimizer", default=opt.optimizer, choices=list(OPTIMIZERS), help="default adamw")
     flags = vars(p.parse_args(argv))
     flags["strategy"] = flags["strategy"] or shorthand(flags)
     config = JobConfig.from_flags(flags)
@@ -260,6 +262,10 @@ def parse_args(argv: list[str] | None) -> JobConfig:
         or sequence_parallel_error(opt.sequence_parallel, opt.tp, config.seq_len, opt.name)
         or _cp_error(config)
     )
+    if problem is None:
+        problem = optimizer_error(
+            opt.optimizer, opt.name, opt.tp, opt.cp, opt.moe_experts, opt.precision
+        )
     if problem is None and config.compile:
         problem = compile_error(opt.name, opt.moe_experts, opt.cp, opt.sequence_parallel)
     if problem is not None:

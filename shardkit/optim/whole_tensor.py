@@ -56,11 +56,12 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from shardkit.checkpoint.universal.layout import factory_of
+from shardkit.checkpoint.universal.adapters import PlainLayout
+from shardkit.checkpoint.universal.layout import LayoutAdapter, factory_of
 from shardkit.distributed.collectives import group_rank, group_size
 from shardkit.optim.whole_tensor_exchange import ExchangePlan, Pieces, all_to_all, plan_exchange
 
-__all__ = ["WholeTensorOptimizer", "needs_whole_tensors"]
+__all__ = ["WholeTensorOptimizer", "model_layout", "needs_whole_tensors"]
 
 _KNOWN: tuple[type[Optimizer], ...] = (torch.optim.Muon, torch.optim.Adafactor)
 
@@ -76,6 +77,24 @@ def needs_whole_tensors(optim: Optimizer | type) -> bool:
     if declared is not None:
         return bool(declared)
     return issubclass(cls, _KNOWN)
+
+
+def model_layout(
+    model: nn.Module, optimizer: Any, group: dist.ProcessGroup | None
+) -> LayoutAdapter:
+    """The universal-checkpoint layout of ``model`` stepped by ``optimizer``: the one
+    registered for ``model``'s type (FSDP's), else a plain module's over ``group``
+    (every rank holds every tensor; in one process each parameter is one whole piece).
+
+    Raises:
+        TypeError: ``model`` is no ``nn.Module`` and no layout is registered for it.
+    """
+    factory = factory_of(model)
+    if factory is not None:
+        return factory(model, optimizer)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"WholeTensorOptimizer: no universal layout for {type(model).__name__}")
+    return PlainLayout(model, group=group)
 
 
 class _Holding:
@@ -154,7 +173,9 @@ class WholeTensorOptimizer(Optimizer):
     Args:
         model: the root FSDP module whose parameters are stepped (any module with a
             universal-checkpoint layout whose pieces partition each parameter over
-            ``process_group``).
+            ``process_group``), or a plain module in one process (each parameter
+            whole: the single-process reference of a sharded run, or a resume of its
+            universal checkpoint).
         param_groups: param-group dicts, each with ``"params"`` (parameters of
             ``model``, as ``model.named_parameters()`` returns them) and ``"optim"``.
         process_group: the group the parameters are sharded over (FSDP's
@@ -162,8 +183,8 @@ class WholeTensorOptimizer(Optimizer):
             (the world group).
 
     Raises:
-        TypeError: a group without an optimizer class; a model no layout is
-            registered for.
+        TypeError: a group without an optimizer class; a model that is no
+            ``nn.Module`` and has no registered layout.
         ValueError: a whole-tensor parameter that is not ``model``'s, is a
             tensor-parallel part, or whose pieces over ``process_group`` do not cover
             it exactly once (a parameter held whole, or the wrong group); the whole
@@ -209,10 +230,8 @@ class WholeTensorOptimizer(Optimizer):
         self, model: nn.Module, whole: list[bool]
     ) -> tuple[ExchangePlan, list[torch.Tensor], dict[str, bool]]:
         wanted = {id(p) for g, w in zip(self.param_groups, whole) if w for p in g["params"]}
-        factory = factory_of(model)
-        if factory is None:
-            raise TypeError(f"WholeTensorOptimizer: no universal layout for {type(model).__name__}")
-        adapter = factory(model, _Holding(p for g in self.param_groups for p in g["params"]))
+        holding = _Holding(p for g in self.param_groups for p in g["params"])
+        adapter = model_layout(model, holding, self.process_group)
         found: dict[int, tuple[str, tuple[int, ...], int, int, bool, torch.Tensor]] = {}
         for e in adapter.entries():
             if e.param is None or id(e.param) not in wanted:

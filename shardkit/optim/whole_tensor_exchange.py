@@ -191,7 +191,10 @@ def all_to_all(
     operation: str,
 ) -> torch.Tensor:
     """``all_to_all_single`` of ``send`` (split by ``send_sizes``) into a new tensor of
-    ``sum(recv_sizes)`` elements; a failure names ``operation``."""
+    ``sum(recv_sizes)`` elements; a failure names ``operation``. One rank (also in a
+    process without ``torch.distributed``): a copy of ``send``."""
+    if len(send_sizes) == 1:
+        return send.clone()
     recv = send.new_empty(sum(recv_sizes))
     with collective_context("WholeTensorOptimizer", operation, group):
         dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)

@@ -13,9 +13,13 @@ whole-tensor group, its pieces are replaced by
 Saving first refreshes the owners' whole copies from the pieces (a collective in the
 adapter's session). Loading fills the whole copy and the state on the owner; the
 owner's own piece is copied from it in ``after_load`` (no collective). The checkpoint is
-the model's plain keys, so it loads at any world size, with or without this wrapper
-(element-wise state loads anywhere; non-element-wise state such as Adafactor's factored
-moments is refused by the format with a ``ValueError`` naming it).
+the model's plain keys, so it loads at any world size, with or without this wrapper:
+element-wise state (Muon's momentum, AdamW's moments) anywhere; per-tensor state
+(Adafactor's factored second moment, saved whole with a descriptor of its own shape,
+see ``[Note: per-tensor optimizer state]`` in
+:mod:`shardkit.checkpoint.universal.optim_state`) into any optimizer holding whole
+tensors: this one's owners at any world size, OSS / ShardedDataParallel's owners, a
+plain model.
 """
 
 from __future__ import annotations
@@ -30,12 +34,11 @@ from shardkit.checkpoint.universal.layout import (
     ParamEntry,
     Purpose,
     aliases_of,
-    factory_of,
     register_layout,
     session_of,
 )
 from shardkit.distributed.shard_descriptor import TensorView
-from shardkit.optim.whole_tensor import WholeTensorOptimizer
+from shardkit.optim.whole_tensor import WholeTensorOptimizer, model_layout
 
 __all__ = ["WholeTensorLayout"]
 
@@ -48,18 +51,15 @@ class WholeTensorLayout:
         optimizer: the ``WholeTensorOptimizer``.
 
     Raises:
-        TypeError: ``optimizer`` is not a ``WholeTensorOptimizer``, or no layout is
-            registered for ``model``.
+        TypeError: ``optimizer`` is not a ``WholeTensorOptimizer``, or ``model`` is no
+            ``nn.Module`` and has no registered layout.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any) -> None:
         if not isinstance(optimizer, WholeTensorOptimizer):
             raise TypeError(f"WholeTensorLayout needs a WholeTensorOptimizer; got {optimizer!r}")
-        factory = factory_of(model)
-        if factory is None:
-            raise TypeError(f"no universal layout is registered for {type(model).__name__}")
         self.optimizer = optimizer
-        self.base = factory(model, optimizer)
+        self.base = model_layout(model, optimizer, optimizer.process_group)
         self.strategy = self.base.strategy
 
     @contextlib.contextmanager

@@ -46,7 +46,13 @@ PARITY_3 = [
     ("oss", "adafactor"),
 ]
 PARITY_4 = [("hybrid", "muon"), ("hybrid", "adafactor"), ("hybrid", "lamb")]  # 2 x 2
-SAVED_AT_2 = [("fsdp-block", "muon"), ("fsdp-flat", "lamb"), ("sdp", "lamb")]
+SAVED_AT_2 = [
+    ("fsdp-block", "muon"),
+    ("fsdp-flat", "lamb"),
+    ("sdp", "lamb"),
+    ("fsdp-flat", "adafactor"),
+    ("ddp", "adafactor"),  # every rank writes 1/N of each tensor; rank 0 the factors
+]
 RESUMED_AT_4 = [("fsdp-flat", "hybrid", "lamb")]  # (saved by, resumed by, optimizer)
 SAVED_AT_4 = [("hybrid", "muon")]
 RESUMED_AT_3 = [
@@ -55,33 +61,73 @@ RESUMED_AT_3 = [
     ("sdp", "fsdp-block", "lamb"),
     ("hybrid", "fsdp-block", "muon"),  # saved at 4 ranks, 2 shards x 2 replicas
 ]
+ADAFACTOR_RESUMED_AT_3 = [  # factored moments: per-tensor state
+    ("fsdp-flat", "fsdp-block", "adafactor"),
+    ("fsdp-flat", "oss", "adafactor"),
+    ("ddp", "fsdp-flat", "adafactor"),
+]
+# the pairs the grids above run at one world size only, at the other
+GAPS_2 = [("fsdp-block", "adafactor"), ("sdp", "lamb"), ("oss", "adafactor")]
+GAPS_3 = [("fsdp-flat", "lamb"), ("fsdp-block", "muon"), ("sdp", "muon"), ("oss", "muon")]
+RESUMED_IN_ONE_PROCESS = [  # a plain model, no process group
+    ("fsdp-flat", "plain", "adafactor"),
+    ("fsdp-block", "plain", "muon"),  # Muon + AdamW: a WholeTensorOptimizer of one rank
+]
 
 
 @pytest.fixture(scope="module")
-def results(rank_pool: Callable[[int], RankPool]) -> Iterator[dict[int, dict[str, Any]]]:
-    with tempfile.TemporaryDirectory() as root:
-        two = rank_pool(2).run(
-            workers.run_all,
-            [
-                ("parity", (PARITY_2,)),
-                ("refusals", ()),
-                ("save_after", (SAVED_AT_2, root, 3)),
-                ("adafactor_save_refused", (root,)),
-                ("local_state_roundtrip", ("fsdp-block", "adafactor")),
-            ],
-        )
-        four = rank_pool(4).run(  # a pool other tests share
-            workers.run_all,
-            [
-                ("parity", (PARITY_4,)),
-                ("resume", (RESUMED_AT_4, root, 3, 5)),
-                ("save_after", (SAVED_AT_4, root, 3)),
-            ],
-        )
-        three = rank_pool(3).run(
-            workers.run_all, [("parity", (PARITY_3,)), ("resume", (RESUMED_AT_3, root, 3, 5))]
-        )
-        yield {2: two[0], 3: three[0], 4: four[0]}
+def root() -> Iterator[str]:
+    with tempfile.TemporaryDirectory() as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def results(rank_pool: Callable[[int], RankPool], root: str) -> dict[int, dict[str, Any]]:
+    two = rank_pool(2).run(
+        workers.run_all,
+        [
+            ("parity", (PARITY_2,)),
+            ("refusals", ()),
+            ("save_after", (SAVED_AT_2, root, 3)),
+            ("local_state_roundtrip", ("fsdp-block", "adafactor")),
+        ],
+    )
+    four = rank_pool(4).run(  # a pool other tests share
+        workers.run_all,
+        [
+            ("parity", (PARITY_4,)),
+            ("resume", (RESUMED_AT_4, root, 3, 5)),
+            ("save_after", (SAVED_AT_4, root, 3)),
+        ],
+    )
+    three = rank_pool(3).run(
+        workers.run_all,
+        [
+            ("parity", (PARITY_3,)),
+            ("resume", (RESUMED_AT_3, root, 3, 5)),
+        ],
+    )
+    return {2: two[0], 3: three[0], 4: four[0]}
+
+
+@pytest.fixture(scope="module")
+def more(
+    rank_pool: Callable[[int], RankPool], root: str, results: dict[int, dict[str, Any]]
+) -> dict[int, dict[str, Any]]:
+    """The Adafactor checkpoints (saved by ``results``) resumed at 3 ranks and in one
+    process, and the parity pairs of the grids' gaps."""
+    two = rank_pool(2).run(workers.run_all, [("parity", (GAPS_2,))])
+    three = rank_pool(3).run(
+        workers.run_all,
+        [
+            ("parity", (GAPS_3,)),
+            ("resume", (ADAFACTOR_RESUMED_AT_3, root, 3, 5)),
+            ("per_tensor_state_refused", (root, "fsdp-flat-adafactor")),
+        ],
+    )
+    with workers.fp32_muon():
+        one = workers.resume(RESUMED_IN_ONE_PROCESS, root, 3, 5)
+    return {1: {"resume": one}, 2: two[0], 3: three[0]}
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -99,6 +145,27 @@ def test_universal_checkpoint_resumes_at_another_world_size(
         assert [(r["saved"], r["strategy"], r["kind"]) for r in rows] == expected
         for row in rows:
             assert row["diff"] < TOL, row
+
+
+def test_adafactor_factored_state_resumes_elsewhere(more: dict[int, dict[str, Any]]) -> None:
+    """Adafactor's factored moments (per-tensor state), saved by FSDP + WholeTensorOptimizer
+    and by DDP at 2 ranks, resumed by FSDP and OSS at 3 ranks and by a plain model in one
+    process (Muon + AdamW too): 2 more steps equal the uninterrupted plain run."""
+    for world, expected in ((3, ADAFACTOR_RESUMED_AT_3), (1, RESUMED_IN_ONE_PROCESS)):
+        rows = more[world]["resume"]
+        assert [(r["saved"], r["strategy"], r["kind"]) for r in rows] == expected
+        for row in rows:
+            assert row["diff"] < TOL, row
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parity_of_the_grids_gaps(more: dict[int, dict[str, Any]], world: int) -> None:
+    expected = GAPS_2 if world == 2 else GAPS_3
+    rows = more[world]["parity"]
+    assert [(r["strategy"], r["kind"]) for r in rows] == expected
+    for row in rows:
+        assert row["moved"] > 1e-2, row
+        assert row["diff"] < TOL, row
 
 
 def test_plain_whole_tensor_optimizer_over_fsdp_shards_is_refused(
@@ -171,13 +238,15 @@ def test_exchange_bytes_and_balance(world: int) -> None:
                 assert plan.owners[i] == longest
 
 
-def test_adafactor_state_is_refused_by_the_universal_format(
-    results: dict[int, dict[str, Any]],
-) -> None:
-    """Documented limitation: factored moments are not element-wise state."""
-    out = results[2]["adafactor_save_refused"]
-    assert out.startswith("CheckpointError") or out.startswith("ValueError"), out
-    assert "row_var" in out or "col_var" in out, out
+def test_per_tensor_state_into_flat_shards_is_refused(more: dict[int, dict[str, Any]]) -> None:
+    """Adafactor's factored moments load only where the optimizer holds whole tensors:
+    a plain Adafactor over FSDP's flat shards is refused before anything is written."""
+    out = more[3]["per_tensor_state_refused"]
+    assert out["error"].startswith("CheckpointMismatchError"), out
+    assert "per-tensor optimizer state" in out["error"], out
+    assert "row_var" in out["error"] and "col_var" in out["error"], out
+    assert "WholeTensorOptimizer" in out["error"], out
+    assert out["unchanged"] == "True", out
 
 
 def test_local_state_dict_round_trip_at_the_same_world_size(

@@ -61,8 +61,10 @@ class ParamEntry:
     ``param`` is element-wise and saved / loaded for elements ``[param_offset,
     param_offset + stop - start)`` of it, with the piece's range; a number or a
     one-element tensor of another shape (Adam's ``step``) is a scalar, saved with the
-    piece and restored as it was (0-dim tensor or number). Any other state (a factored
-    second moment) is refused with ``ValueError``.
+    piece and restored as it was (0-dim tensor or number). State of another shape (a
+    factored second moment) is per-tensor state, saved whole when ``param`` is the
+    whole tensor (see ``[Note: per-tensor optimizer state]`` in :mod:`.optim_state`),
+    refused with ``ValueError`` when it is a piece.
     """
 
     key: str

@@ -65,12 +65,15 @@ from shardkit.checkpoint.universal.meta import FORMAT, extra_file_name
 from shardkit.checkpoint.universal.optim_state import (
     entry_offset,
     group_keys,
+    holds_whole,
     hyperparameter_problems,
+    is_per_tensor,
     merge_group_keys,
     optimizer_class,
     optimizer_params,
     plan_hyperparameters,
     restore_hyperparameters,
+    state_shape,
 )
 from shardkit.checkpoint.universal.plan import Filler, assemble, cover_problem
 from shardkit.checkpoint.universal.shardfile import (
@@ -142,7 +145,8 @@ class SavedIndex:
                 self._states.setdefault(key, []).append(state)
 
     def states(self, key: str) -> list[str]:
-        """The element-wise optimizer state names saved for ``key``, sorted."""
+        """The optimizer state names saved for ``key`` (element-wise and per-tensor),
+        sorted."""
         return self._states.get(key, [])
 
 
@@ -302,7 +306,8 @@ def _cover_check(
             continue
         states = [""] + index.states(key)
         for state in states:
-            problem = cover_problem(index.pieces.get((key, state), []), shape)
+            pieces = index.pieces.get((key, state), [])
+            problem = cover_problem(pieces, state_shape(shape, pieces) if state else shape)
             if problem is not None:
                 what = f"{key!r}" + (f" (optimizer state {state!r})" if state else "")
                 problems.append(f"{what}: {problem}")
@@ -394,6 +399,10 @@ def _read_state(
     offset, n = entry_offset(entry), entry.stop - entry.start
     for name in index.states(entry.key):
         pieces = index.pieces[(entry.key, name)]
+        if is_per_tensor(entry.view.global_shape, pieces):
+            if (id(param), name) not in made:  # once per param, whole
+                made[(id(param), name)] = _read_per_tensor(staged, filler, pieces, param, name)
+            continue
         current = made.get((id(param), name), state.get(name))
         if not isinstance(current, torch.Tensor) or current.shape != param.shape:
             saved = dtype_from_name(pieces[0].dtype)
@@ -419,6 +428,21 @@ def _read_state(
             elif on_param:
                 value = value.to(param.device)
         staged.scalars.append((param, name, value))
+
+
+def _read_per_tensor(
+    staged: _Staged, filler: Filler, pieces: Sequence[SavedPiece], param: torch.Tensor, name: str
+) -> torch.Tensor:
+    """Per-tensor state ``name`` of ``param`` (see ``[Note: per-tensor optimizer state]``
+    in :mod:`.optim_state`), read whole into a new tensor of its saved shape, in the
+    param's dtype (a floating param; else the saved dtype) and on its device."""
+    view = pieces[0].view
+    dtype = param.dtype if param.is_floating_point() else dtype_from_name(pieces[0].dtype)
+    values = torch.empty(view.global_shape, dtype=dtype)
+    filler.fill(values, pieces, view, 0, view.local_numel)
+    tensor = values.to(param.device)
+    staged.created.append((param, name, tensor))
+    return tensor
 
 
 def _read(
@@ -624,6 +648,31 @@ def _plan_local(
     return _Plan(index, hyper, source, loaded)
 
 
+def _check_per_tensor(ckpt: Path, entry: ParamEntry, index: SavedIndex) -> None:
+    """Per-tensor optimizer state goes only to an optimizer holding the whole parameter
+    (see ``[Note: per-tensor optimizer state]`` in :mod:`.optim_state`).
+
+    Raises:
+        CheckpointMismatchError: ``entry``'s param is a piece of its tensor and the
+            checkpoint holds per-tensor state of it (the names and the fix).
+    """
+    shape = entry.view.global_shape
+    names = [
+        s for s in index.states(entry.key) if is_per_tensor(shape, index.pieces[(entry.key, s)])
+    ]
+    if names and not holds_whole(entry):
+        assert entry.param is not None
+        raise CheckpointMismatchError(
+            ckpt,
+            "optimizer",
+            f"{ckpt}: {entry.key!r} has per-tensor optimizer state {names} (saved by an "
+            f"optimizer that held the whole {list(shape)} tensor); this optimizer holds "
+            f"{entry.param.numel()} of its {math.prod(shape)} elements. Step it with an "
+            "optimizer that holds whole tensors (WholeTensorOptimizer over FSDP, OSS, "
+            "ShardedDataParallel, a plain model), or load with optimizer=None",
+        )
+
+
 def _check_pieces(
     ckpt: Path, entries: list[ParamEntry], index: SavedIndex, optimizer: Any, source: _FileSource
 ) -> None:
@@ -637,6 +686,7 @@ def _check_pieces(
         needed = [(entry.key, "")]
         if entry.param is not None and id(entry.param) in in_optimizer:
             needed += [(entry.key, state) for state in index.states(entry.key)]
+            _check_per_tensor(ckpt, entry, index)
             try:
                 if len(needed) > 1 or entry.key in index.scalars:
                     entry_offset(entry)

@@ -10,7 +10,8 @@
      "aliases": {"lm_head.weight": "wte.weight"}}   # tied keys: other -> first
 
 :func:`build_layout` also checks, from what every rank writes, that each element of
-each key (and of each saved optimizer state) is written exactly once.
+each key (and of each saved optimizer state, of its own shape for per-tensor state)
+is written exactly once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from shardkit.checkpoint.universal.optim_state import state_shape
 from shardkit.checkpoint.universal.plan import cover_problem
 from shardkit.checkpoint.universal.shardfile import SavedPiece
 
@@ -52,7 +54,8 @@ def _cover_problems(summaries: list[dict[str, Any]], keys: dict[str, KeyMeta]) -
         if math.prod(meta.shape) and (key, "") not in by_key:
             problems.append(f"{key!r}: written by no rank")
     for (key, state), pieces in by_key.items():
-        problem = cover_problem(pieces, tuple(keys[key].shape))
+        shape = tuple(keys[key].shape)
+        problem = cover_problem(pieces, state_shape(shape, pieces) if state else shape)
         if problem is not None:
             what = f"{key!r}" + (f" (optimizer state {state!r})" if state else "")
             problems.append(f"{what}: {problem}")

@@ -1,9 +1,23 @@
-"""Optimizer state and hyperparameters in the universal checkpoint (element-wise optimizers).
+"""Optimizer state and hyperparameters in the universal checkpoint.
 
 Saving: for a written piece whose ``param`` has optimizer state, every state tensor
 shaped like ``param`` contributes the piece's range (:func:`state_slices`); a number
-or a one-element tensor of another shape is a scalar (Adam's ``step``). Loading
-creates or overwrites ``optimizer.state[param][name]`` the same way. Param groups'
+or a 0-dim tensor (Adam's ``step``) is a scalar. Loading creates or overwrites
+``optimizer.state[param][name]`` the same way.
+
+[Note: per-tensor optimizer state]
+Some optimizers keep state of another shape than the parameter, one per whole tensor:
+Adafactor's factored second moment (``row_var`` of shape ``(..., rows, 1)``,
+``col_var`` of shape ``(..., 1, cols)``; Shazeer and Stern 2018, section 3). Such an
+optimizer steps whole tensors only (OSS's owner, ShardedDataParallel's, FSDP's
+``WholeTensorOptimizer`` owner, a plain model), so the rank holding the parameter
+whole holds the state whole. It is saved as one piece with a shard descriptor of its
+own, ``TensorView(state.shape)``, elements ``[0, numel)``, by the writer of the
+parameter's element 0 (:class:`PerTensorState`); the saved pieces of a state whose
+descriptor's global shape is not the key's are per-tensor state
+(:func:`state_shape`). Loading gives the whole state to every optimizer that holds the
+parameter whole, at any world size and wrapper, and refuses (before anything is
+written) one that holds a piece of it. Param groups'
 hyperparameters travel as JSON with the keys of their parameters
 (:func:`group_records`, :func:`plan_hyperparameters`, :func:`restore_hyperparameters`), so a resumed run gets lr,
 betas and weight decay per group back, whatever the new layout.
@@ -11,25 +25,32 @@ betas and weight decay per group back, whatever the new layout.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from shardkit.checkpoint.universal.layout import ParamEntry
-from shardkit.checkpoint.universal.shardfile import SavedScalar, dtype_name
+from shardkit.checkpoint.universal.shardfile import SavedPiece, SavedScalar, dtype_name
+from shardkit.distributed.shard_descriptor import TensorView
 
 __all__ = [
+    "PerTensorState",
     "entry_offset",
     "group_keys",
     "group_records",
+    "holds_whole",
     "hyperparameter_problems",
     "hyperparameters",
+    "is_per_tensor",
     "merge_group_keys",
     "optimizer_class",
     "optimizer_params",
     "plan_hyperparameters",
     "restore_hyperparameters",
+    "state_shape",
     "state_slices",
 ]
 
@@ -67,37 +88,87 @@ def entry_offset(entry: ParamEntry) -> int:
     return offset
 
 
+@dataclass(frozen=True)
+class PerTensorState:
+    """An optimizer state tensor kept per whole tensor (see ``[Note: per-tensor
+    optimizer state]``), saved whole: ``view`` is ``TensorView(tuple(tensor.shape))``."""
+
+    view: TensorView
+    tensor: torch.Tensor
+
+
+def holds_whole(entry: ParamEntry) -> bool:
+    """Whether ``entry``'s param is the whole original tensor (not a tensor-parallel
+    part, not a flat shard's piece): the optimizer holding it may keep per-tensor state."""
+    param = entry.param
+    return (
+        param is not None
+        and entry.view.split_dim is None
+        and param.numel() == math.prod(entry.view.global_shape)
+    )
+
+
 def state_slices(
     entry: ParamEntry, state: Mapping[str, Any]
-) -> Iterator[tuple[str, torch.Tensor | SavedScalar]]:
-    """``(name, piece of the state tensor)`` for element-wise state, ``(name, scalar)``
-    for scalar state, of ``entry``'s param (``state``: ``optimizer.state[param]``); a
-    one-element ``step`` is always a scalar (also for a 0-dim param).
+) -> Iterator[tuple[str, torch.Tensor | SavedScalar | PerTensorState]]:
+    """What to save of ``entry``'s param's optimizer state (``state``:
+    ``optimizer.state[param]``): ``(name, piece of the state tensor)`` for element-wise
+    state, ``(name, scalar)`` for a number or a 0-dim tensor (a one-element ``step``
+    always, also for a 0-dim param), ``(name, PerTensorState)`` for a tensor of
+    another shape when ``param`` is whole (:func:`holds_whole`) and ``entry`` holds its
+    element 0 (so one rank writes it; see ``[Note: per-tensor optimizer state]``).
 
     Raises:
-        ValueError: state of another shape (a factored moment), or a non-number.
+        ValueError: state of another shape on a param that is a piece of its tensor
+            (the optimizer would not be exact there), or a non-number.
     """
     param = entry.param
     assert param is not None
     offset, n = entry_offset(entry), entry.stop - entry.start
+    whole = holds_whole(entry)
     for name, value in sorted(state.items()):
         # "step" is a counter, whatever the param's shape (torch's optimizers name it so;
         # a 0-dim param's 0-dim step would otherwise look element-wise and load as a
         # 1-element tensor into a 1-D FSDP shard)
         counter = name == "step" and isinstance(value, torch.Tensor) and value.numel() == 1
-        if isinstance(value, torch.Tensor) and value.shape == param.shape and not counter:
+        tensor = isinstance(value, torch.Tensor)
+        if tensor and value.shape == param.shape and not counter:
             yield name, value.detach().reshape(-1)[offset : offset + n]
-        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+        elif tensor and value.numel() == 1 and (counter or value.ndim == 0 or not whole):
             yield name, SavedScalar(entry.key, name, value.item(), dtype_name(value.dtype))
+        elif tensor and whole:
+            if entry.start == 0:
+                yield name, PerTensorState(TensorView(tuple(value.shape)), value.detach())
         elif isinstance(value, (bool, int, float)):
             yield name, SavedScalar(entry.key, name, value, None)
         else:
-            what = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            what = tuple(value.shape) if tensor else type(value).__name__
             raise ValueError(
                 f"{entry.key!r}: optimizer state {name!r} is {what}, the parameter "
-                f"{tuple(param.shape)}: the universal checkpoint holds element-wise "
-                "state (shaped like the parameter) and scalars only"
+                f"{tuple(param.shape)} of which this optimizer holds "
+                f"{'a tensor-parallel part' if entry.view.split_dim is not None else 'a piece'}"
+                f" ({param.numel()} of {math.prod(entry.view.global_shape)} elements): "
+                "state of another shape than the parameter is saved only where the "
+                "optimizer holds the whole tensor (OSS, ShardedDataParallel, "
+                "WholeTensorOptimizer over FSDP, a plain model)"
             )
+
+
+def state_shape(key_shape: tuple[int, ...], pieces: Sequence[SavedPiece]) -> tuple[int, ...]:
+    """The global shape the saved ``pieces`` of one optimizer state of a key of shape
+    ``key_shape`` must cover: the key's for element-wise state; for per-tensor state
+    (pieces of one unsplit descriptor of another shape, see ``[Note: per-tensor
+    optimizer state]``) the state's own."""
+    shapes = {p.view.global_shape for p in pieces}
+    if len(shapes) == 1 and all(p.view.split_dim is None for p in pieces):
+        return next(iter(shapes))
+    return tuple(key_shape)
+
+
+def is_per_tensor(key_shape: Sequence[int], pieces: Sequence[SavedPiece]) -> bool:
+    """Whether ``pieces`` (one optimizer state of a key of shape ``key_shape``) are
+    per-tensor state (see :func:`state_shape`)."""
+    return bool(pieces) and state_shape(tuple(key_shape), pieces) != tuple(key_shape)
 
 
 def optimizer_class(optimizer: Any) -> str:

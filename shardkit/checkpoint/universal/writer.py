@@ -44,6 +44,7 @@ from shardkit.checkpoint.universal.adapters import layout_of
 from shardkit.checkpoint.universal.layout import ParamEntry, aliases_of, session_of
 from shardkit.checkpoint.universal.meta import KeyMeta, build_layout, extra_file_name
 from shardkit.checkpoint.universal.optim_state import (
+    PerTensorState,
     group_keys,
     group_records,
     optimizer_class,
@@ -56,6 +57,7 @@ from shardkit.checkpoint.universal.shardfile import (
     dtype_name,
     shard_file_name,
 )
+from shardkit.distributed.shard_descriptor import TensorView
 from shardkit.distributed.shard_elements import check_view
 
 __all__ = ["PreparedSave", "check_entry", "commit_save", "prepare_save", "save_universal"]
@@ -88,13 +90,15 @@ def _shard_file(
     pieces: list[tuple[SavedPiece, torch.Tensor]] = []
     scalars: list[SavedScalar] = []
 
-    def add(key: str, state: str, entry: ParamEntry, tensor: torch.Tensor) -> None:
+    def add(
+        key: str, state: str, view: TensorView, start: int, stop: int, tensor: torch.Tensor
+    ) -> None:
         record = SavedPiece(
             key,
             state,
-            entry.view,
-            entry.start,
-            entry.stop,
+            view,
+            start,
+            stop,
             dtype_name(tensor.dtype),
             file,
             str(len(pieces)),
@@ -105,14 +109,16 @@ def _shard_file(
         check_entry(entry)
         if not entry.write or entry.start == entry.stop < entry.view.local_numel:
             continue  # (an empty tensor is written: its optimizer state's scalars)
-        add(entry.key, "", entry, entry.tensor)
+        add(entry.key, "", entry.view, entry.start, entry.stop, entry.tensor)
         if optimizer is None or entry.param is None:
             continue
         for name, value in state_slices(entry, optimizer.state.get(entry.param, {})):
             if isinstance(value, SavedScalar):
                 scalars.append(value)
+            elif isinstance(value, PerTensorState):  # its own descriptor, written whole
+                add(entry.key, name, value.view, 0, value.tensor.numel(), value.tensor)
             else:
-                add(entry.key, name, entry, value)
+                add(entry.key, name, entry.view, entry.start, entry.stop, value)
     written = [(r.key, r.state, r.view, r.start, r.stop) for r, _ in pieces]
     return ShardFile(pieces, _unique_scalars(scalars)), written
 
@@ -181,10 +187,12 @@ def save_universal(
         step: the training step (directory name, manifest, ``LoadedCheckpoint.step``).
         model: the model as the training loop holds it (plain, DDP, or any wrapper
             with a registered layout, see ``register_layout``).
-        optimizer: the optimizer stepping it (plain torch, or OSS), or None (no
-            optimizer state saved). Element-wise optimizers only (Adam, AdamW, SGD
-            with momentum, Adagrad, RMSprop): state shaped like the parameter, plus
-            scalars.
+        optimizer: the optimizer stepping it (plain torch, OSS, WholeTensorOptimizer),
+            or None (no optimizer state saved). State shaped like the parameter (Adam,
+            AdamW, SGD with momentum, Adagrad, RMSprop, Muon), scalars, and state of
+            another shape where the optimizer holds whole tensors (Adafactor's factored
+            moments; see ``[Note: per-tensor optimizer state]`` in
+            :mod:`.optim_state`).
         extra: this rank's extra state (LR scheduler, RNG states, data position):
             tensors and plain containers; default None: ``{}``.
         keep: committed checkpoints to keep, the newest (0: all). Default 0.
@@ -197,7 +205,7 @@ def save_universal(
     Raises:
         ValueError: (on every rank) an adapter's pieces are invalid or do not write
             every element of a key exactly once (the keys are named), or optimizer
-            state is not element-wise. The failing rank raises its own error, the
+            state of another shape than a parameter of which it holds a piece. The failing rank raises its own error, the
             others ``"rank <r>: <its message>"``.
         TypeError: (on every rank, likewise) a rank's ``extra`` would not load with
             ``weights_only=True``.
