@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -76,7 +78,8 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     with torch.device("meta"):
         gpt = GPT(config)
     params = gpt.num_parameters()
-    disk = DiskOffload(cfg["dir"])
+    disk = DiskOffload(cfg["dir"], generations=cfg["generations"])
+    sampler = _DiskSampler(Path(cfg["dir"])) if rank == 0 else None
     options: dict[str, Any] = {"disk_offload": disk, "param_init_fn": _init}
     with enable_wrap(wrapper_cls=FSDP, **options):
         model = FSDP(auto_wrap(gpt, transformer_auto_wrap_policy({Block})), **options)
@@ -120,10 +123,40 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
         )
         if rank == 0:
             print(f"step {step + 1}: {out['steps'][-1]}", flush=True)
+    if sampler is not None:
+        out["peak_disk_bytes"] = sampler.stop()
     out["disk_after"] = _measure_disk(disk, cfg)
     disk.close()
     dist.barrier()
     return out
+
+
+class _DiskSampler:
+    """Rank 0: the bytes of every rank's files in ``directory``, sampled every 0.5 s
+    on a thread; :meth:`stop` returns the largest sample (the disk the tier needed)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.peak = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(0.5):
+            total = 0
+            for root, _, names in os.walk(self.directory):
+                for name in names:
+                    try:
+                        total += os.stat(os.path.join(root, name)).st_size
+                    except FileNotFoundError:
+                        continue
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return self.peak
 
 
 def _measure_disk(disk: DiskOffload, cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -196,6 +229,8 @@ def report(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
         f"{bw['tier_write_bytes_per_s'] / 1e9:.2f} GB/s: {bw['disk_fraction']:.0%} of the "
         f"disk's bandwidth for that mix ({bw['io_fraction']:.0%} while the tier's I/O ran, "
         f"{bw['io_s']:.2f} s of the step)",
+        f"- generations: {cfg.get('generations', 'step')}; disk used by the tier (all ranks, "
+        f"sampled every 0.5 s): peak {ranks[0].get('peak_disk_bytes', 0) / GIB:.1f} GiB",
         "- build (meta -> generation 0 on disk): "
         + ", ".join(f"rank {r['rank']} {r['build_s']:.0f} s" for r in ranks),
         "",
@@ -236,6 +271,12 @@ def main(argv: list[str] | None = None) -> None:
     add("--dir", default=None, help="parent of the offload directory (default: a temp dir)")
     add("--timeout", type=float, default=4 * 3600.0, help="seconds for the whole run")
     add("--probe-mib", type=int, default=64, help="smallest disk probe file (MiB)")
+    add(
+        "--generations",
+        choices=("step", "unit"),
+        default="step",
+        help="DiskOffload(generations=): 'unit' keeps one generation on disk (default step)",
+    )
     add("--quick", action="store_true", help="GPT 2 x 128, 2 steps: a smoke run")
     args = parser.parse_args(argv)
     if args.quick:

@@ -34,6 +34,21 @@ one) before the directory's ``fsync`` and the manifest's rename, so a crash whil
 writes are in flight leaves the committed generation and, at worst, unreferenced
 files of the next one. Reads may run ahead on background threads too
 (:meth:`GenerationStore.read_async`).
+
+[Note: per-entry commits]
+Two generations of every file need twice the disk. ``commit(..., entries=[...])``
+commits the new files of some entries only: it waits for their writes, ``fsync``-s
+the directory and renames a manifest naming those entries' new files and every other
+entry's committed ones, then deletes the files neither the manifest nor a write in
+flight names, among them the entries' previous generation. Committing each entry as
+soon as it is written keeps one generation plus the entries being written on the
+disk. The guarantee is per entry: after a crash every file the manifest names is
+whole, but entries committed since the last full commit are one generation ahead of
+the others; the caller records which (a manifest field) and decides what resuming
+from such a directory means.
+
+Why this module is long: the store's writes, reads, commits and deletions share one
+lock, one table of writes in flight and the crash-safety rules of the notes above.
 """
 
 from __future__ import annotations
@@ -213,6 +228,7 @@ class GenerationStore:
         self.what = what
         self.generation = 0
         self.files: dict[str, dict[str, str | None]] = {}
+        self.committed: dict[str, dict[str, str | None]] = {}
         self.bytes_read = 0
         self.bytes_written = 0
         self.write_behind_bytes = write_behind_bytes
@@ -256,6 +272,7 @@ class GenerationStore:
             )
         self.generation = int(manifest["generation"])
         self.files = manifest["files"]
+        self.committed = {entry: dict(kinds) for entry, kinds in self.files.items()}
         return manifest
 
     def path(self, entry: str, kind: str) -> Path | None:
@@ -453,27 +470,59 @@ class GenerationStore:
             pending.result()
         return path
 
-    def commit(self, generation: int, keep: set[str] | None = None, **extra: Any) -> None:
+    def written(self, entry: str) -> bool:
+        """No write of ``entry``'s current files is in flight (a finished one's error is
+        raised by :meth:`flush` or :meth:`commit`)."""
+        kinds = self.files.get(entry, {}).values()
+        return all(
+            (f := self._pending.get(name)) is None or f.done() for name in kinds if name is not None
+        )
+
+    def commit(
+        self,
+        generation: int,
+        keep: set[str] | None = None,
+        entries: list[str] | None = None,
+        **extra: Any,
+    ) -> None:
         """Make ``generation`` (the current files) the committed one with one atomic
         manifest rename, then delete the unreferenced files.
 
         Args:
             generation: the generation committed.
             keep: further file names (not in ``files``) to keep.
+            entries: commit only these entries' current files (waiting for their
+                writes), the others keeping their committed files: the per-entry
+                commit of [Note: per-entry commits]. Default None: every entry.
             extra: more JSON-able manifest fields (layouts, optimizer class, ...).
+
+        Raises:
+            OSError: a write of a committed file failed (nothing is committed).
         """
-        self.flush()  # every file of the generation is on the disk before the commit
+        if entries is None:
+            self.flush()  # every file of the generation is on the disk before the commit
+            files = {entry: dict(kinds) for entry, kinds in self.files.items()}
+        else:
+            for entry in entries:
+                for name in self.files.get(entry, {}).values():
+                    if name is not None and (pending := self._pending.pop(name, None)):
+                        pending.result()
+            self._raise_failed()
+            files = {entry: dict(kinds) for entry, kinds in self.committed.items()}
+            files.update({entry: dict(self.files[entry]) for entry in entries})
         fsync_dir(self.directory)  # and so are their renames
-        manifest = {"format": self.fmt, "generation": generation, "files": self.files, **extra}
+        manifest = {"format": self.fmt, "generation": generation, "files": files, **extra}
         with atomic_write(self.directory / MANIFEST, "w") as handle:
             json.dump(manifest, handle, indent=1)
         self.generation = generation
+        self.committed = files
         self.remove_unreferenced(keep or set())
 
     def remove_unreferenced(self, keep: set[str]) -> None:
-        """Delete owned files that the current files and ``keep`` do not name."""
+        """Delete owned files that the current files, the committed ones and ``keep``
+        do not name."""
         wanted = {MANIFEST, *keep}
-        for kinds in self.files.values():
+        for kinds in [*self.files.values(), *self.committed.values()]:
             wanted.update(f for f in kinds.values() if f is not None)
         for entry in os.listdir(self.directory):
             temporary = entry.endswith(".tmp") and (

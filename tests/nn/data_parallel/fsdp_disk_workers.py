@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ def _disk_model(directory: str, cfg: dict[str, Any], resume: bool = False) -> tu
         resume=resume,
         prefetch=cfg.get("prefetch", True),
         write_behind_bytes=cfg.get("write_behind", 512 * 2**20),
+        generations=cfg.get("generations", "step"),
     )
     if resume:
         with torch.device("meta"):
@@ -98,6 +100,7 @@ def disk_parity(cfg: dict[str, Any], directory: str) -> dict[str, Any]:
     model, optimizer = _disk_model(directory, cfg)
     disk = optimizer.tier
     shard_bytes = sum(u.nbytes for u in disk.units)
+    on_disk = _count_files_at_commits(disk)
     out: dict[str, Any] = {"losses": [], "ref_losses": []}
     for step in range(cfg.get("steps", 3)):
         out["losses"].append(_step(model, optimizer, step))
@@ -118,8 +121,94 @@ def disk_parity(cfg: dict[str, Any], directory: str) -> dict[str, Any]:
     out["ref_state"] = ref.state_dict()
     out["files"] = sorted(os.listdir(disk.directory))
     out["units"] = len(disk.units)
+    out["most_files"] = max(on_disk)
     disk.close()
     return out
+
+
+def _count_files_at_commits(disk: DiskOffload) -> list[int]:
+    """Spy on ``disk``'s store: the number of unit files in its directory (committed,
+    in flight or being deleted) just before every commit and after a unit commit."""
+    counts: list[int] = [0]
+    real = disk.store.commit
+
+    def count() -> None:
+        counts.append(len([f for f in os.listdir(disk.directory) if ".g" in f]))
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        count()
+        real(*args, **kwargs)
+        if kwargs.get("entries") is not None:
+            count()
+
+    disk.store.commit = spy  # type: ignore[method-assign]
+    return counts
+
+
+class SimulatedCrash(Exception):
+    """Stands for the process dying at a chosen point."""
+
+
+def crash_between_unit_commits(root: str) -> dict[str, Any]:
+    """``generations="unit"``: two steps uninterrupted; then one step, step 2 stopped
+    right after its second unit commit (each unit written with write-behind off, so
+    the order is fixed), a resume attempt, and the files the manifest names."""
+    cfg = {"nesting": "block", "optim": "adamw", "generations": "unit", "write_behind": 0}
+    model, optimizer = _disk_model(str(Path(root) / "straight"), cfg)
+    for step in range(2):
+        _step(model, optimizer, step)
+    straight = optimizer.tier.directory
+    optimizer.tier.close()
+
+    model, optimizer = _disk_model(str(Path(root) / "crashed"), cfg)
+    _step(model, optimizer, 0)
+    store, unit_commits = optimizer.tier.store, []
+    real = store.commit
+
+    def crash_after_second_unit(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        unit_commits.append(kwargs.get("entries"))
+        if len(unit_commits) == 2:
+            raise SimulatedCrash
+
+    store.commit = crash_after_second_unit  # type: ignore[method-assign]
+    crashed_in_step = False
+    try:
+        _step(model, optimizer, 1)
+    except SimulatedCrash:
+        crashed_in_step = True
+    crashed = optimizer.tier.directory
+    optimizer.tier.store.flush()
+    manifest = json.loads((crashed / "manifest.json").read_text())
+    named = sorted(f for kinds in manifest["files"].values() for f in kinds.values() if f)
+    out: dict[str, Any] = {
+        "crashed_in_step": crashed_in_step,
+        "unit_commits": unit_commits,
+        "unfinished": manifest.get("unfinished"),
+        "generation": manifest["generation"],
+        "named": named,
+        "missing": [f for f in named if not (crashed / f).exists()],
+        "sizes_ok": all(
+            (crashed / f).stat().st_size == _record_bytes(manifest["units"][f.split(".")[0]], f)
+            for f in named
+        ),
+        "ahead_equal_straight": [
+            (crashed / f).read_bytes() == (straight / f).read_bytes()
+            for f in named
+            if f.endswith(".g2")
+        ],
+        "resume": _raises(lambda: _disk_model(str(Path(root) / "crashed"), cfg, resume=True)),
+    }
+    return out
+
+
+def _record_bytes(record: dict[str, Any], name: str) -> int:
+    """The size of a unit's file from its manifest record: the shard (padded flat
+    parameter piece, fp32) or the packed optimizer state."""
+    if ".params." in name:
+        return -(-sum(record["numels"]) // record["world_size"]) * 4
+    layout = record["optim"]
+    return int(layout["nbytes"]) if isinstance(layout, dict) else -1
 
 
 def disk_parity_grid(configs: list[dict[str, Any]], root: str) -> list[dict[str, Any]]:

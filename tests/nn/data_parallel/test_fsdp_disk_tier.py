@@ -26,6 +26,7 @@ GRID = {
         {"nesting": "block", "optim": "adamw"},
         {"nesting": "size", "optim": "sgd"},
         {"nesting": "block", "optim": "adamw", "raf": False},
+        {"nesting": "size", "optim": "adamw", "generations": "unit", "write_behind": 0},
     ],
 }
 
@@ -48,6 +49,16 @@ def test_parity_and_byte_counters(rank_pool: Any, world_size: int, tmp_path: Pat
             units = result["units"]
             assert len(result["files"]) == 2 * units + 1, result["files"]
             assert all(f.endswith(".g3") for f in result["files"] if f != "manifest.json")
+            if cfg.get("generations") == "unit":
+                # one generation, plus the new files of the unit written and not yet
+                # committed and of the one being written (write-behind off); a unit's
+                # previous files are deleted at its commit
+                assert units >= 5 and result["most_files"] <= 2 * units + 4, (
+                    result["most_files"],
+                    units,
+                )
+            else:  # two whole generations before the step's commit
+                assert result["most_files"] == 4 * units, (result["most_files"], units)
 
 
 def test_crash_mid_step_leaves_previous_generation(rank_pool: Any, tmp_path: Path) -> None:
@@ -58,6 +69,24 @@ def test_crash_mid_step_leaves_previous_generation(rank_pool: Any, tmp_path: Pat
         assert not [f for f in result["files_after_open"] if ".g3" in f]  # half a step, gone
         assert result["losses"] == result["straight"]  # step 3 redone: the same loss
         assert_state_dicts_close(result["state"], result["straight_state"], atol=0, rtol=0)
+
+
+def test_unit_generations_crash_leaves_whole_files_and_is_refused(
+    rank_pool: Any, tmp_path: Path
+) -> None:
+    """generations='unit': a crash between two unit commits of step 2 leaves every file
+    the manifest names whole, the two committed units at step 2 (byte-equal to the
+    uninterrupted run's), the step marked unfinished, and resume refused by name."""
+    out = rank_pool(1).run(w.crash_between_unit_commits, str(tmp_path))[0]
+    assert out["crashed_in_step"]
+    ahead = [entries[0] for entries in out["unit_commits"]]
+    assert len(ahead) == 2 and out["unfinished"] == {"generation": 2, "units": sorted(ahead)}
+    assert out["generation"] == 1 and not out["missing"] and out["sizes_ok"]
+    assert len(out["ahead_equal_straight"]) == 4 and all(out["ahead_equal_straight"])
+    assert sum(f.endswith(".g1") for f in out["named"]) == len(out["named"]) - 4
+    assert "ValueError" in out["resume"], out["resume"]
+    assert "left in the middle of step 2 with generations='unit'" in out["resume"]
+    assert all(entry in out["resume"] for entry in ahead), out["resume"]
 
 
 def test_killed_process_resumes_from_previous_generation(rank_pool: Any, tmp_path: Path) -> None:

@@ -29,6 +29,25 @@ page cache (:mod:`shardkit.checkpoint.direct_io`), as ZeRO-Infinity's NVMe engin
 (section 6.2). Crash safety is the store's: the commit waits for every write (see
 [Note: write-behind] in :mod:`shardkit.checkpoint.generations`).
 
+[Note: per-unit generations]
+With ``generations="step"`` (the default) the files of generation g + 1 are written
+beside those of g and the step commits them all at once: the disk holds two
+generations, ``2 x (4 + optimizer state bytes per element) x psi / N`` per rank. A model
+whose state fills the disk cannot afford that, so ``generations="unit"`` commits each
+unit as soon as its shard and optimizer state are written (the training thread, at the
+next unit's prefetch: :meth:`GenerationStore.commit` with ``entries``, see [Note:
+per-entry commits] in :mod:`shardkit.checkpoint.generations`) and deletes its previous
+files then. Backward visits each unit once, after its forward read, so no later read
+of the step needs them. The disk holds one generation plus the units written and not
+yet committed (about one) and the writes in flight (``write_behind_bytes``).
+What a crash leaves: every file the manifest names is whole (written, ``fsync``-ed and
+renamed before the manifest names it). Between the step's first unit commit and its
+final commit the manifest records the step as ``unfinished`` with the units already
+at it; those units' previous values are gone, so no consistent step remains and
+``resume=True`` refuses the directory, naming the units on each side. A crash before
+the first unit commit (forward, the start of backward) or after the step's commit
+resumes as with ``"step"``.
+
 [Note: stepping inside backward]
 The optimizer steps each unit as soon as its reduced gradient shard is complete, so
 no gradient is ever written to disk or held for more than one unit, and a unit's
@@ -153,10 +172,19 @@ class DiskOffload:
             written on background threads while backward goes on (see [Note: I/O at the
             disk's speed]); 0 writes each unit before the next one steps. Default
             512 MiB.
+        generations: ``"step"`` (default): a step writes generation g + 1 of every unit
+            beside g and commits it at the end of the step, so a crash at any point
+            resumes at a whole step; the disk holds two generations during a step.
+            ``"unit"``: each unit's new files replace its previous ones as soon as they
+            are written (see [Note: per-unit generations]); the disk holds one
+            generation plus about one unit's files and the writes in flight, but a crash
+            during a backward leaves a directory that does not resume.
 
     Raises:
-        ValueError: an unwritable directory, or a directory holding a model (``resume``
-            False) or none (``resume`` True).
+        ValueError: an unwritable directory, a directory holding a model (``resume``
+            False) or none (``resume`` True), a directory whose last step did not
+            finish with ``generations="unit"`` (``resume`` True), or an unknown
+            ``generations``.
     """
 
     def __init__(
@@ -165,7 +193,13 @@ class DiskOffload:
         resume: bool = False,
         prefetch: bool = True,
         write_behind_bytes: int = 512 * 2**20,
+        generations: str = "step",
     ) -> None:
+        if generations not in ("step", "unit"):
+            raise ValueError(
+                f"generations must be 'step' (two generations on disk during a step) or "
+                f"'unit' (one, and a crash mid-step does not resume), got {generations!r}"
+            )
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.store = GenerationStore(
             Path(directory) / f"rank{rank}",
@@ -177,6 +211,7 @@ class DiskOffload:
         )
         self.resume = resume
         self.prefetch = prefetch
+        self.per_unit = generations == "unit"
         self.units: list[DiskUnit] = []
         self.optimizer_class: str | None = None
         self._stored: dict[str, Any] = {}
@@ -184,6 +219,7 @@ class DiskOffload:
             manifest = self.store.open()
             self._stored = manifest["units"]
             self.optimizer_class = manifest.get("optimizer_class")
+            _refuse_unfinished(manifest, self.directory)
             self.store.remove_unreferenced(set())  # a crashed step's files
         self._optimizer: DiskOptimizer | None = None
         self._group: dist.ProcessGroup | None = None
@@ -191,6 +227,8 @@ class DiskOffload:
         self.in_backward = False  # a backward started and has not ended
         self.written: list[DiskUnit] = []  # stepped units whose shard is being written
         self.stepped: list[DiskUnit] = []  # units stepped in the step being written
+        self.uncommitted: list[DiskUnit] = []  # per-unit generations: stepped, not committed
+        self._records: dict[str, Any] = dict(self._stored)  # committed unit records
         self.history: list[DiskStats] = []
         self.read_wait_s = 0.0
         self._mark = (0, 0, 0.0, 0.0, 0.0)  # read, written, wait, time, I/O s at the last commit
@@ -248,12 +286,34 @@ class DiskOffload:
 
     # reading and writing -------------------------------------------------------------
     def reap(self) -> None:
-        """Free the shards of stepped units whose write finished (training thread)."""
+        """Free the shards of stepped units whose write finished, and with per-unit
+        generations commit the units whose files are written (training thread)."""
         if self.written:
             done = [u for u in self.written if u.write_done()]
             self.written = [u for u in self.written if u not in done]
             for unit in done:
                 unit.release()
+        if self.uncommitted:
+            self._commit_units([u for u in self.uncommitted if self.store.written(u.entry)])
+
+    def _commit_units(self, units: list[DiskUnit]) -> None:
+        """Per-unit generations: commit ``units``' new files (waiting for their writes),
+        their previous ones deleted; the manifest names the step they belong to as
+        unfinished until the step's commit (see [Note: per-unit generations])."""
+        if not units:
+            return
+        with record_function("FSDP::disk_commit_unit"):
+            for unit in units:
+                self._records[unit.entry] = unit.describe()
+            self.uncommitted = [u for u in self.uncommitted if u not in units]
+            ahead = sorted(u.entry for u in self.stepped if u not in self.uncommitted)
+            self.store.commit(
+                self.generation,
+                entries=[u.entry for u in units],
+                units=self._records,
+                optimizer_class=self.optimizer_class,
+                unfinished={"generation": self.generation + 1, "units": ahead},
+            )
 
     def waited(self, seconds: float) -> None:
         """Count ``seconds`` of the training thread waiting for a read."""
@@ -280,6 +340,8 @@ class DiskOffload:
                 "tier steps once per backward (was the unit's output used by two losses?)"
             )
         self.stepped.append(unit)
+        if self.per_unit:
+            self.uncommitted.append(unit)
         return self._optimizer
 
     def check_backward_allowed(self, label: str) -> None:
@@ -311,6 +373,7 @@ class DiskOffload:
             self.store.flush()  # this rank's g + 1 is on the disk
             self.waited(time.perf_counter() - start)
             self.reap()
+            self._commit_units(self.uncommitted)
             if dist.is_initialized() and group_size(self._group) > 1:
                 dist.all_reduce(torch.zeros(1), group=self._group)  # all wrote g + 1
             self._commit(self.generation + 1)
@@ -318,11 +381,8 @@ class DiskOffload:
         self.unacknowledged = True
 
     def _commit(self, generation: int) -> None:
-        self.store.commit(
-            generation,
-            units={u.entry: u.describe() for u in self.units},
-            optimizer_class=self.optimizer_class,
-        )
+        self._records = {u.entry: u.describe() for u in self.units}
+        self.store.commit(generation, units=self._records, optimizer_class=self.optimizer_class)
         read, written, now = self.store.bytes_read, self.store.bytes_written, time.perf_counter()
         if generation > 0:
             last_read, last_written, last_wait, last_time, last_io = self._mark
@@ -602,6 +662,7 @@ class DiskUnit:
             )
             del new_state
             self.release()
+        tier.reap()  # with per-unit generations, commit the units written by now
 
     def _take_state(self) -> dict[int, dict[str, Any]]:
         """This unit's optimizer state for its step: read ahead, or read now."""
@@ -689,6 +750,27 @@ def refuse_on_disk(units: Sequence[TieredUnit], what: str) -> None:
 def _tier_of(unit: TieredUnit) -> DiskOffload | None:
     """The disk tier ``unit``'s store is on, None for a unit in memory."""
     return unit.store.tier if isinstance(unit.store, DiskUnit) else None
+
+
+def _refuse_unfinished(manifest: dict[str, Any], directory: Path) -> None:
+    """Resuming: the directory's last step finished (see [Note: per-unit generations]).
+
+    Raises:
+        ValueError: naming the step, the units already at it and the others.
+    """
+    unfinished = manifest.get("unfinished")
+    if not unfinished:
+        return
+    ahead = unfinished["units"]
+    behind = sorted(set(manifest["units"]) - set(ahead))
+    raise ValueError(
+        f"the disk_offload directory {str(directory)!r} was left in the middle of step "
+        f"{unfinished['generation']} with generations='unit': {', '.join(ahead)} hold that "
+        f"step's values and their step-{manifest['generation']} files are gone, "
+        f"{', '.join(behind) or 'no unit'} hold step {manifest['generation']}'s; no "
+        "consistent step remains. Start again (from a checkpoint), and use "
+        "generations='step' (room for two generations) where a crash must resume"
+    )
 
 
 def _check_same_generation(generation: int, group: dist.ProcessGroup | None) -> None:
