@@ -1,14 +1,29 @@
 """FaultTolerantReplicas: one data-parallel replica's side of the per-step quorum.
 
-A replica is one process (one model copy) here. Each step it arrives at a quorum
-(:mod:`~shardkit.distributed.fault_tolerance.quorum`), heals from a live member if it
-is behind, computes its gradients, and averages them over the quorum's members with
-:meth:`FaultTolerantReplicas.average_gradients`, which redoes the reduction with the
-survivors when a member fails, so every survivor applies the same average.
+A replica is one model copy: one process, or the ranks of a process group that hold
+the copy between them (sharded inside: OSS, ShardedDataParallel, FSDP). Each step it
+arrives at a quorum (:mod:`~shardkit.distributed.fault_tolerance.quorum`), heals from
+a live member if it is behind, computes its gradients, and averages them over the
+quorum's members with :meth:`FaultTolerantReplicas.average_gradients`, which redoes
+the reduction with the survivors when a member fails, so every survivor applies the
+same average.
+
+[Note: a replica of several ranks]
+Rank ``j`` of a replica holds the same piece of the state in every replica (the same
+wrapper over the same number of ranks), so the cross-replica reduction is one group
+per local rank: rank ``j`` of every member, keyed ``group/<j>`` under the round's
+prefix; healing sends rank ``j``'s state to the joiner's rank ``j``. The replica's
+rank 0 alone speaks for it on the store (arrival, vote) and hands each decision to
+the other ranks with a broadcast over the replica's group; whether the replica's
+reduction or healing succeeded is the minimum over its ranks (an all-reduce), so the
+ranks of a replica always take the same branch. A rank of the replica that dies
+breaks the replica's own collectives: the whole replica fails and restarts (its
+launcher's job), the other replicas drop it like a dead process.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -17,10 +32,12 @@ from enum import Enum
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardkit.distributed.fault_tolerance.quorum import (
     Arrival,
     Quorum,
+    Verdict,
     decided_rounds,
     join_round,
     vote,
@@ -111,6 +128,11 @@ class FaultTolerantReplicas:
         initial_replicas: the replicas launched together: the first quorum closes as
             soon as this many arrived; default None (after ``join_timeout_s``).
         prefix: the store prefix of this job's keys; default ``"shardkit-ft"``.
+        group: the process group of this replica's ranks, which hold one model copy
+            between them (e.g. the world of the replica's own ``torchrun``); every
+            replica has the same number of ranks, and every rank of the replica
+            builds its manager and calls its methods. Default None: a replica of one
+            process (no collectives inside it). See [Note: a replica of several ranks].
 
     Raises:
         ValueError: ``replica_id < 0``, ``min_replicas < 1`` or a timeout ``<= 0``.
@@ -133,6 +155,7 @@ class FaultTolerantReplicas:
         quorum_timeout_s: float = 300.0,
         initial_replicas: int | None = None,
         prefix: str = "shardkit-ft",
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
         if replica_id < 0 or min_replicas < 1:
@@ -155,6 +178,26 @@ class FaultTolerantReplicas:
         self.quorum: Quorum | None = None
         self.stats = ReplicaStats()
         self._group: tuple[int, GlooGroup] | None = None
+        self.replica_group = group
+        self.local_rank = 0 if group is None else dist.get_rank(group)
+
+    # the replica's own ranks -------------------------------------------------------
+    def _share(self, make: Callable[[], Any]) -> Any:
+        """``make()`` on the replica's rank 0 (the one that speaks on the store), its
+        result broadcast to the replica's other ranks."""
+        if self.replica_group is None:
+            return make()
+        box = [make() if self.local_rank == 0 else None]
+        dist.broadcast_object_list(box, group=self.replica_group, group_src=0)
+        return box[0]
+
+    def _all_ok(self, ok: bool) -> bool:
+        """True when ``ok`` holds on every rank of the replica."""
+        if self.replica_group is None:
+            return ok
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.replica_group)
+        return bool(flag.item())
 
     # the quorum ----------------------------------------------------------------
     @property
@@ -172,15 +215,19 @@ class FaultTolerantReplicas:
             QuorumTimeoutError: fewer than ``min_replicas`` replicas within
                 ``quorum_timeout_s``.
         """
+        quorum: Quorum = self._share(self._arrive)
+        self.quorum, self.state = quorum, ReplicaState.MEMBER
+        self._serve_or_heal(quorum)
+        return quorum
+
+    def _arrive(self) -> Quorum:
+        """Join rounds from the next one until a quorum admits this replica."""
         round_ = self._next_round()
         while True:
             quorum = self._join(round_, redo=False)
             if self.replica_id in quorum.members:
-                break
+                return quorum
             round_ = quorum.round + 1  # a redo round: joiners wait for the next one
-        self.quorum, self.state = quorum, ReplicaState.MEMBER
-        self._serve_or_heal(quorum)
-        return quorum
 
     def _next_round(self) -> int:
         if self.state is ReplicaState.MEMBER and self.quorum is not None:
@@ -201,7 +248,7 @@ class FaultTolerantReplicas:
 
     # healing -------------------------------------------------------------------
     def _heal_group(self, quorum: Quorum, healer: int, rank: int) -> GlooGroup:
-        prefix = f"{self.prefix}/round/{quorum.round}/heal/{healer}"
+        prefix = f"{self.prefix}/round/{quorum.round}/heal/{healer}/{self.local_rank}"
         return gloo_group(self.store, prefix, rank, 2, self.timeout_s)
 
     def _served_state(self) -> dict[str, Any] | None:
@@ -236,8 +283,11 @@ class FaultTolerantReplicas:
             received, size = recv_state(self._heal_group(quorum, self.replica_id, 1))
         except RuntimeError as err:
             _LOG.warning("replica %d: receiving the state failed: %s", self.replica_id, err)
+            received, size = None, 0
+        if not self._all_ok(received is not None):  # one rank failed: the replica did
             self.state = ReplicaState.FAILED
             return
+        assert received is not None
         self._load_state_dict(received["state"])
         self.step = int(received["step"])
         self.stats.healed += 1
@@ -248,7 +298,7 @@ class FaultTolerantReplicas:
     def _cross_replica_group(self, quorum: Quorum) -> GlooGroup:
         if self._group is None or self._group[0] != quorum.group_round:
             self._group = None  # closes the previous group's connections
-            prefix = f"{self.prefix}/round/{quorum.group_round}/group"
+            prefix = f"{self.prefix}/round/{quorum.group_round}/group/{self.local_rank}"
             rank = quorum.rank_of(self.replica_id)
             group = gloo_group(self.store, prefix, rank, len(quorum.members), self.timeout_s)
             self._group = (quorum.group_round, group)
@@ -274,7 +324,10 @@ class FaultTolerantReplicas:
         """Average the gradients of ``parameters`` over this step's surviving members.
 
         Parameters without a gradient count as zeros (every replica must pass the same
-        parameters in the same order). When a member fails or times out, the members
+        parameters in the same order). In a replica of several ranks, each rank passes
+        the parameters whose gradients it holds reduced over the replica: all of them
+        under DDP, its shard otherwise (``OSS.local_params()`` under OSS and
+        ShardedDataParallel, FSDP's ``parameters()``). When a member fails or times out, the members
         that reported in time redo the reduction among themselves, from their own
         gradients, until one succeeds on all of them.
 
@@ -298,17 +351,24 @@ class FaultTolerantReplicas:
             # A FAILED member takes part (its peers need not time out) but votes no.
             result = None if local is None else self._reduce(quorum, local)
             ok = self.state is ReplicaState.MEMBER and (local is None or result is not None)
-            verdict = vote(self.store, self.prefix, quorum, self.replica_id, ok, self.timeout_s)
+            verdict = self._vote(quorum, self._all_ok(ok))
             if verdict.commit:
                 self._commit(params, result, quorum)
                 return True
             if self.state is ReplicaState.FAILED or self.replica_id not in verdict.voters:
                 return self._drop()
             self.stats.redone_reductions += 1
-            quorum = self._join(quorum.round + 1, redo=True)
+            quorum = self._share(functools.partial(self._join, quorum.round + 1, redo=True))
             if self.replica_id not in quorum.members:
                 return self._drop()
             self.quorum = quorum
+
+    def _vote(self, quorum: Quorum, ok: bool) -> Verdict:
+        """The round's verdict, given this replica's outcome (its rank 0 votes)."""
+        verdict: Verdict = self._share(
+            lambda: vote(self.store, self.prefix, quorum, self.replica_id, ok, self.timeout_s)
+        )
+        return verdict
 
     def _commit(
         self, params: list[torch.Tensor], averaged: torch.Tensor | None, quorum: Quorum
