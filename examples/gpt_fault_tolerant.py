@@ -10,8 +10,9 @@ agree on a quorum, average their gradients over it (rank ``j`` of each replica w
 rank ``j`` of the others: :class:`shardkit.distributed.fault_tolerance.
 FaultTolerantReplicas` with the replica's group), and step; a replica that dies or
 stalls is dropped for that step, and a restarted one receives the model, optimizer,
-LR schedule, history and step count from a live replica (rank ``j`` from rank ``j``:
-every replica has the same ``W`` and strategy).
+LR schedule, history and step count from a live replica, as the parts of a universal
+checkpoint held in memory (``shardkit.checkpoint.universal.universal_state``), each of
+its ranks loading the pieces its layout needs.
 
 Data: rank ``r`` of replica ``i`` is data-parallel rank ``i W + r`` of ``M W``: it
 takes its rows of step ``s``'s global batch ``G`` (the main job's sampler); with a
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 from gpt_data import eval_windows
 
+from shardkit.checkpoint.universal import load_universal_states, universal_state
 from shardkit.distributed.fault_tolerance import FaultTolerantReplicas, connect_store, host_store
 from shardkit.optim import OSS
 
@@ -97,17 +99,16 @@ def train_loop(
     n_val = config.eval_batches * run.plan.global_batch
     run.val = eval_windows(run.val_tokens, n_val, config.seq_len, 0, 1)  # every window
 
-    def state_dict() -> dict[str, Any]:
-        return {
-            "strategy": strategy.state_dict(),
-            "scheduler": run.scheduler.state_dict(),
-            "history": asdict(run.history),
-        }
+    def state_dict() -> dict[str, Any]:  # this rank's part of a universal checkpoint
+        extra = {"scheduler": run.scheduler.state_dict(), "history": asdict(run.history)}
+        module, optimizer = strategy.checkpoint_module(), strategy.optimizer
+        return universal_state(module, optimizer, step=ft.step, extra=extra)
 
-    def load_state_dict(state: Any) -> None:
-        strategy.load_state_dict(state["strategy"])
-        run.scheduler.load_state_dict(state["scheduler"])
-        for name, values in state["history"].items():
+    def load_state_dict(parts: list[Any]) -> None:  # resharded into this replica's layout
+        module, optimizer = strategy.checkpoint_module(), strategy.optimizer
+        extra = load_universal_states(parts, module, optimizer).extra(0) or {}
+        run.scheduler.load_state_dict(extra["scheduler"])
+        for name, values in extra["history"].items():
             setattr(run.history, name, values)
 
     ft = FaultTolerantReplicas(

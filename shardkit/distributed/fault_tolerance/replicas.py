@@ -12,13 +12,23 @@ same average.
 Rank ``j`` of a replica holds the same piece of the state in every replica (the same
 wrapper over the same number of ranks), so the cross-replica reduction is one group
 per local rank: rank ``j`` of every member, keyed ``group/<j>`` under the round's
-prefix; healing sends rank ``j``'s state to the joiner's rank ``j``. The replica's
+prefix. The replica's
 rank 0 alone speaks for it on the store (arrival, vote) and hands each decision to
 the other ranks with a broadcast over the replica's group; whether the replica's
 reduction or healing succeeded is the minimum over its ranks (an all-reduce), so the
 ranks of a replica always take the same branch. A rank of the replica that dies
 breaks the replica's own collectives: the whole replica fails and restarts (its
 launcher's job), the other replicas drop it like a dead process.
+
+[Note: healing across layouts]
+Healing sends every rank's part of the source's state to every rank of the healer
+(``heal/<healer>/<source rank>/<healer rank>``, two-member groups, in that order), and
+each replica publishes its number of ranks (``size/<replica>``), so the healer may hold
+its copy in another layout: with parts of a universal checkpoint
+(``shardkit.checkpoint.universal.universal_state`` /
+``load_universal_states``), each healer rank reads the pieces its layout needs by
+their shard descriptors. Each healer rank receives the whole state (the source's parts),
+as when every rank reads a whole checkpoint.
 """
 
 from __future__ import annotations
@@ -55,7 +65,7 @@ __all__ = ["FaultTolerantReplicas", "ReplicaState", "ReplicaStats"]
 _LOG = logging.getLogger(__name__)
 
 StateDictFn = Callable[[], Mapping[str, Any]]
-LoadStateDictFn = Callable[[Mapping[str, Any]], None]
+LoadStateDictFn = Callable[[list[Mapping[str, Any]]], None]
 
 
 class ReplicaState(Enum):
@@ -115,9 +125,16 @@ class FaultTolerantReplicas:
         store: the c10d store every replica reaches (a ``TCPStore``); it must outlive
             the replicas (see the package docstring).
         replica_id: this replica's id, ``>= 0``; a restarted replica reuses its id.
-        state_dict: returns the state a joiner needs (model and optimizer
-            ``state_dict()``; the step count is added by the manager).
-        load_state_dict: loads such a state into this replica.
+        state_dict: returns this rank's part of the state a joiner needs (a picklable
+            tree of tensors and plain data: the model's and optimizer's
+            ``state_dict()``, or a universal checkpoint's part,
+            ``shardkit.checkpoint.universal.universal_state``, for a joiner of another
+            layout); the step count is added by the manager. Called on every rank of
+            a replica that serves, together (it may be a collective over ``group``).
+        load_state_dict: given the parts of every rank of the serving replica (a list
+            in its rank order; one item for a replica of one process), loads them into
+            this rank (``shardkit.checkpoint.universal.load_universal_states`` for
+            universal parts). Called on every rank of the healing replica, together.
         min_replicas: replicas a quorum needs to close; default 1.
         timeout_s: a collective's timeout and the window for the members' votes, in
             seconds; default 10.
@@ -180,6 +197,9 @@ class FaultTolerantReplicas:
         self._group: tuple[int, GlooGroup] | None = None
         self.replica_group = group
         self.local_rank = 0 if group is None else dist.get_rank(group)
+        if self.local_rank == 0:
+            size = 1 if group is None else dist.get_world_size(group)
+            store.set(self._size_key(replica_id), str(size))
 
     # the replica's own ranks -------------------------------------------------------
     def _share(self, make: Callable[[], Any]) -> Any:
@@ -247,12 +267,21 @@ class FaultTolerantReplicas:
         )
 
     # healing -------------------------------------------------------------------
-    def _heal_group(self, quorum: Quorum, healer: int, rank: int) -> GlooGroup:
-        prefix = f"{self.prefix}/round/{quorum.round}/heal/{healer}/{self.local_rank}"
-        return gloo_group(self.store, prefix, rank, 2, self.timeout_s)
+    def _size_key(self, replica: int) -> str:
+        return f"{self.prefix}/size/{replica}"
+
+    def _replica_size(self, replica: int) -> int:
+        """The number of ranks of ``replica`` (each replica's rank 0 publishes it)."""
+        return int(self.store.get(self._size_key(replica)).decode())
+
+    def _heal_group(self, quorum: Quorum, healer: int, src: int, dst: int, me: int) -> GlooGroup:
+        """The two-member group from the source's rank ``src`` (group rank 0) to the
+        healer's rank ``dst`` (group rank 1); ``me`` is this rank's group rank."""
+        prefix = f"{self.prefix}/round/{quorum.round}/heal/{healer}/{src}/{dst}"
+        return gloo_group(self.store, prefix, me, 2, self.timeout_s)
 
     def _served_state(self) -> dict[str, Any] | None:
-        """This replica's state and step for a healer, or None when ``state_dict`` failed."""
+        """This rank's state and step for a healer, or None when ``state_dict`` failed."""
         try:
             return {"state": self._state_dict(), "step": self.step}
         except RuntimeError as err:
@@ -260,36 +289,45 @@ class FaultTolerantReplicas:
             return None
 
     def _serve_or_heal(self, quorum: Quorum) -> None:
-        """Send the state to the members healing from this one, or receive it."""
+        """Send this rank's state to every rank of each member healing from this
+        replica, or receive every rank's state of the source (see [Note: healing
+        across layouts]). Pairs go in (source rank, healer rank) order: no deadlock."""
         for healer in quorum.healers_of(self.replica_id):
-            try:
-                group = self._heal_group(quorum, healer, 0)
-                state = self._served_state()
-                sent = send_state(group, state)  # None: the healer fails at once
-            except RuntimeError as err:  # the healer died: the reduction drops it
-                _LOG.warning(
-                    "replica %d: sending the state to replica %d failed: %s",
-                    self.replica_id,
-                    healer,
-                    err,
-                )
-                continue
-            self.stats.served += state is not None
-            self.stats.served_bytes += sent
-        if quorum.source_of(self.replica_id) is None:
+            state = self._served_state()
+            for dst in range(self._replica_size(healer)):
+                try:
+                    group = self._heal_group(quorum, healer, self.local_rank, dst, 0)
+                    sent = send_state(group, state)  # None: the healer fails at once
+                except RuntimeError as err:  # the healer died: the reduction drops it
+                    _LOG.warning(
+                        "replica %d: sending the state to replica %d failed: %s",
+                        self.replica_id,
+                        healer,
+                        err,
+                    )
+                    break
+                self.stats.served += state is not None
+                self.stats.served_bytes += sent
+        source = quorum.source_of(self.replica_id)
+        if source is None:
             return
         start = time.monotonic()
+        received: list[dict[str, Any]] = []
+        size, ok = 0, True
         try:
-            received, size = recv_state(self._heal_group(quorum, self.replica_id, 1))
+            for src in range(self._replica_size(source)):
+                group = self._heal_group(quorum, self.replica_id, src, self.local_rank, 1)
+                state, nbytes = recv_state(group)
+                received.append(state)
+                size += nbytes
         except RuntimeError as err:
             _LOG.warning("replica %d: receiving the state failed: %s", self.replica_id, err)
-            received, size = None, 0
-        if not self._all_ok(received is not None):  # one rank failed: the replica did
+            ok = False
+        if not self._all_ok(ok):  # one rank failed: the replica did
             self.state = ReplicaState.FAILED
             return
-        assert received is not None
-        self._load_state_dict(received["state"])
-        self.step = int(received["step"])
+        self._load_state_dict([r["state"] for r in received])
+        self.step = int(received[0]["step"])
         self.stats.healed += 1
         self.stats.healed_bytes += size
         self.stats.heal_s += time.monotonic() - start

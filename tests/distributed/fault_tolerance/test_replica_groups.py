@@ -12,6 +12,7 @@ averages averaged), which a dropped replica's step leaves out.
 from __future__ import annotations
 
 import copy
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.checkpoint.universal import load_universal_states, universal_state
 from shardkit.distributed.fault_tolerance import FaultTolerantReplicas
 from shardkit.nn import FullyShardedDataParallel
 from shardkit.optim import OSS
@@ -47,7 +49,7 @@ class _Copy:
     """One replica's copy on this rank: ``kind`` "oss" (DDP + OSS) or "hsdp" (FSDP)."""
 
     def __init__(self, kind: str, group: dist.ProcessGroup, seed: int) -> None:
-        self.kind = kind
+        self.kind, self.group = kind, group
         plain = _model(seed)
         if kind == "oss":
             self.model: nn.Module = nn.parallel.DistributedDataParallel(plain, process_group=group)
@@ -69,7 +71,8 @@ class _Copy:
             return {"model": self.model.state_dict(), "optim": self.optimizer.sharded_state_dict()}
         return {"model": self.model.local_state_dict(), "optim": self.optimizer.state_dict()}
 
-    def load_state_dict(self, state: Any) -> None:
+    def load_state_dict(self, states: list[Any]) -> None:
+        state = states[dist.get_rank(self.group)]  # the same layout: rank j from rank j
         if self.kind == "oss":
             self.model.load_state_dict(state["model"])
         else:
@@ -186,9 +189,80 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def _momentum(model: nn.Module, optimizer: torch.optim.Optimizer, group: Any) -> torch.Tensor:
+    """The momentum of every parameter, flattened in parameter order (FSDP's flat
+    shards all-gathered over ``group``, the padding cut)."""
+    numel = sum(p.numel() for p in _model(0).parameters())
+    buffers = [optimizer.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()]
+    flat = torch.cat(buffers)
+    if isinstance(model, FullyShardedDataParallel):
+        gathered = torch.empty(flat.numel() * dist.get_world_size(group))
+        dist.all_gather_into_tensor(gathered, flat, group=group)
+        flat = gathered
+    return flat[:numel].clone()
+
+
+def _cross_layout(port: int, prefix: str, fsdp_serves: bool) -> dict[str, Any] | None:
+    """A replica of ranks {0, 1} (FSDP) and one of rank 2 (the plain model): the one
+    that serves trains 2 steps alone, then the other joins and heals from it through
+    universal-checkpoint parts (another layout: another wrapper, another rank count)."""
+    me = dist.get_rank()
+    pair, singles = dist.new_group([0, 1]), [dist.new_group([r]) for r in range(4)]
+    if me == 3:
+        return None
+    fsdp = me < 2
+    group = pair if fsdp else singles[2]
+    model: nn.Module = (
+        FullyShardedDataParallel(_model(0), process_group=pair) if fsdp else _model(7)
+    )
+    optimizer = _sgd(model.parameters())
+    serves = fsdp == fsdp_serves
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+
+    def load(parts: list[Any]) -> None:
+        load_universal_states(parts, model, optimizer, group=group)
+
+    ft = FaultTolerantReplicas(
+        store,
+        0 if serves else 1,
+        state_dict=lambda: universal_state(model, optimizer, step=ft.step, group=group),
+        load_state_dict=load,
+        timeout_s=_NO_FAILURE_T,
+        quorum_timeout_s=30.0,
+        initial_replicas=1,
+        prefix=prefix,
+        group=pair if fsdp else None,
+    )
+    if serves:
+        for _ in range(2):
+            ft.start_step()
+            optimizer.zero_grad()
+            _loss(model, ft.step, me).backward()
+            assert ft.average_gradients(model.parameters())
+            optimizer.step()
+        store.set(f"{prefix}/go", "1")
+        arrivals = f"{prefix}/round/2/arrivals"  # wait for the joiner: one round for both
+        while not store.check([arrivals]) or b"1," not in store.get(arrivals):
+            time.sleep(0.01)
+    else:
+        store.wait([f"{prefix}/go"])
+    quorum = ft.start_step()
+    assert quorum.members == (0, 1) and quorum.heal == ((1, 0),), quorum
+    state = {k.removeprefix("module."): v.clone() for k, v in model.state_dict().items()}
+    return {
+        "model": state,
+        "momentum": _momentum(model, optimizer, pair),
+        "step": ft.step,
+        "serves": serves,
+        "healed_bytes": ft.stats.healed_bytes,
+    }
+
+
 def _scenarios(port: int) -> dict[str, Any]:
     """Every scenario in one spawned group (the same on every rank)."""
     out: dict[str, Any] = {"hybrid": _hybrid_run(3)}
+    out["cross-fsdp-serves"] = _cross_layout(port, "cross-a", fsdp_serves=True)
+    out["cross-plain-serves"] = _cross_layout(port, "cross-b", fsdp_serves=False)
     for kind in ("hsdp", "oss"):
         out[f"{kind}-none"] = _train(port, f"{kind}-none", {"kind": kind, "steps": 3})
         slow = {"kind": kind, "steps": 4, "slow": {1: 1}, "timeout": _FAILURE_T}
@@ -204,7 +278,7 @@ def store() -> dist.TCPStore:
 def test_replicas_of_two_ranks_match_the_normal_run_and_drop_a_slow_replica(
     rank_pool: Any, store: dist.TCPStore
 ) -> None:
-    results = rank_pool(4).run(_scenarios, store.port, timeout_s=120)
+    results = rank_pool(4).run(_scenarios, store.port, timeout_s=180)
     expected = [(s, (0, 1)) for s in range(3)]
     for kind in ("hsdp", "oss"):
         # no failure: the plain model in the reduction's order, exactly, on every rank
@@ -224,6 +298,16 @@ def test_replicas_of_two_ranks_match_the_normal_run_and_drop_a_slow_replica(
             assert mine["healed"], (kind, rank)
             assert _equal(mine["local"], peer["local"]) and mine["step"] == peer["step"]
             assert _equal(mine["model"], peer["model"]), (kind, rank)
+    # a joiner of another layout (FSDP over 2 ranks <-> the plain model on 1 rank) holds
+    # exactly its peer's parameters, momentum and step after healing
+    for name in ("cross-fsdp-serves", "cross-plain-serves"):
+        got = [results[rank][name] for rank in range(3)]
+        source = next(g for g in got if g["serves"])
+        for g in got:
+            assert g["step"] == 2, (name, g["step"])
+            assert _equal(g["model"], source["model"]), name
+            assert torch.equal(g["momentum"], source["momentum"]), name
+            assert g["serves"] or g["healed_bytes"] > 0, name
     # hsdp without a failure is the normal hybrid-sharded run, bit for bit
     for rank in range(4):
         assert _equal(results[rank]["hsdp-none"]["model"], results[rank]["hybrid"]["model"])

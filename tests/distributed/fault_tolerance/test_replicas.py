@@ -76,7 +76,8 @@ class _Replica:
         self.served.append(copy.deepcopy({**state, "step": self.ft.step}))
         return state
 
-    def load_state_dict(self, state: Any) -> None:
+    def load_state_dict(self, states: list[Any]) -> None:
+        (state,) = states  # a replica of one process sends one part
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
 
