@@ -79,8 +79,11 @@ def universal_state(
     memory (see [Note: a checkpoint over the network]). A collective over ``group``.
 
     Args:
-        model, optimizer, extra, group: as for ``save_universal``.
+        model: the model as the training loop holds it (as for ``save_universal``).
+        optimizer: the optimizer stepping it, or None (no optimizer state).
         step: the training step the state belongs to.
+        extra: this rank's extra state (tensors and plain containers); default None.
+        group: the saving ranks' process group; default None: the world group.
 
     Returns:
         ``{"step": int, "layout": dict, "rank": int, "files": {name: bytes}}``: plain
@@ -127,7 +130,9 @@ def load_universal_states(
 
     Args:
         parts: every saving rank's part, in any order (one per rank, all of one step).
-        model, optimizer, group: as for ``load_universal``.
+        model: the model as the training loop holds it (as for ``load_universal``).
+        optimizer: the optimizer to restore state into, or None.
+        group: the loading ranks' process group; default None: the world group.
         directory: where the private temporary checkpoint goes; default None:
             ``/dev/shm`` when it exists (memory), else the system's temporary directory.
 
