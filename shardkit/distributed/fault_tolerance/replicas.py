@@ -377,10 +377,21 @@ class FaultTolerantReplicas:
 
         Raises:
             RuntimeError: called before :meth:`start_step`.
+            ValueError: this replica healed from a replica with another number of
+                ranks: it holds the state, but the reduction pairs rank ``j`` with rank
+                ``j`` (the others go on without it).
         """
         if self.quorum is None or self.state is ReplicaState.JOINING:
             raise RuntimeError(
                 "FaultTolerantReplicas.average_gradients: call start_step() first, once per step"
+            )
+        source = self.quorum.source_of(self.replica_id)
+        if source is not None and self._replica_size(source) != self._replica_size(self.replica_id):
+            raise ValueError(
+                f"replica {self.replica_id} has {self._replica_size(self.replica_id)} rank(s), "
+                f"replica {source} (its source) {self._replica_size(source)}: replicas reduce "
+                "rank j with rank j, so every replica needs the same number of ranks; "
+                "restart this replica with as many ranks as the others"
             )
         params = [p for p in parameters if p.requires_grad]
         local = torch.cat([_grad_or_zeros(p).reshape(-1) for p in params]) if params else None

@@ -252,7 +252,13 @@ def _cross_layout(port: int, prefix: str, fsdp_serves: bool) -> dict[str, Any] |
     quorum = ft.start_step()
     assert quorum.members == (0, 1) and quorum.heal == ((1, 0),), quorum
     state = {k.removeprefix("module."): v.clone() for k, v in model.state_dict().items()}
+    refused = ""
+    if not serves:  # holds the state, but cannot reduce rank j with rank j: refused
+        with pytest.raises(ValueError) as info:
+            ft.average_gradients(model.parameters())
+        refused = str(info.value)
     return {
+        "refused": refused,
         "model": state,
         "momentum": _momentum(model, optimizer, pair),
         "step": ft.step,
@@ -316,6 +322,7 @@ def test_replicas_of_two_ranks_match_the_normal_run_and_drop_a_slow_replica(
             assert _equal(g["model"], source["model"]), name
             assert torch.equal(g["momentum"], source["momentum"]), name
             assert g["serves"] or g["healed_bytes"] > 0, name
+            assert g["serves"] or "every replica needs the same number of ranks" in g["refused"]
     # hsdp without a failure is the normal hybrid-sharded run, bit for bit
     for rank in range(4):
         assert _equal(results[rank]["hsdp-none"]["model"], results[rank]["hybrid"]["model"])

@@ -111,6 +111,8 @@ def _train(port: int, prefix: str, cfg: dict[str, Any]) -> dict[str, Any] | None
     while rep.ft.step < cfg["steps"] or rep.ft.num_members < final_members:
         if time.monotonic() > deadline:
             raise RuntimeError(f"replica {me}: the others never rejoined: {history}")
+        if rep.ft.step >= cfg["steps"]:  # waiting for a rejoin: do not run far ahead
+            time.sleep(0.3)
         healed_before = rep.ft.stats.healed
         rep.ft.start_step()
         if rep.ft.stats.healed > healed_before:
