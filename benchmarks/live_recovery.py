@@ -1,11 +1,14 @@
 """Lose a replica and keep training: the main job's ``--fault-tolerant`` mode on loopback.
 
-Two replicas of the tiny GPT (``examples/train_gpt.py --fault-tolerant``, one process
-each) train against a quorum store hosted by this process. After replica 1 commits
-step ``--kill-after`` it is SIGKILLed at a random point of its next step; it is started
-again (same replica id, a fresh process) ``--delay`` seconds later, heals from replica
-0 over the network and trains in lockstep to the end. An uninterrupted pair of replicas
-with the same flags is the reference::
+Two replicas of the tiny GPT (``examples/train_gpt.py --fault-tolerant``, each a
+``torchrun --standalone`` agent of ``--ranks-per-replica`` workers running
+``--strategy``, default 2 ranks of hsdp; one plain process per replica with
+``--ranks-per-replica 1``) train against a quorum store hosted by this process. After
+replica 1 commits step ``--kill-after`` its agent and workers are SIGKILLed at a
+random point of its next step; it is started again (same replica id, fresh
+processes) ``--delay`` seconds later, heals from replica 0 over the network (the
+parts of a universal checkpoint) and trains in lockstep to the end. An uninterrupted
+pair of replicas with the same flags is the reference::
 
     python -m benchmarks.live_recovery --out DIR [--steps 20 --kill-after 6 --delay 5]
 
@@ -23,6 +26,7 @@ its wall time is not measured here, see ``docs/elastic.md``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -42,10 +46,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def _replica(
     args: argparse.Namespace, port: int, replica: int, out: Path
 ) -> subprocess.Popen[bytes]:
+    launcher = [sys.executable]
+    if args.ranks_per_replica > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone"]
+        launcher += ["--nproc-per-node", str(args.ranks_per_replica)]
     command = [
-        sys.executable, str(ROOT / "examples" / "train_gpt.py"),
+        *launcher, str(ROOT / "examples" / "train_gpt.py"),
         "--fault-tolerant", f"127.0.0.1:{port}", "--replica-id", str(replica),
-        "--max-replicas", "2", "--strategy", "ddp", "--model-size", "tiny",
+        "--max-replicas", "2", "--strategy", args.strategy, "--model-size", "tiny",
         "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
         "--steps", str(args.steps), "--eval-every", "0", "--save-every", "0",
         "--ft-timeout", str(args.ft_timeout), "--out-dir", str(out),
@@ -53,6 +61,25 @@ def _replica(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     log = (out.parent / f"{out.name}.log").open("wb")
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s children, grandchildren, ... (Linux ``/proc``)."""
+    try:
+        tasks = Path(f"/proc/{pid}/task").iterdir()
+        children = [int(c) for t in tasks for c in (t / "children").read_text().split()]
+    except OSError:
+        return []
+    return [d for c in children for d in (c, *_descendants(c))]
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a replica: its process (the torchrun agent) first, so it restarts
+    nothing, then its workers (torchrun puts them in sessions of their own)."""
+    workers = _descendants(pid)
+    for target in (pid, *workers):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
 
 
 def _steps(out: Path) -> list[dict[str, Any]]:
@@ -80,7 +107,7 @@ def _pair(args: argparse.Namespace, work: Path, name: str, kill: bool) -> dict[s
             time.sleep(0.05)
         step_s = _steps(outs[1])[-1]["time"] - _steps(outs[1])[-2]["time"]
         time.sleep(random.Random(args.seed).uniform(0.0, step_s))  # a random point of the step
-        procs[1].send_signal(signal.SIGKILL)
+        _kill_tree(procs[1].pid)
         procs[1].wait()
         killed_at = time.time()
         time.sleep(args.delay)
@@ -128,6 +155,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--strategy", default="hsdp", choices=["ddp", "oss", "sdp", "hsdp"])
+    parser.add_argument("--ranks-per-replica", type=int, default=2)
     parser.add_argument("--kill-after", type=int, default=6, help="replica 1's committed steps")
     parser.add_argument("--delay", type=float, default=5.0, help="seconds before the restart")
     parser.add_argument("--ft-timeout", type=float, default=5.0)

@@ -1,19 +1,25 @@
 """The main job's ``--fault-tolerant`` mode: lose a replica, keep training, no restart.
 
-Each process is one data-parallel replica (``--replica-id i`` of ``--max-replicas M``,
-a plain ``python`` or a one-process ``torchrun`` per replica, so a replica's own world
-size is 1); the replicas meet only at a quorum store (``--fault-tolerant HOST:PORT``,
-served by ``python examples/gpt_fault_tolerant.py serve --port PORT``). Every step the
-live replicas agree on a quorum, average their gradients over it
-(:class:`shardkit.distributed.fault_tolerance.FaultTolerantReplicas`), and step; a
-replica that dies or stalls is dropped for that step, and a restarted one receives the
-model, optimizer, LR schedule, history and step count from a live replica.
+Each replica (``--replica-id i`` of ``--max-replicas M``) is one ``torchrun`` agent
+(or a plain ``python`` for a replica of one process) with its own rendezvous; its
+``W`` ranks hold one model copy with ``--strategy ddp|oss|sdp|hsdp`` over the
+replica's own world (hsdp: fully sharded over the replica's ranks). The replicas meet
+only at a quorum store (``--fault-tolerant HOST:PORT``, served by ``python
+examples/gpt_fault_tolerant.py serve --port PORT``). Every step the live replicas
+agree on a quorum, average their gradients over it (rank ``j`` of each replica with
+rank ``j`` of the others: :class:`shardkit.distributed.fault_tolerance.
+FaultTolerantReplicas` with the replica's group), and step; a replica that dies or
+stalls is dropped for that step, and a restarted one receives the model, optimizer,
+LR schedule, history and step count from a live replica, as the parts of a universal
+checkpoint held in memory (``shardkit.checkpoint.universal.universal_state``), each of
+its ranks loading the pieces its layout needs.
 
-Data: replica ``i`` takes rows ``i G / M .. (i + 1) G / M`` of step ``s``'s global
-batch ``G`` (the main job's sampler with ``M`` data-parallel ranks); with a replica
-missing, the step trains on the survivors' rows only. Validation scores every window
-on each replica. Each committed step appends a line to ``--out-dir``'s
-``ft_steps.jsonl`` (step, members, unix time, loss, healed bytes).
+Data: rank ``r`` of replica ``i`` is data-parallel rank ``i W + r`` of ``M W``: it
+takes its rows of step ``s``'s global batch ``G`` (the main job's sampler); with a
+replica missing, the step trains on the survivors' rows only. Validation scores every
+window on each replica. Each committed step appends a line to ``--out-dir``'s
+``ft_steps.jsonl`` (step, members, unix time, loss, healed bytes; the replica's rank
+0 writes it).
 """
 
 from __future__ import annotations
@@ -26,11 +32,29 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from gpt_data import eval_windows
 
+from shardkit.checkpoint.universal import load_universal_states, universal_state
 from shardkit.distributed.fault_tolerance import FaultTolerantReplicas, connect_store, host_store
+from shardkit.optim import OSS
 
-STRATEGIES = ("ddp",)  # one process per replica: the strategy runs on a world of 1
+STRATEGIES = ("ddp", "oss", "sdp", "hsdp")  # over the replica's own ranks
+
+
+def data_parallel(config: Any, rank: int, world_size: int) -> tuple[int, int]:
+    """This rank's data-parallel rank and size: rank ``r`` of replica ``i`` (of ``M``
+    replicas of ``W`` ranks each) is ``i W + r`` of ``M W``."""
+    return config.replica_id * world_size + rank, config.max_replicas * world_size
+
+
+def averaged_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters whose gradients this rank averages across replicas: those its
+    optimizer steps (OSS: this rank's partition; FSDP: its flat shards; DDP: all)."""
+    if isinstance(optimizer, OSS):
+        return list(optimizer.local_params())
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def flag_error(config: Any, world_size: int) -> str | None:
@@ -47,10 +71,11 @@ def flag_error(config: Any, world_size: int) -> str | None:
         return (
             f"--fault-tolerant runs --strategy {'/'.join(STRATEGIES)}, not {config.strategy.name}"
         )
-    if world_size != 1:
+    opt = config.strategy
+    if opt.tp > 1 or opt.cp > 1 or opt.moe_experts:
         return (
-            f"--fault-tolerant: this replica has {world_size} ranks; launch one process "
-            "per replica (--nproc-per-node 1), each with its own --replica-id"
+            f"--fault-tolerant: a replica is data parallel only (got --tp {opt.tp} --cp "
+            f"{opt.cp} --moe-experts {opt.moe_experts}); drop --tp, --cp and --moe-experts"
         )
     if not 0 <= replica_id < max_replicas:
         return f"--replica-id {replica_id} is not in [0, --max-replicas {max_replicas})"
@@ -74,17 +99,16 @@ def train_loop(
     n_val = config.eval_batches * run.plan.global_batch
     run.val = eval_windows(run.val_tokens, n_val, config.seq_len, 0, 1)  # every window
 
-    def state_dict() -> dict[str, Any]:
-        return {
-            "strategy": strategy.state_dict(),
-            "scheduler": run.scheduler.state_dict(),
-            "history": asdict(run.history),
-        }
+    def state_dict() -> dict[str, Any]:  # this rank's part of a universal checkpoint
+        extra = {"scheduler": run.scheduler.state_dict(), "history": asdict(run.history)}
+        module, optimizer = strategy.checkpoint_module(), strategy.optimizer
+        return universal_state(module, optimizer, step=ft.step, extra=extra)
 
-    def load_state_dict(state: Any) -> None:
-        strategy.load_state_dict(state["strategy"])
-        run.scheduler.load_state_dict(state["scheduler"])
-        for name, values in state["history"].items():
+    def load_state_dict(parts: list[Any]) -> None:  # resharded into this replica's layout
+        module, optimizer = strategy.checkpoint_module(), strategy.optimizer
+        extra = load_universal_states(parts, module, optimizer).extra(0) or {}
+        run.scheduler.load_state_dict(extra["scheduler"])
+        for name, values in extra["history"].items():
             setattr(run.history, name, values)
 
     ft = FaultTolerantReplicas(
@@ -95,12 +119,14 @@ def train_loop(
         timeout_s=config.ft_timeout,
         initial_replicas=config.max_replicas,
         prefix=f"gpt-ft-{config.seed}",
+        group=dist.group.WORLD if run.env.world_size > 1 else None,
     )
-    log = (out_dir / "ft_steps.jsonl").open("a")
+    log = (out_dir / "ft_steps.jsonl").open("a") if run.env.rank == 0 else None
     try:
         _steps(run, ft, log, report, say)
     finally:
-        log.close()
+        if log is not None:
+            log.close()
     return ft
 
 
@@ -115,7 +141,7 @@ def _steps(run: Any, ft: FaultTolerantReplicas, log: Any, report: Any, say: Any)
         t0 = time.perf_counter()
         strategy.optimizer.zero_grad(set_to_none=True)
         loss = strategy.accumulate(x, y, run.plan.accumulation).item()
-        if not ft.average_gradients(strategy.model.parameters()):
+        if not ft.average_gradients(averaged_parameters(strategy.optimizer)):
             say(run, f"replica {ft.replica_id}: dropped from step {ft.step + 1}; rejoining")
             continue
         strategy.before_step()
@@ -128,8 +154,9 @@ def _steps(run: Any, ft: FaultTolerantReplicas, log: Any, report: Any, say: Any)
         members = list(ft.quorum.members) if ft.quorum else list(quorum.members)
         line = {"step": run.step, "members": members, "time": time.time(), "loss": loss}
         line["healed_bytes"] = ft.stats.healed_bytes - healed_before
-        log.write(json.dumps(line) + "\n")
-        log.flush()
+        if log is not None:
+            log.write(json.dumps(line) + "\n")
+            log.flush()
         if config.log_every and run.step % config.log_every == 0:
             say(run, f"step {run.step:5d}/{config.steps} | train {loss:.4f} | replicas {members}")
         if (config.eval_every and run.step % config.eval_every == 0) or run.step == config.steps:

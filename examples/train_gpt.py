@@ -42,6 +42,7 @@ from gpt_compile import compile_blocks, compile_error
 from gpt_context_parallel import CP_METHODS, cp_error
 from gpt_data import VOCAB_SIZE, BatchSampler, InputError, eval_windows, load_bytes, split_tokens
 from gpt_dist import Env, all_gather_ints, setup_distributed
+from gpt_fault_tolerant import data_parallel as ft_data_parallel
 from gpt_fault_tolerant import flag_error as ft_flag_error
 from gpt_fault_tolerant import train_loop as ft_train_loop
 from gpt_moe import (
@@ -533,7 +534,7 @@ def data_parallel(config: JobConfig, env: Env) -> tuple[int, int]:
     part of every sequence); with ``--fault-tolerant``, the replica id of
     ``--max-replicas``."""
     if config.fault_tolerant is not None:
-        return config.replica_id, config.max_replicas
+        return ft_data_parallel(config, env.rank, env.world_size)
     same_rows = config.strategy.tp * config.strategy.cp
     return env.rank // same_rows, env.world_size // same_rows
 

@@ -19,9 +19,11 @@ def _error(argv: list[str], world_size: int = 1) -> str | None:
 def test_flag_combinations_are_checked() -> None:
     assert _error(_FT) is None
     assert _error([*_FT, "--replica-id", "1"]) is None
+    for strategy in ("oss", "sdp", "hsdp"):  # replicas of several ranks
+        assert _error([*_FT, "--strategy", strategy], world_size=2) is None, strategy
     cases = [
         (["--replica-id", "1"], "--replica-id / --max-replicas need --fault-tolerant HOST:PORT"),
-        ([*_FT[:-2], "--save-every", "0", "--strategy", "fsdp"], "runs --strategy ddp, not fsdp"),
+        ([*_FT, "--strategy", "fsdp"], "runs --strategy ddp/oss/sdp/hsdp, not fsdp"),
         ([*_FT, "--replica-id", "2"], "--replica-id 2 is not in [0, --max-replicas 2)"),
         (["--fault-tolerant", "nohost", "--save-every", "0"], "expected HOST:PORT of the quorum"),
         (_FT[:-2], "writes no checkpoints (a restarted replica receives the state"),
@@ -29,14 +31,19 @@ def test_flag_combinations_are_checked() -> None:
     for argv, message in cases:
         got = _error(argv)
         assert got is not None and message in got, (argv, got)
-    assert "launch one process per replica" in str(_error(_FT, world_size=2))
-    # the global batch is split over --max-replicas: 4 x 1 x 2
-    plan = train_gpt.batch_plan(train_gpt.parse_args([*_FT, "--batch-size", "4"]), 2)
-    assert plan.global_batch == 8
+    tp = _error([*_FT, "--tp", "2"], world_size=2)
+    assert tp is not None and "a replica is data parallel only (got --tp 2 --cp 1" in tp, tp
+    # the global batch is split over --max-replicas x the replica's ranks: 4 x 1 x 2 x 2
+    config = train_gpt.parse_args([*_FT, "--batch-size", "4", "--replica-id", "1"])
+    env = train_gpt.Env(rank=1, world_size=2, device=torch.device("cpu"), owns_group=False)
+    assert train_gpt.data_parallel(config, env) == (3, 4)
+    assert train_gpt.batch_plan(config, 4).global_batch == 16
 
 
 def test_main_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = train_gpt.main([*_FT, "--strategy", "oss", "--out-dir", str(tmp_path / "out")])
+    code = train_gpt.main([*_FT, "--strategy", "fsdp", "--out-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert err.startswith("train_gpt.py: error: --fault-tolerant runs --strategy ddp, not oss"), err
+    assert err.startswith(
+        "train_gpt.py: error: --fault-tolerant runs --strategy ddp/oss/sdp/hsdp, not fsdp"
+    ), err

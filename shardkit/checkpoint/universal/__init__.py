@@ -21,7 +21,9 @@ module, torch DDP, ``layout_of``), :mod:`.plan` (which saved bytes fill a piece)
 shard file and its index), :mod:`.optim_state`, :mod:`.meta` (the manifest layout),
 :mod:`.writer` (``save_universal``), :mod:`.loader` (``load_universal``),
 :mod:`.staging` and :mod:`.asynchronous` (``AsyncCheckpointer``: the same save, copied
-to host memory at the step boundary and committed by a background thread).
+to host memory at the step boundary and committed by a background thread),
+:mod:`.peer` (``universal_state`` / ``load_universal_states``: a checkpoint held in
+memory, sent by live ranks to ranks of another layout).
 Wrapper adapters live with their wrappers and call :func:`register_layout` at import.
 Every piece is described by its shard descriptor,
 :class:`shardkit.distributed.shard_descriptor.TensorView` (re-exported here), with its
@@ -40,6 +42,7 @@ from shardkit.checkpoint.universal.layout import (
 )
 from shardkit.checkpoint.universal.loader import LoadedCheckpoint, load_universal
 from shardkit.checkpoint.universal.meta import FORMAT
+from shardkit.checkpoint.universal.peer import load_universal_states, universal_state
 from shardkit.checkpoint.universal.writer import save_universal
 from shardkit.distributed.shard_descriptor import TensorView
 
@@ -56,7 +59,9 @@ __all__ = [
     "TensorView",
     "layout_of",
     "load_universal",
+    "load_universal_states",
     "register_layout",
     "save_universal",
     "session_of",
+    "universal_state",
 ]

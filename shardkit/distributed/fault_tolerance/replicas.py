@@ -1,14 +1,39 @@
 """FaultTolerantReplicas: one data-parallel replica's side of the per-step quorum.
 
-A replica is one process (one model copy) here. Each step it arrives at a quorum
-(:mod:`~shardkit.distributed.fault_tolerance.quorum`), heals from a live member if it
-is behind, computes its gradients, and averages them over the quorum's members with
-:meth:`FaultTolerantReplicas.average_gradients`, which redoes the reduction with the
-survivors when a member fails, so every survivor applies the same average.
+A replica is one model copy: one process, or the ranks of a process group that hold
+the copy between them (sharded inside: OSS, ShardedDataParallel, FSDP). Each step it
+arrives at a quorum (:mod:`~shardkit.distributed.fault_tolerance.quorum`), heals from
+a live member if it is behind, computes its gradients, and averages them over the
+quorum's members with :meth:`FaultTolerantReplicas.average_gradients`, which redoes
+the reduction with the survivors when a member fails, so every survivor applies the
+same average.
+
+[Note: a replica of several ranks]
+Rank ``j`` of a replica holds the same piece of the state in every replica (the same
+wrapper over the same number of ranks), so the cross-replica reduction is one group
+per local rank: rank ``j`` of every member, keyed ``group/<j>`` under the round's
+prefix. The replica's
+rank 0 alone speaks for it on the store (arrival, vote) and hands each decision to
+the other ranks with a broadcast over the replica's group; whether the replica's
+reduction or healing succeeded is the minimum over its ranks (an all-reduce), so the
+ranks of a replica always take the same branch. A rank of the replica that dies
+breaks the replica's own collectives: the whole replica fails and restarts (its
+launcher's job), the other replicas drop it like a dead process.
+
+[Note: healing across layouts]
+Healing sends every rank's part of the source's state to every rank of the healer
+(``heal/<healer>/<source rank>/<healer rank>``, two-member groups, in that order), and
+each replica publishes its number of ranks (``size/<replica>``), so the healer may hold
+its copy in another layout: with parts of a universal checkpoint
+(``shardkit.checkpoint.universal.universal_state`` /
+``load_universal_states``), each healer rank reads the pieces its layout needs by
+their shard descriptors. Each healer rank receives the whole state (the source's parts),
+as when every rank reads a whole checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -17,10 +42,12 @@ from enum import Enum
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardkit.distributed.fault_tolerance.quorum import (
     Arrival,
     Quorum,
+    Verdict,
     decided_rounds,
     join_round,
     vote,
@@ -38,7 +65,7 @@ __all__ = ["FaultTolerantReplicas", "ReplicaState", "ReplicaStats"]
 _LOG = logging.getLogger(__name__)
 
 StateDictFn = Callable[[], Mapping[str, Any]]
-LoadStateDictFn = Callable[[Mapping[str, Any]], None]
+LoadStateDictFn = Callable[[list[Mapping[str, Any]]], None]
 
 
 class ReplicaState(Enum):
@@ -98,9 +125,16 @@ class FaultTolerantReplicas:
         store: the c10d store every replica reaches (a ``TCPStore``); it must outlive
             the replicas (see the package docstring).
         replica_id: this replica's id, ``>= 0``; a restarted replica reuses its id.
-        state_dict: returns the state a joiner needs (model and optimizer
-            ``state_dict()``; the step count is added by the manager).
-        load_state_dict: loads such a state into this replica.
+        state_dict: returns this rank's part of the state a joiner needs (a picklable
+            tree of tensors and plain data: the model's and optimizer's
+            ``state_dict()``, or a universal checkpoint's part,
+            ``shardkit.checkpoint.universal.universal_state``, for a joiner of another
+            layout); the step count is added by the manager. Called on every rank of
+            a replica that serves, together (it may be a collective over ``group``).
+        load_state_dict: given the parts of every rank of the serving replica (a list
+            in its rank order; one item for a replica of one process), loads them into
+            this rank (``shardkit.checkpoint.universal.load_universal_states`` for
+            universal parts). Called on every rank of the healing replica, together.
         min_replicas: replicas a quorum needs to close; default 1.
         timeout_s: a collective's timeout and the window for the members' votes, in
             seconds; default 10.
@@ -111,6 +145,11 @@ class FaultTolerantReplicas:
         initial_replicas: the replicas launched together: the first quorum closes as
             soon as this many arrived; default None (after ``join_timeout_s``).
         prefix: the store prefix of this job's keys; default ``"shardkit-ft"``.
+        group: the process group of this replica's ranks, which hold one model copy
+            between them (e.g. the world of the replica's own ``torchrun``); every
+            replica has the same number of ranks, and every rank of the replica
+            builds its manager and calls its methods. Default None: a replica of one
+            process (no collectives inside it). See [Note: a replica of several ranks].
 
     Raises:
         ValueError: ``replica_id < 0``, ``min_replicas < 1`` or a timeout ``<= 0``.
@@ -133,6 +172,7 @@ class FaultTolerantReplicas:
         quorum_timeout_s: float = 300.0,
         initial_replicas: int | None = None,
         prefix: str = "shardkit-ft",
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
         if replica_id < 0 or min_replicas < 1:
@@ -155,6 +195,29 @@ class FaultTolerantReplicas:
         self.quorum: Quorum | None = None
         self.stats = ReplicaStats()
         self._group: tuple[int, GlooGroup] | None = None
+        self.replica_group = group
+        self.local_rank = 0 if group is None else dist.get_rank(group)
+        if self.local_rank == 0:
+            size = 1 if group is None else dist.get_world_size(group)
+            store.set(self._size_key(replica_id), str(size))
+
+    # the replica's own ranks -------------------------------------------------------
+    def _share(self, make: Callable[[], Any]) -> Any:
+        """``make()`` on the replica's rank 0 (the one that speaks on the store), its
+        result broadcast to the replica's other ranks."""
+        if self.replica_group is None:
+            return make()
+        box = [make() if self.local_rank == 0 else None]
+        dist.broadcast_object_list(box, group=self.replica_group, group_src=0)
+        return box[0]
+
+    def _all_ok(self, ok: bool) -> bool:
+        """True when ``ok`` holds on every rank of the replica."""
+        if self.replica_group is None:
+            return ok
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.replica_group)
+        return bool(flag.item())
 
     # the quorum ----------------------------------------------------------------
     @property
@@ -172,15 +235,19 @@ class FaultTolerantReplicas:
             QuorumTimeoutError: fewer than ``min_replicas`` replicas within
                 ``quorum_timeout_s``.
         """
+        quorum: Quorum = self._share(self._arrive)
+        self.quorum, self.state = quorum, ReplicaState.MEMBER
+        self._serve_or_heal(quorum)
+        return quorum
+
+    def _arrive(self) -> Quorum:
+        """Join rounds from the next one until a quorum admits this replica."""
         round_ = self._next_round()
         while True:
             quorum = self._join(round_, redo=False)
             if self.replica_id in quorum.members:
-                break
+                return quorum
             round_ = quorum.round + 1  # a redo round: joiners wait for the next one
-        self.quorum, self.state = quorum, ReplicaState.MEMBER
-        self._serve_or_heal(quorum)
-        return quorum
 
     def _next_round(self) -> int:
         if self.state is ReplicaState.MEMBER and self.quorum is not None:
@@ -200,12 +267,21 @@ class FaultTolerantReplicas:
         )
 
     # healing -------------------------------------------------------------------
-    def _heal_group(self, quorum: Quorum, healer: int, rank: int) -> GlooGroup:
-        prefix = f"{self.prefix}/round/{quorum.round}/heal/{healer}"
-        return gloo_group(self.store, prefix, rank, 2, self.timeout_s)
+    def _size_key(self, replica: int) -> str:
+        return f"{self.prefix}/size/{replica}"
+
+    def _replica_size(self, replica: int) -> int:
+        """The number of ranks of ``replica`` (each replica's rank 0 publishes it)."""
+        return int(self.store.get(self._size_key(replica)).decode())
+
+    def _heal_group(self, quorum: Quorum, healer: int, src: int, dst: int, me: int) -> GlooGroup:
+        """The two-member group from the source's rank ``src`` (group rank 0) to the
+        healer's rank ``dst`` (group rank 1); ``me`` is this rank's group rank."""
+        prefix = f"{self.prefix}/round/{quorum.round}/heal/{healer}/{src}/{dst}"
+        return gloo_group(self.store, prefix, me, 2, self.timeout_s)
 
     def _served_state(self) -> dict[str, Any] | None:
-        """This replica's state and step for a healer, or None when ``state_dict`` failed."""
+        """This rank's state and step for a healer, or None when ``state_dict`` failed."""
         try:
             return {"state": self._state_dict(), "step": self.step}
         except RuntimeError as err:
@@ -213,33 +289,45 @@ class FaultTolerantReplicas:
             return None
 
     def _serve_or_heal(self, quorum: Quorum) -> None:
-        """Send the state to the members healing from this one, or receive it."""
+        """Send this rank's state to every rank of each member healing from this
+        replica, or receive every rank's state of the source (see [Note: healing
+        across layouts]). Pairs go in (source rank, healer rank) order: no deadlock."""
         for healer in quorum.healers_of(self.replica_id):
-            try:
-                group = self._heal_group(quorum, healer, 0)
-                state = self._served_state()
-                sent = send_state(group, state)  # None: the healer fails at once
-            except RuntimeError as err:  # the healer died: the reduction drops it
-                _LOG.warning(
-                    "replica %d: sending the state to replica %d failed: %s",
-                    self.replica_id,
-                    healer,
-                    err,
-                )
-                continue
-            self.stats.served += state is not None
-            self.stats.served_bytes += sent
-        if quorum.source_of(self.replica_id) is None:
+            state = self._served_state()
+            for dst in range(self._replica_size(healer)):
+                try:
+                    group = self._heal_group(quorum, healer, self.local_rank, dst, 0)
+                    sent = send_state(group, state)  # None: the healer fails at once
+                except RuntimeError as err:  # the healer died: the reduction drops it
+                    _LOG.warning(
+                        "replica %d: sending the state to replica %d failed: %s",
+                        self.replica_id,
+                        healer,
+                        err,
+                    )
+                    break
+                self.stats.served += state is not None
+                self.stats.served_bytes += sent
+        source = quorum.source_of(self.replica_id)
+        if source is None:
             return
         start = time.monotonic()
+        received: list[dict[str, Any]] = []
+        size, ok = 0, True
         try:
-            received, size = recv_state(self._heal_group(quorum, self.replica_id, 1))
+            for src in range(self._replica_size(source)):
+                group = self._heal_group(quorum, self.replica_id, src, self.local_rank, 1)
+                state, nbytes = recv_state(group)
+                received.append(state)
+                size += nbytes
         except RuntimeError as err:
             _LOG.warning("replica %d: receiving the state failed: %s", self.replica_id, err)
+            ok = False
+        if not self._all_ok(ok):  # one rank failed: the replica did
             self.state = ReplicaState.FAILED
             return
-        self._load_state_dict(received["state"])
-        self.step = int(received["step"])
+        self._load_state_dict([r["state"] for r in received])
+        self.step = int(received[0]["step"])
         self.stats.healed += 1
         self.stats.healed_bytes += size
         self.stats.heal_s += time.monotonic() - start
@@ -248,7 +336,7 @@ class FaultTolerantReplicas:
     def _cross_replica_group(self, quorum: Quorum) -> GlooGroup:
         if self._group is None or self._group[0] != quorum.group_round:
             self._group = None  # closes the previous group's connections
-            prefix = f"{self.prefix}/round/{quorum.group_round}/group"
+            prefix = f"{self.prefix}/round/{quorum.group_round}/group/{self.local_rank}"
             rank = quorum.rank_of(self.replica_id)
             group = gloo_group(self.store, prefix, rank, len(quorum.members), self.timeout_s)
             self._group = (quorum.group_round, group)
@@ -274,7 +362,10 @@ class FaultTolerantReplicas:
         """Average the gradients of ``parameters`` over this step's surviving members.
 
         Parameters without a gradient count as zeros (every replica must pass the same
-        parameters in the same order). When a member fails or times out, the members
+        parameters in the same order). In a replica of several ranks, each rank passes
+        the parameters whose gradients it holds reduced over the replica: all of them
+        under DDP, its shard otherwise (``OSS.local_params()`` under OSS and
+        ShardedDataParallel, FSDP's ``parameters()``). When a member fails or times out, the members
         that reported in time redo the reduction among themselves, from their own
         gradients, until one succeeds on all of them.
 
@@ -286,10 +377,21 @@ class FaultTolerantReplicas:
 
         Raises:
             RuntimeError: called before :meth:`start_step`.
+            ValueError: this replica healed from a replica with another number of
+                ranks: it holds the state, but the reduction pairs rank ``j`` with rank
+                ``j`` (the others go on without it).
         """
         if self.quorum is None or self.state is ReplicaState.JOINING:
             raise RuntimeError(
                 "FaultTolerantReplicas.average_gradients: call start_step() first, once per step"
+            )
+        source = self.quorum.source_of(self.replica_id)
+        if source is not None and self._replica_size(source) != self._replica_size(self.replica_id):
+            raise ValueError(
+                f"replica {self.replica_id} has {self._replica_size(self.replica_id)} rank(s), "
+                f"replica {source} (its source) {self._replica_size(source)}: replicas reduce "
+                "rank j with rank j, so every replica needs the same number of ranks; "
+                "restart this replica with as many ranks as the others"
             )
         params = [p for p in parameters if p.requires_grad]
         local = torch.cat([_grad_or_zeros(p).reshape(-1) for p in params]) if params else None
@@ -298,17 +400,24 @@ class FaultTolerantReplicas:
             # A FAILED member takes part (its peers need not time out) but votes no.
             result = None if local is None else self._reduce(quorum, local)
             ok = self.state is ReplicaState.MEMBER and (local is None or result is not None)
-            verdict = vote(self.store, self.prefix, quorum, self.replica_id, ok, self.timeout_s)
+            verdict = self._vote(quorum, self._all_ok(ok))
             if verdict.commit:
                 self._commit(params, result, quorum)
                 return True
             if self.state is ReplicaState.FAILED or self.replica_id not in verdict.voters:
                 return self._drop()
             self.stats.redone_reductions += 1
-            quorum = self._join(quorum.round + 1, redo=True)
+            quorum = self._share(functools.partial(self._join, quorum.round + 1, redo=True))
             if self.replica_id not in quorum.members:
                 return self._drop()
             self.quorum = quorum
+
+    def _vote(self, quorum: Quorum, ok: bool) -> Verdict:
+        """The round's verdict, given this replica's outcome (its rank 0 votes)."""
+        verdict: Verdict = self._share(
+            lambda: vote(self.store, self.prefix, quorum, self.replica_id, ok, self.timeout_s)
+        )
+        return verdict
 
     def _commit(
         self, params: list[torch.Tensor], averaged: torch.Tensor | None, quorum: Quorum
