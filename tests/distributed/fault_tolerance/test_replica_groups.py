@@ -25,6 +25,7 @@ from shardkit.checkpoint.universal import load_universal_states, universal_state
 from shardkit.distributed.fault_tolerance import FaultTolerantReplicas
 from shardkit.nn import FullyShardedDataParallel
 from shardkit.optim import OSS
+from tests.distributed.fault_tolerance.test_replicas import _equal
 
 _NO_FAILURE_T = 10.0  # never reached
 _FAILURE_T = 1.5  # a slow replica waits past it
@@ -180,16 +181,6 @@ def _reference(history: list[tuple[int, tuple[int, ...]]]) -> dict[str, torch.Te
             p.grad = g
         optimizer.step()
     return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def _momentum(model: nn.Module, optimizer: torch.optim.Optimizer, group: Any) -> torch.Tensor:

@@ -41,7 +41,12 @@ def _tokens(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(x.shape, generator=g)
 
 
-def _moe(cfg: dict[str, Any], group: dist.ProcessGroup | None) -> MoE:
+def _moe(
+    cfg: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    tp_group: dist.ProcessGroup | None = None,
+) -> MoE:
+    """The layer of seed 0, its experts split over ``group`` (ep) and ``tp_group``."""
     torch.manual_seed(0)
     return MoE(
         M,
@@ -52,6 +57,7 @@ def _moe(cfg: dict[str, Any], group: dist.ProcessGroup | None) -> MoE:
         min_capacity=0,
         drop_tokens=cfg["drop"],
         ep_group=group,
+        tp_group=tp_group,
     )
 
 

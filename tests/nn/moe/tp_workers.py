@@ -15,25 +15,17 @@ from shardkit.compose import parallelize_model
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
 from shardkit.nn import FullyShardedDataParallel as FSDP
 from shardkit.nn.moe import MoE, all_reduce_expert_gradients
-from tests.nn.moe.moe_workers import F_HIDDEN, E, M, _Block, _err, _tokens
+from tests.nn.moe import moe_workers
+from tests.nn.moe.moe_workers import F_HIDDEN, M, _Block, _err, _tokens
 
 
 def _moe(cfg: dict[str, Any], mesh: ProcessMesh | None) -> MoE:
     """The layer of seed 0; split over ``mesh``'s ep and tp groups when given."""
-    torch.manual_seed(0)
-    ep = mesh is not None and mesh.size("ep") > 1
-    tp = mesh is not None and mesh.size("tp") > 1
-    return MoE(
-        M,
-        F_HIDDEN,
-        E,
-        k=cfg["k"],
-        capacity_factor=cfg["factor"],
-        min_capacity=0,
-        drop_tokens=cfg["drop"],
-        ep_group=mesh.group("ep") if ep and mesh is not None else None,
-        tp_group=mesh.group("tp") if tp and mesh is not None else None,
-    )
+    if mesh is None:
+        return moe_workers._moe(cfg, None)
+    ep = mesh.group("ep") if mesh.size("ep") > 1 else None
+    tp = mesh.group("tp") if mesh.size("tp") > 1 else None
+    return moe_workers._moe(cfg, ep, tp_group=tp)
 
 
 def _reference(ref: MoE, tokens: list[int]) -> list[dict[str, torch.Tensor]]:
