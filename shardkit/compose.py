@@ -70,6 +70,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from shardkit.distributed.collectives import new_group
 from shardkit.distributed.mesh import ProcessMesh
 from shardkit.distributed.validation import parameter_problem
 from shardkit.nn import tensor_parallel as tp
@@ -394,7 +395,7 @@ def _tied_groups(
     for stages in stage_sets:
         mine = None
         for ranks in mesh.dims.group_ranks(["pp"]):  # every rank creates every group
-            group = dist.new_group([ranks[s] for s in stages])
+            group = new_group([ranks[s] for s in stages])
             if mesh.rank in ranks and index in stages:
                 mine = group
         if mine is not None:

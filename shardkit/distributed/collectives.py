@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ __all__ = [
     "global_rank",
     "group_rank",
     "group_size",
+    "group_timeout",
+    "new_group",
     "plan_owner_broadcast",
 ]
 
@@ -113,6 +116,50 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     if _is_stand_in(group):
         return [global_rank(group, 0)]
     return list(dist.get_process_group_ranks(group))
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """The collective timeout of ``group`` (the default group if None), or None where it
+    cannot be read (no process group, a stand-in, a backend other than gloo or NCCL)."""
+    if not dist.is_available() or not dist.is_initialized() or _is_stand_in(group):
+        return None
+    pg = dist.group.WORLD if group is None else group
+    for device in ("cpu", "cuda"):
+        try:
+            options = pg._get_backend(torch.device(device)).options  # type: ignore[union-attr]
+        except (AttributeError, RuntimeError):
+            continue
+        timeout = getattr(options, "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+def new_group(
+    ranks: Sequence[int] | None = None,
+    *,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+) -> dist.ProcessGroup:
+    """``torch.distributed.new_group(ranks)`` whose collectives time out like the default
+    group's when ``timeout`` is None.
+
+    torch gives a new group its backend's default timeout (30 minutes on gloo) whatever
+    the default group's is, so a hang inside a subgroup would outlive a short timeout
+    set at ``init_process_group``. Every rank must call it, in the same order (as
+    torch's).
+
+    Args:
+        ranks: global ranks of the group; None for all ranks.
+        backend: the group's backend; default None (the default group's).
+        timeout: the group's collective timeout; default None (the default group's,
+            see :func:`group_timeout`).
+    """
+    if timeout is None:
+        timeout = group_timeout()
+    group = dist.new_group(None if ranks is None else list(ranks), backend=backend, timeout=timeout)
+    assert group is not None
+    return group
 
 
 @dataclass

@@ -69,6 +69,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from shardkit.distributed.collectives import new_group
+
 __all__ = ["GROUP_NAMES", "MESH_DIMS", "ParallelDims", "ProcessMesh"]
 
 #: The mesh dimensions, outermost first (``tp`` is innermost: adjacent ranks).
@@ -301,7 +303,8 @@ class ProcessMesh:
     Args:
         dims: the split; its ``world_size`` must equal the default group's.
         backend: backend of the groups; default None (the default group's).
-        timeout: collective timeout of the groups; default None (torch's default).
+        timeout: collective timeout of the groups; default None (the default group's,
+            e.g. ``init_process_group(timeout=...)``; torch alone would give 30 minutes).
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
@@ -351,9 +354,7 @@ class ProcessMesh:
                     pg = dist.group.WORLD
                     assert pg is not None
                 else:
-                    pg = dist.new_group(
-                        ranks, backend=backend or self._backend, timeout=self._timeout
-                    )
+                    pg = new_group(ranks, backend=backend or self._backend, timeout=self._timeout)
                     self._created.append(pg)
                 if self.rank in ranks:
                     mine = (pg, ranks)

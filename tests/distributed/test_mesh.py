@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardkit.distributed import mpu
+from shardkit.distributed.collectives import group_timeout
 from shardkit.distributed.mesh import MESH_DIMS, ParallelDims, ProcessMesh
 
 
@@ -135,7 +136,14 @@ def run_mesh_configs(configs: list[dict[str, int]]) -> list[dict[str, Any]]:
         same = mesh.group("dp_cp") is mesh.group("dp")
         same &= mesh.group("dp_shard_cp") is mesh.group("dp_shard")
         result["cp_groups_shared"] = same
+        # the groups time out like the default group (the pool's 120 s), not torch's 30 min
+        result["timeouts_s"] = {group_timeout(mesh.group(*d)).total_seconds() for d in DIM_SETS}
         mesh.destroy()
+        timed = ProcessMesh(
+            ParallelDims(world_size=world, **degrees), timeout=timedelta(seconds=90)
+        )
+        result["given_timeout_s"] = group_timeout(timed.group("tp", "pp")).total_seconds()
+        timed.destroy()
         out.append(result)
     return out
 
@@ -214,6 +222,9 @@ def test_mesh_groups_on_ranks(rank_pool: Any, world: int) -> None:
             result = per_rank[rank][i]
             assert tuple(result["coords"].values()) == _coords(rank, *full.values())
             assert result["cp_groups_shared"] == (dims.cp == 1)
+            assert result["timeouts_s"] == {120.0}
+            tp_pp_is_world = dims.tp * dims.pp == world
+            assert result["given_timeout_s"] == (120.0 if tp_pp_is_world else 90.0)
             for names in DIM_SETS:
                 expanded = EXPANDED.get(names[0], names) if len(names) == 1 else names
                 want = _expected(world, full, expanded, rank)

@@ -70,6 +70,7 @@ import torch.distributed as dist
 from shardkit.checkpoint.manifest import checkpoint_name
 from shardkit.checkpoint.universal.staging import StagingBuffer
 from shardkit.checkpoint.universal.writer import PathLike, PreparedSave, commit_save, prepare_save
+from shardkit.distributed.collectives import group_timeout, new_group
 
 __all__ = ["AsyncCheckpointer", "AsyncSave"]
 
@@ -149,8 +150,8 @@ class AsyncCheckpointer:
     Args:
         group: the training process group the saves are collectives over; default
             None: the world group (one rank when no process group is initialised).
-        timeout: the commit group's collective timeout; default None: torch's default
-            for gloo.
+        timeout: the commit group's collective timeout; default None: ``group``'s
+            (the default group's when ``group`` is None).
 
     Construction is a collective over the *world* (``dist.new_group``: every process
     calls it, in the same order as its other ``new_group`` calls), when a process
@@ -278,8 +279,8 @@ def _commit_group(
     if not dist.is_available() or not dist.is_initialized():
         return None
     ranks = None if group is None else dist.get_process_group_ranks(group)
-    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-    return dist.new_group(ranks, backend="gloo", **kwargs)
+    # default: the timeout of the group it serves (torch's own default is 30 minutes)
+    return new_group(ranks, backend="gloo", timeout=timeout or group_timeout(group))
 
 
 _LIVE: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()

@@ -103,6 +103,22 @@ def _never_traced(fn: _F) -> _F:
     return cast(_F, torch.compiler.disable(fn))
 
 
+def _exclude_forward_from_tracing() -> None:
+    """Apply :func:`_never_traced` to ``FullyShardedDataParallel.forward``, once, at the
+    first construction (see [Note: FSDP and torch.compile]).
+
+    Not at import: ``torch.compiler.disable`` imports ``torch._dynamo`` (about 2 s per
+    fresh process on the 2-core CI machine, paid by every process that imports
+    ``shardkit.nn`` and by every torchrun rank). A forward can only be traced once a
+    model was built, so wrapping at the first construction excludes every traced call.
+    """
+    cls = FullyShardedDataParallel
+    if not getattr(cls.forward, "_shardkit_never_traced", False):
+        forward = _never_traced(cls.forward)
+        forward._shardkit_never_traced = True  # type: ignore[attr-defined]
+        cls.forward = forward  # type: ignore[method-assign]
+
+
 class FullyShardedDataParallel(ForwardingMixin, nn.Module):
     """Shard a module's parameters, gradients and optimizer state across ranks (ZeRO-3).
 
@@ -281,6 +297,7 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
                 sharding_strategy=strategy,
                 grad_compression=get_compressor(grad_compression),
             )
+        _exclude_forward_from_tracing()
         super().__init__()
         self._config = config
         self._process_group = shard_group
@@ -428,8 +445,8 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
     # wrong ParametersChangedError. So the forward is excluded from tracing, with all it
     # calls: compiling an FSDP model as a whole compiles nothing around the units, while
     # blocks compiled before wrapping (``block.compile()``, the documented order, as
-    # torch's FSDP2 per-block compile) still run compiled inside it.
-    @_never_traced
+    # torch's FSDP2 per-block compile) still run compiled inside it. The exclusion is
+    # applied at the first construction (_exclude_forward_from_tracing), not at import.
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module with its full parameters (see the class docstring).
 
