@@ -53,11 +53,13 @@ __all__ = ["RankError", "RankPool", "RankTimeoutError", "run_distributed"]
 
 _POLL_S = 0.05
 # imported once by the fork server, not by every rank ([Note: ranks forked from a server]):
-# torch, and shardkit's wrappers (they import torch._dynamo and torch._inductor, as long
-# again as torch itself); none of them starts a thread.
+# torch, torch._dynamo (as long again as torch itself; FSDP imports it at its first
+# construction, torch.compile at its first call) and shardkit's wrappers; none of them
+# starts a thread.
 _PRELOAD = [
     "__main__",
     "torch",
+    "torch._dynamo",
     "torch.distributed",
     "shardkit.testing",
     "shardkit.nn",

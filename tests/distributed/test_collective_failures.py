@@ -1,7 +1,7 @@
 """A collective a peer never joins ends in an error naming the wrapper and the operation.
 
 Each case runs on its own 2-rank group with a 3 s timeout (the shared pool's world
-group keeps its long one): rank 1 skips a step, a forward or a backward, or leaves the
+group keeps its long one), all cases at once in threads: rank 1 skips a step, a forward or a backward, or leaves the
 group, and rank 0's error must say which wrapper, which operation, its rank and the
 group size, with the backend's error chained.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -84,31 +85,41 @@ def _pipe_step(group: dist.ProcessGroup, skip: bool) -> Action:
     return None if skip else lambda: schedule.step(torch.ones(4, 4))
 
 
-def _run_case(case: Callable[[dist.ProcessGroup, bool], Action]) -> str:
+def _build(case: Callable[[dist.ProcessGroup, bool], Action]) -> Action:
     """Build on a fresh group with a short timeout (gloo's send/recv take it from the
-    group's creation), then run the action rank 1 skips."""
+    group's creation); rank 1 gets the action it skips (None or its leaving)."""
     group = dist.new_group([0, 1], timeout=_TIMEOUT)
-    action = case(group, dist.get_rank() == 1)
-    dist.barrier()  # the world group: both ranks start the action together
-    outcome = "ok"
+    return case(group, dist.get_rank() == 1)
+
+
+def _outcome(action: Action) -> str:
     try:
         if action is not None:
             action()
     except CollectiveError as err:
-        outcome = f"{err} | chained {type(err.__cause__).__name__}"
-    dist.barrier()  # the world group: rank 1 waits here for rank 0's timeout
-    return outcome
+        return f"{err} | chained {type(err.__cause__).__name__}"
+    return "ok"
 
 
 def _cases() -> dict[str, str]:
-    return {
-        "oss": _run_case(_oss_step),
-        "fsdp": _run_case(_fsdp_forward),
-        "fsdp-train": _run_case(_fsdp_train_forward),
-        "sdp": _run_case(_sdp_backward),
-        "fsdp-gone": _run_case(_fsdp_peer_gone),
-        "pipe": _run_case(_pipe_step),
+    """Every case's group and wrapper built first (same order on both ranks), then the
+    actions run at once, one thread each: each group has its own connections and
+    timeout, so the six 3 s timeouts overlap instead of adding up."""
+    builders = {
+        "oss": _oss_step,
+        "fsdp": _fsdp_forward,
+        "fsdp-train": _fsdp_train_forward,
+        "sdp": _sdp_backward,
+        "fsdp-gone": _fsdp_peer_gone,
+        "pipe": _pipe_step,
     }
+    actions = {name: _build(build) for name, build in builders.items()}
+    dist.barrier()  # the world group: both ranks start the actions together
+    with ThreadPoolExecutor(len(actions)) as pool:
+        outcomes = {name: pool.submit(_outcome, action) for name, action in actions.items()}
+        done = {name: future.result() for name, future in outcomes.items()}
+    dist.barrier()  # the world group: rank 1 waits here for rank 0's timeouts
+    return done
 
 
 def test_skipped_collective_names_wrapper_and_operation(rank_pool: Any) -> None:
