@@ -11,8 +11,10 @@ torch loaded took 0.7 to 2.5 s per group on the 2-core CI machine, paid by every
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import random
+import signal
 import sys
 import traceback
 from datetime import timedelta
@@ -22,6 +24,25 @@ import torch
 import torch.distributed as dist
 
 _START_TIMEOUT_S = 120.0
+# SIGUSR1 makes a rank write every thread's Python stack here (see launcher's [Note:
+# a hang shows its stacks]); the file object lives as long as the rank.
+_STACKS: list[Any] = []
+
+
+def stacks_path(result_dir: str, rank: int) -> str:
+    """Where rank ``rank`` writes its thread stacks on SIGUSR1."""
+    return os.path.join(result_dir, f"stacks-rank{rank}.txt")
+
+
+def _dump_stacks_on_signal(result_dir: str, rank: int) -> None:
+    """On SIGUSR1, write all threads' stacks to :func:`stacks_path` (faulthandler writes
+    from the signal handler itself, so a rank blocked in a collective's C++ wait still
+    answers)."""
+    if not hasattr(signal, "SIGUSR1"):  # not on Windows
+        return
+    out = open(stacks_path(result_dir, rank), "w")  # noqa: SIM115 (open for the rank's life)
+    _STACKS.append(out)
+    faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
 
 
 def _seed_everything(seed: int) -> None:
@@ -127,6 +148,7 @@ def _serve(
     """Init the process group, then run tasks until a ``None`` task arrives."""
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    _dump_stacks_on_signal(result_dir, rank)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     try:
         _bind_device(backend, rank)

@@ -21,6 +21,16 @@ silent kills every rank and raises :class:`RankTimeoutError` naming the silent r
 A rank that dies without reporting (a signal, ``os._exit``) is detected from its exit
 code. No child outlives the call that failed.
 
+[Note: a hang shows its stacks]
+Each rank registers ``faulthandler`` on SIGUSR1 at start-up, writing every thread's
+Python stack to a file of its own. Before the ranks of a timed-out call are killed, the
+parent signals the silent ones and puts what they wrote in the
+:class:`RankTimeoutError` (``.stacks``, and its message): the line each rank is stuck
+on, also inside a collective's C++ wait. A call whose ranks have partly reported and
+partly stayed silent for ``straggler_s`` seconds (a rank that skipped a collective
+returns while its peer waits in it) warns once, with the silent ranks' stacks, long
+before the timeout.
+
 [Note: ranks forked from a server with torch imported]
 Ranks start from multiprocessing's fork server (spawned where there is none), which
 imports ``_PRELOAD`` (torch; shardkit's wrappers, by name only: this module still
@@ -39,19 +49,22 @@ import contextlib
 import os
 import queue as queue_mod
 import shutil
+import signal
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from shardkit.testing._rank import _START_TIMEOUT_S, _worker_main
+from shardkit.testing._rank import _START_TIMEOUT_S, _worker_main, stacks_path
 
 __all__ = ["RankError", "RankPool", "RankTimeoutError", "run_distributed"]
 
 _POLL_S = 0.05
+_STACK_WAIT_S = 2.0  # how long a signalled rank gets to write its stacks
 # imported once by the fork server, not by every rank ([Note: ranks forked from a server]):
 # torch, torch._dynamo (as long again as torch itself; FSDP imports it at its first
 # construction, torch.compile at its first call) and shardkit's wrappers; none of them
@@ -93,16 +106,31 @@ class RankTimeoutError(TimeoutError):
     Attributes:
         ranks: the ranks that had not reported.
         timeout_s: the timeout that passed, in seconds.
+        stacks: rank -> every thread's Python stack as the rank hung (faulthandler's
+            text, see [Note: a hang shows its stacks]); empty where none could be read.
+            They also end the message.
     """
 
-    def __init__(self, ranks: Sequence[int], timeout_s: float, what: str = "") -> None:
+    def __init__(
+        self,
+        ranks: Sequence[int],
+        timeout_s: float,
+        what: str = "",
+        stacks: dict[int, str] | None = None,
+    ) -> None:
         self.ranks = list(ranks)
         self.timeout_s = timeout_s
+        self.stacks = dict(stacks or {})
         label = f" running {what}" if what else ""
         super().__init__(
             f"ranks {self.ranks} did not finish within {timeout_s:.1f} s{label} "
             "(a hang: a collective one rank skipped, or a dead peer); all ranks were killed"
+            + _format_stacks(self.stacks)
         )
+
+
+def _format_stacks(stacks: dict[int, str]) -> str:
+    return "".join(f"\n--- rank {r} stacks ---\n{text.rstrip()}" for r, text in stacks.items())
 
 
 def _context() -> Any:
@@ -139,6 +167,9 @@ class RankPool:
             fight over cores. None leaves torch's default.
         grace_s: after one rank fails, seconds to wait for the others before killing
             them. Default 5.
+        straggler_s: when some ranks finished a :meth:`run` and the others are still
+            silent this many seconds later, warn (``RuntimeWarning``) with their
+            stacks; None never warns. Default 30.
 
     Functions passed to :meth:`run` must be picklable (defined at module top level).
     Each rank sees ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` in its environment and a
@@ -153,6 +184,7 @@ class RankPool:
         timeout_s: float = 120.0,
         num_threads: int | None = 1,
         grace_s: float = 5.0,
+        straggler_s: float | None = 30.0,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1; got {world_size}")
@@ -163,6 +195,7 @@ class RankPool:
         self.timeout_s = timeout_s
         self.num_threads = num_threads
         self.grace_s = grace_s
+        self.straggler_s = straggler_s
         self._procs: list[Any] = []
         self._tasks: list[Any] = []
         self._reports: Any = None
@@ -305,12 +338,21 @@ class RankPool:
         # The process group's own timeout (``limit``) fires first in a stuck collective
         # and names the operation; the harness deadline is the backstop for other hangs.
         deadline = time.monotonic() + limit + self.grace_s
+        straggling_since: float | None = None  # when the first rank reported ok
         while len(paths) + len(errors) < self.world_size:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 if errors:
                     raise _first_failure(errors, dead, what, all_reported=False)
                 silent = [r for r in range(self.world_size) if r not in paths]
-                raise RankTimeoutError(silent, limit, what)
+                raise RankTimeoutError(silent, limit, what, self._stacks(silent))
+            if (
+                straggling_since is not None
+                and self.straggler_s is not None
+                and now - straggling_since > self.straggler_s
+            ):
+                straggling_since = None  # warn once per call
+                self._warn_stragglers(sorted(paths), what)
             try:
                 rank, tid, status, payload = self._reports.get(timeout=_POLL_S)
             except queue_mod.Empty:
@@ -324,6 +366,8 @@ class RankPool:
                 continue  # a stale report from an earlier, abandoned task
             if status == "ok":
                 paths[rank] = payload
+                if len(paths) == 1 and not errors:
+                    straggling_since = time.monotonic()
             else:
                 errors[rank] = payload
                 deadline = min(deadline, time.monotonic() + self.grace_s)
@@ -334,11 +378,51 @@ class RankPool:
             raise _first_failure(errors, dead, what, all_reported=not dead)
         return [paths[r] for r in range(self.world_size)]
 
+    def _warn_stragglers(self, finished: list[int], what: str) -> None:
+        silent = [r for r in range(self.world_size) if r not in finished]
+        warnings.warn(
+            f"ranks {silent} still running {what} {self.straggler_s:.0f} s after ranks "
+            f"{finished} finished (a collective they wait in that the others skipped?)"
+            + _format_stacks(self._stacks(silent)),
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Signal ``ranks`` to write their stacks and return what each wrote (see [Note:
+        a hang shows its stacks]); a rank gone or not answering within
+        ``_STACK_WAIT_S`` is left out."""
+        if self._tmpdir is None or not hasattr(signal, "SIGUSR1"):
+            return {}
+        paths = {r: stacks_path(self._tmpdir, r) for r in ranks if self._procs[r].is_alive()}
+        start = {r: _size(p) for r, p in paths.items()}
+        for r in paths:
+            with contextlib.suppress(OSError):
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+        deadline = time.monotonic() + _STACK_WAIT_S
+        while time.monotonic() < deadline and any(_size(p) <= start[r] for r, p in paths.items()):
+            time.sleep(_POLL_S)
+        time.sleep(_POLL_S)  # let a dump in progress finish
+        stacks = {}
+        for r, p in paths.items():
+            with contextlib.suppress(OSError), open(p) as f:
+                f.seek(start[r])
+                if text := f.read():
+                    stacks[r] = text
+        return stacks
+
     def _dead_rank(self, reported: dict[int, str]) -> tuple[int, str] | None:
         for rank, proc in enumerate(self._procs):
             if rank not in reported and not proc.is_alive():
                 return rank, f"process exited with code {proc.exitcode} without reporting"
         return None
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _first_failure(

@@ -89,13 +89,21 @@ def _hang_on_rank0() -> None:
 
 
 def test_hang_times_out_and_kills_ranks() -> None:
-    pool = RankPool(2, timeout_s=3.0, grace_s=1.0)
+    pool = RankPool(2, timeout_s=3.0, grace_s=1.0, straggler_s=1.0)
     try:
         pids = pool.run(_pid)
-        with pytest.raises(RankTimeoutError) as info:
+        with (
+            pytest.raises(RankTimeoutError) as info,
+            pytest.warns(RuntimeWarning, match=r"ranks \[0\] still running _hang_on_rank0 1 s"),
+        ):
             pool.run(_hang_on_rank0)
         assert info.value.ranks == [0]
         assert "did not finish within 3.0 s running _hang_on_rank0" in str(info.value)
+        # the hung rank's stacks, taken before it was killed, name the line it hung on
+        assert list(info.value.stacks) == [0]
+        assert "in _hang_on_rank0" in info.value.stacks[0]
+        assert "time.sleep(3600)" not in info.value.stacks[0]  # faulthandler: no source
+        assert "--- rank 0 stacks ---" in str(info.value)
         for pid in pids:  # no zombie or orphan left behind
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
