@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardkit.testing._isolation import snapshot
+
 _START_TIMEOUT_S = 120.0
 # SIGUSR1 makes a rank write every thread's Python stack here (see launcher's [Note:
 # a hang shows its stacks]); the file object lives as long as the rank.
@@ -165,6 +167,8 @@ def _serve(
         reports.put((rank, -1, "error", traceback.format_exc()))
         return
     reports.put((rank, -1, "ready", ""))
+    # each task starts from the state the rank had here (see _isolation)
+    start = snapshot(lambda: _set_collective_timeout(pg_timeout_s))
     try:
         while True:
             task = tasks.get()
@@ -180,6 +184,7 @@ def _serve(
                 reports.put((rank, task_id, "ok", path))
             except BaseException:
                 reports.put((rank, task_id, "error", traceback.format_exc()))
+            start.restore()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -152,6 +152,53 @@ def test_ranks_see_the_parents_environment_and_directory_at_start(tmp_path, monk
     assert run_distributed(_env_and_cwd, 1, name)[0][0] is None
 
 
+def _process_state() -> dict[str, object]:
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    pg = _get_default_group()._get_backend(torch.device("cpu"))
+    return {
+        "env": os.environ.get("SHARDKIT_TEST_POISON"),
+        "cwd": os.getcwd(),
+        "dtype": torch.get_default_dtype(),
+        "threads": torch.get_num_threads(),
+        "grad": torch.is_grad_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "anomaly": torch.is_anomaly_enabled(),
+        "forward_hooks": len(torch.nn.modules.module._global_forward_hooks),
+        "timeout_s": pg.options._timeout.total_seconds(),
+    }
+
+
+def _poison_process_state(directory: str, fail: bool) -> None:
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    os.environ["SHARDKIT_TEST_POISON"] = "1"
+    os.chdir(directory)
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(2)
+    torch.set_grad_enabled(False)
+    torch.use_deterministic_algorithms(True)
+    torch.autograd.set_detect_anomaly(True)
+    torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    _set_pg_timeout(timedelta(seconds=7))
+    if fail:
+        raise RuntimeError("a task that fails after changing everything")
+
+
+def test_a_task_cannot_change_what_the_next_one_sees(rank_pool, tmp_path) -> None:
+    pool = rank_pool(2)
+    clean = pool.run(_process_state)
+    assert clean[0]["timeout_s"] == 120.0 and clean[0]["dtype"] == torch.float32
+    for fail in (False, True):
+        try:
+            pool.run(_poison_process_state, str(tmp_path), fail)
+        except RankError as err:
+            assert fail and "a task that fails" in err.remote_traceback
+        assert pool.run(_process_state) == clean
+
+
 def test_seed_is_deterministic_and_equal_across_ranks(rank_pool) -> None:
     pool = rank_pool(2)
     a, b = pool.run(_random_draw, seed=3), pool.run(_random_draw, seed=3)
