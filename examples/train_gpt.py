@@ -129,6 +129,8 @@ class JobConfig:
             ``replica_id`` of ``max_replicas`` (``examples/gpt_fault_tolerant.py``);
             ``ft_timeout`` seconds drop a silent replica. None: off.
         compile: ``torch.compile`` each block before wrapping (``gpt_compile``).
+        sample_bytes: bytes of text sampled after the last step (``sample.txt``); 0:
+            no sample.
     """
 
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
@@ -155,6 +157,7 @@ class JobConfig:
     max_replicas: int = 1
     ft_timeout: float = 10.0
     compile: bool = False
+    sample_bytes: int = 120
 
     @property
     def warmup(self) -> int:
@@ -249,6 +252,7 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--ft-timeout", type=float, default=job.ft_timeout, help="seconds: drop a replica")
     add("--compile", action="store_true", help="torch.compile each Block before wrapping")
     add("--optimizer", default=opt.optimizer, choices=list(OPTIMIZERS), help="default adamw")
+    add("--sample-bytes", type=_non_negative, default=job.sample_bytes, help="0: no sample")
     flags = vars(p.parse_args(argv))
     flags["strategy"] = flags["strategy"] or shorthand(flags)
     config = JobConfig.from_flags(flags)
@@ -954,9 +958,11 @@ def finish(run: Run, out_dir: Path, wall_s: float) -> None:
     say(run, f"done: step {run.step}, {losses}, {speed}{wall_s:.1f} s; wrote {wrote}")
     if not plain:
         say(run, "MoE: no model.pt or sample (the checkpoints hold the experts)")
-    if state is not None:  # the trained model continues a prompt: did it learn?
-        config = run.config
-        text = sample_text(state, config.model_size, VOCAB_SIZE, config.seq_len, SAMPLE_PROMPT)
+    config = run.config
+    if state is not None and config.sample_bytes:  # the trained model continues a prompt
+        text = sample_text(
+            state, config.model_size, VOCAB_SIZE, config.seq_len, SAMPLE_PROMPT, config.sample_bytes
+        )
         (out_dir / "sample.txt").write_text(text, encoding="utf-8")
         say(run, f"sample (prompt {SAMPLE_PROMPT!r}):\n{text}")
 

@@ -26,7 +26,7 @@ import train_gpt
 
 COMMON = [
     *("--model-size", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1"),
-    *("--steps", "2", "--eval-every", "0"),
+    *("--steps", "2", "--eval-every", "0", "--sample-bytes", "0"),  # sample: test_train_gpt_outputs
 ]
 HSDP = ["--dp-replicate", "2", "--dp-shard", "2", "--tp", "2"]
 PIPE = ["--pp", "2", "--tp", "2", "--chunks", "2"]

@@ -13,6 +13,7 @@ import train_gpt
 from tests.examples.test_train_gpt_outputs import _run_main  # (exit code, stdout) per run
 
 TINY = ["--model-size", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1"]
+TINY += ["--sample-bytes", "0"]  # the sample is checked in test_train_gpt_outputs
 JOB = [*TINY, "--steps", "4", "--eval-every", "0", "--save-every", "2"]
 
 

@@ -14,7 +14,7 @@ import train_gpt
 STEPS = 4
 COMMON = [
     *("--model-size", "tiny", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1"),
-    *("--steps", str(STEPS), "--eval-every", "0", "--keep", "0"),
+    *("--steps", str(STEPS), "--eval-every", "0", "--keep", "0", "--sample-bytes", "0"),
 ]
 
 

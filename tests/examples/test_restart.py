@@ -27,6 +27,7 @@ from tests.checkpoint.payload import plant_payload
 from tests.examples import faults
 
 TINY = ["--model-size", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1"]
+TINY += ["--sample-bytes", "0"]  # the sample is checked in test_train_gpt_outputs
 COMMON = [*TINY, "--steps", "8", "--eval-every", "4", "--save-every", "3"]
 FAULTS = Path(faults.__file__)  # train_gpt.py with a fault hook, as a torchrun script
 SHARD0, SHARD1 = "shard-0-of-2.safetensors", "shard-1-of-2.safetensors"  # universal format

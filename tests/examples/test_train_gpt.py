@@ -22,6 +22,7 @@ from shardkit.models import GPT, gpt_config
 from tests.examples import EXAMPLES_DIR
 
 TINY = ["--model-size", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1"]
+TINY += ["--sample-bytes", "0"]  # the sample is checked in test_train_gpt_outputs
 
 
 def _metrics(out_dir: Path) -> dict[str, Any]:
@@ -49,6 +50,7 @@ def test_torchrun_two_ranks_loss_falls(tmp_path: Path) -> None:
     n = _tiny_params(32)
     assert (m["world_size"], m["strategy"], m["param_count"]) == (2, "ddp", n)
     assert f"{n:,} parameters" in proc.stdout
+    assert not (tmp_path / "sample.txt").exists() and "sample (prompt" not in proc.stdout  # 0
     assert [s for s, _ in m["train_loss"]] == list(range(1, 13))
     assert [s for s, _ in m["val_loss"]] == [0, 6, 12]
     val = [v for _, v in m["val_loss"]]

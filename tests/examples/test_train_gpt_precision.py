@@ -14,6 +14,7 @@ import train_gpt
 from shardkit.models import GPT, gpt_config
 
 TINY = ["--model-size", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1"]
+TINY += ["--sample-bytes", "0"]  # the sample is checked in test_train_gpt_outputs
 COMMON = [*TINY, "--steps", "2", "--eval-every", "0", "--save-every", "0"]
 RUNS = {
     "ddp_fp16": ["--strategy", "ddp", "--precision", "fp16"],

@@ -15,6 +15,7 @@ from tests.examples import EXAMPLES_DIR
 assert EXAMPLES_DIR.is_dir()  # importing tests.examples puts the examples on sys.path
 
 TINY = ["--model-size", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1"]
+TINY += ["--sample-bytes", "0"]  # the sample is checked in tests/examples
 
 
 def _run_main(argvs: list[list[str]]) -> list[int]:
