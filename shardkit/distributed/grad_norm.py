@@ -39,19 +39,27 @@ def clip_grad_norm_sharded(
     local_params: Sequence[torch.Tensor],
     max_norm: float,
     norm_type: float = 2.0,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | Sequence[dist.ProcessGroup | None] | None = None,
+    *,
+    copies: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clip the gradients of ``local_params`` by the norm over all ranks' shards.
 
-    A collective over ``group`` (one all-reduce of one element). Every rank passes
-    its own, disjoint shard; ``clip_coef = max_norm / (total_norm + 1e-6)``, clamped
-    to 1, multiplies each local gradient in place, as torch does.
+    A collective over ``group`` (one all-reduce of one element per group). Every rank
+    passes its own, disjoint shard; ``clip_coef = max_norm / (total_norm + 1e-6)``,
+    clamped to 1, multiplies each local gradient in place, as torch does.
 
     Args:
-        local_params: this rank's parameters (those without ``.grad`` are skipped).
+        local_params: this rank's parameters whose gradients the norm counts (those
+            without ``.grad`` are skipped); disjoint across the ranks of ``group``.
         max_norm: the largest allowed total norm.
         norm_type: ``p`` of the p-norm; ``float("inf")`` for the max norm. Default 2.
-        group: the process group; default None (world).
+        group: the process group; default None (world). A sequence of groups reduces
+            over each in turn (a shard group, then its replica group: the sum over
+            their product), for shards whose copies are left out of ``local_params``
+            on all but one rank of the replica group.
+        copies: parameters clipped by the same coefficient but not counted here (a
+            copy whose gradient another rank counts). Default none.
 
     Returns:
         The total norm over all ranks (a 0-d fp32 tensor on the gradients' device),
@@ -59,13 +67,16 @@ def clip_grad_norm_sharded(
     """
     norm_type = float(norm_type)
     grads = [p.grad for p in local_params if p.grad is not None]
-    device = local_params[0].device if local_params else torch.device("cpu")
+    every = [*local_params, *copies]
+    device = every[0].device if every else torch.device("cpu")
     partial = _local_partial(grads, norm_type).to(device)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        dist.all_reduce(partial, op=op, group=group)
+    groups = list(group) if isinstance(group, Sequence) else [group]
+    for each in groups:
+        if dist.is_initialized() and dist.get_world_size(each) > 1:
+            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+            dist.all_reduce(partial, op=op, group=each)
     total = partial if math.isinf(norm_type) else partial ** (1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
+    for g in grads + [p.grad for p in copies if p.grad is not None]:
         g.mul_(clip_coef.to(g.device, g.dtype))
     return total

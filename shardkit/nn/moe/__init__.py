@@ -10,6 +10,7 @@ from shardkit.nn.moe.gate import Routing, TopKGate
 from shardkit.nn.moe.gradients import (
     all_reduce_expert_gradients,
     check_ddp_leaves_experts,
+    clip_grad_norm_,
     expert_parameters,
     ignore_experts_in_ddp,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "TopKGate",
     "all_reduce_expert_gradients",
     "check_ddp_leaves_experts",
+    "clip_grad_norm_",
     "expert_parameters",
     "ignore_experts_in_ddp",
 ]

@@ -43,12 +43,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from shardkit.distributed.collectives import group_ranks
+from shardkit.distributed.collectives import group_rank, group_ranks
+from shardkit.distributed.grad_norm import clip_grad_norm_sharded
 from shardkit.distributed.validation import parameter_problem
 
 __all__ = [
     "all_reduce_expert_gradients",
     "check_ddp_leaves_experts",
+    "clip_grad_norm_",
     "expert_parameters",
     "ignore_experts_in_ddp",
 ]
@@ -92,6 +94,50 @@ def all_reduce_expert_gradients(module: nn.Module, group: dist.ProcessGroup | No
         dist.all_reduce(grad, group=group)
         grad.div_(size)
     return len(grads)
+
+
+def clip_grad_norm_(
+    module: nn.Module,
+    max_norm: float,
+    norm_type: float = 2.0,
+    ep_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of an expert-parallel model under data parallelism (DDP
+    layout: dense parameters whole on every rank, experts split over ``ep_group``) by
+    the norm of the single-process model's gradients.
+
+    Expert gradients are summed over ``ep_group`` (each of its ranks holds other
+    experts); dense gradients, the same on every rank after DDP's all-reduce, count
+    once (on ``ep_group``'s rank 0). One all-reduce of one element over ``ep_group``.
+    Call after the backward, DDP's reduction and :func:`all_reduce_expert_gradients`
+    (so that the ranks of an expert-data-parallel group hold the same gradients and get
+    the same norm)::
+
+        loss.backward()
+        all_reduce_expert_gradients(model, mesh.group("edp"))
+        clip_grad_norm_(model, 1.0, ep_group=mesh.group("ep"))
+        optimizer.step()
+
+    Under FSDP use the root's ``FullyShardedDataParallel.clip_grad_norm_`` instead (it
+    counts the expert units over the expert-data-parallel group itself).
+
+    Args:
+        module: the model (or the unwrapped model under DDP).
+        max_norm: the largest allowed total norm.
+        norm_type: ``p`` of the p-norm; ``float("inf")`` for the max norm. Default 2.
+        ep_group: the expert-parallel group (``mesh.group("ep")``); None: the world.
+
+    Returns:
+        The total norm (0-d fp32) before clipping, the same on every rank, equal to
+        ``torch.nn.utils.clip_grad_norm_`` on the single-process model.
+    """
+    experts = expert_parameters(module)
+    ids = {id(p) for p in experts.values()}
+    dense = [p for p in module.parameters() if id(p) not in ids]
+    first = group_rank(ep_group) == 0
+    counted = [*experts.values(), *(dense if first else [])]
+    copies = [] if first else dense
+    return clip_grad_norm_sharded(counted, max_norm, norm_type, ep_group, copies=copies)
 
 
 def check_ddp_leaves_experts(ddp: DistributedDataParallel, experts: nn.Module) -> None:

@@ -46,6 +46,18 @@ class MOELayer(nn.Module):
     Every expert parameter gets the attribute ``expert = True`` (FairScale's marker).
     The all-to-all moves ``E x C x M`` elements each way per forward (``C = 2S/E`` for
     :class:`~shardkit.nn.moe.Top2Gate`), whatever the routing.
+
+    [Note: dispatch by index]
+    FairScale (and GShard's Algorithm 2) dispatch with ``einsum("sec,sm->ecm")`` and
+    combine with ``einsum("sec,ecm->sm")``: two products over the whole ``(S, E, C)``
+    one-hot tensor, ``2 x S x E x C x M`` multiply-adds each (``4 S^2 M`` with
+    ``C = 2S/E``), as many again in backward, almost all of them with zeros. This layer
+    reads the ``(token, slot)`` pairs off ``dispatch_mask`` (``nonzero``) and copies the
+    rows (``index_add``; a slot given several tokens sums them, as the einsum does), then
+    sums each token's kept outputs times its combine weight: ``S x k x M`` each. The
+    result equals the einsums' for a gate whose combine weights are zero outside
+    ``dispatch_mask`` (FairScale's and GShard's: ``dispatch_mask = combine.bool()``),
+    to the order of summing each token's ``k`` terms.
     """
 
     def __init__(
@@ -84,7 +96,10 @@ class MOELayer(nn.Module):
         d_model = x.shape[2]
         tokens = x.reshape(-1, d_model)
         self.l_aux, combine_weights, dispatch_mask = self.gate(tokens)
-        dispatched = torch.einsum("sec,sm->ecm", dispatch_mask.to(tokens.dtype), tokens)
+        num_experts, capacity = dispatch_mask.shape[1], dispatch_mask.shape[2]
+        token, slot = _routes(dispatch_mask)
+        rows = tokens.index_select(0, token)
+        dispatched = tokens.new_zeros(num_experts * capacity, d_model).index_add(0, slot, rows)
         if self.world_size > 1:
             dispatched = all_to_all(dispatched, self.group)
         dispatched = dispatched.reshape(self.world_size, self.num_local_experts, -1, d_model)
@@ -94,6 +109,16 @@ class MOELayer(nn.Module):
         )
         if self.world_size > 1:
             expert_output = all_to_all(expert_output, self.group)
-        expert_output = expert_output.reshape(self.world_size * self.num_local_experts, -1, d_model)
-        combined = torch.einsum("sec,ecm->sm", combine_weights, expert_output)
+        expert_output = expert_output.reshape(num_experts * capacity, d_model)
+        weights = combine_weights.reshape(len(tokens), -1)[token, slot].to(expert_output.dtype)
+        outputs = expert_output.index_select(0, slot) * weights.unsqueeze(1)
+        combined = expert_output.new_zeros(len(tokens), d_model).index_add(0, token, outputs)
         return combined.reshape(x.shape)
+
+
+def _routes(dispatch_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(token, slot)`` pairs of a ``(S, E, C)`` dispatch mask: token ``s`` goes to
+    row ``e x C + c`` of the ``(E x C, M)`` capacity buffer (see ``[Note: dispatch by
+    index]``)."""
+    token, expert, position = dispatch_mask.nonzero(as_tuple=True)
+    return token, expert * dispatch_mask.shape[2] + position

@@ -68,10 +68,15 @@ def top2gating(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     gates1 = (gates * mask1).sum(dim=1)
     gates2 = (gates * mask2).sum(dim=1)
     denom = torch.clamp(gates1 + gates2, min=torch.finfo(gates.dtype).eps)
-    place1 = _one_hot((locations1 * mask1).sum(dim=1), capacity)
-    place2 = _one_hot((locations2 * mask2).sum(dim=1), capacity)
-    combine = ((gates1 / denom).unsqueeze(-1) * mask1).unsqueeze(2) * place1.unsqueeze(1)
-    combine = combine + ((gates2 / denom).unsqueeze(-1) * mask2).unsqueeze(2) * place2.unsqueeze(1)
+    # combine[s, e, c]: written at each token's two (expert, position) slots (a dropped
+    # choice writes its zero weight at position 0); the two experts differ, so no slot
+    # is written twice: the values are those of GShard's one-hot products, exactly
+    place1 = first * capacity + (locations1 * mask1).sum(dim=1)
+    place2 = second * capacity + (locations2 * mask2).sum(dim=1)
+    weights = torch.stack([gates1 / denom, gates2 / denom], dim=1)
+    combine = gates.new_zeros(num_tokens, num_experts * capacity)
+    combine = combine.scatter(1, torch.stack([place1, place2], dim=1), weights)
+    combine = combine.view(num_tokens, num_experts, capacity)
     return l_aux.to(logits.dtype), combine.to(logits.dtype), combine.bool()
 
 

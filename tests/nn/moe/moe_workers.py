@@ -23,6 +23,7 @@ from shardkit.nn.moe import (
     MOELayer,
     Top2Gate,
     all_reduce_expert_gradients,
+    clip_grad_norm_,
     ignore_experts_in_ddp,
 )
 from shardkit.optim import OSS
@@ -74,6 +75,16 @@ def _reference_grads(ref: MoE, world: int) -> tuple[list[torch.Tensor], list[lis
     return outs, grads
 
 
+MAX_NORM = 0.5  # below every test's gradient norm: clipping binds
+
+
+def _clipped(mean: list[torch.Tensor]) -> tuple[float, float]:
+    """The single-process model's gradient norm (``torch.nn.utils.clip_grad_norm_`` on
+    the global mean gradients) and the coefficient clipping to ``MAX_NORM`` gives."""
+    norm = float(torch.linalg.vector_norm(torch.stack([m.norm() for m in mean])))
+    return norm, min(1.0, MAX_NORM / (norm + 1e-6))
+
+
 def run_parity(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
@@ -122,7 +133,8 @@ class _Block(nn.Module):
 
 
 def run_ddp(cfg: dict[str, Any]) -> dict[str, Any]:
-    """DDP over dp for the dense part (the gate), experts over edp, one SGD step."""
+    """DDP over dp for the dense part (the gate), experts over edp, the gradients
+    clipped by ``shardkit.nn.moe.clip_grad_norm_`` to ``MAX_NORM``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = ProcessMesh(ParallelDims(world_size=world, ep=cfg["ep"]))
     block = _Block(_moe(cfg, mesh.group("ep")))
@@ -133,9 +145,12 @@ def run_ddp(cfg: dict[str, Any]) -> dict[str, Any]:
     x, target = _tokens(rank)
     (ddp(x) * target).sum().backward()
     reduced = all_reduce_expert_gradients(block, mesh.group("edp"))
+    norm = clip_grad_norm_(block, MAX_NORM, ep_group=mesh.group("ep"))
     lo = block.moe.experts.first_expert
     hi = lo + block.moe.experts.num_local_experts
     mean = [sum(g[i] for g in ref_grads) / world for i in range(3)]
+    want_norm, coef = _clipped(mean)
+    mean = [m * coef for m in mean]
     grads = [block.moe.gate.wg.weight.grad, block.moe.experts.w1.grad, block.moe.experts.w2.grad]
     errors = [
         _err(grads[0], mean[0]),
@@ -143,7 +158,8 @@ def run_ddp(cfg: dict[str, Any]) -> dict[str, Any]:
         _err(grads[2], mean[2][lo:hi]),
     ]  # type: ignore[arg-type]
     mesh.destroy()
-    return {"ignored": ignored, "reduced": reduced, "errors": errors}
+    res = {"ignored": ignored, "reduced": reduced, "errors": errors}
+    return res | {"norm": float(norm), "want_norm": want_norm}
 
 
 def run_moelayer(ep: int) -> dict[str, Any]:
@@ -286,8 +302,9 @@ def run_bad_expert_count(ep: int, num_experts: int) -> str:
 def run_fsdp(cfg: dict[str, Any]) -> dict[str, Any]:
     """FSDP over dp for the dense part (or hybrid sharding: shard over dp_shard,
     replicas over dp_replicate), a nested FSDP unit over edp for the experts, optionally
-    both in bf16 mixed precision (fp32 reduce), one SGD step (lr 1): the parameters equal
-    the single-process fp32 step on the global batch."""
+    both in bf16 mixed precision (fp32 reduce), the root's ``clip_grad_norm_`` to
+    ``MAX_NORM``, one SGD step (lr 1): the norm and the parameters equal the
+    single-process fp32 clipped step on the global batch."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dpr = cfg.get("dp_replicate", 1)
     mesh = ProcessMesh(ParallelDims(world_size=world, dp_replicate=dpr, ep=cfg["ep"]))
@@ -310,8 +327,11 @@ def run_fsdp(cfg: dict[str, Any]) -> dict[str, Any]:
     _, ref_grads = _reference_grads(ref, world)
     x, target = _tokens(rank)
     (model(x).float() * target).sum().backward()
+    norm = model.clip_grad_norm_(MAX_NORM)
     opt.step()
     mean = [sum(g[i] for g in ref_grads) / world for i in range(3)]
+    want_norm, coef = _clipped(mean)
+    mean = [m * coef for m in mean]
     want = [
         ref.gate.wg.weight.detach() - mean[0],
         (ref.experts.w1.detach() - mean[1])[lo:hi],
@@ -322,7 +342,7 @@ def run_fsdp(cfg: dict[str, Any]) -> dict[str, Any]:
         errors = [_err(g.detach(), w) for g, w in zip(got, want, strict=True)]
         moved = [float(m.abs().max()) for m in mean]
     mesh.destroy()
-    return {"errors": errors, "moved": moved}
+    return {"errors": errors, "moved": moved, "norm": float(norm), "want_norm": want_norm}
 
 
 def run_fsdp_checkpoint(root: str, ep: int, dp_replicate: int = 1) -> dict[str, Any]:

@@ -58,6 +58,7 @@ from shardkit.nn.data_parallel.fully_sharded.materialize import (
     has_meta,
     materialize_unit,
 )
+from shardkit.nn.data_parallel.fully_sharded.norm_shards import counted_shards
 from shardkit.nn.data_parallel.fully_sharded.optim_state import gather_full, shard_full
 from shardkit.nn.data_parallel.fully_sharded.placement import (
     Placement,
@@ -580,12 +581,23 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         Returns:
             The total norm before clipping (a scalar tensor, equal on every rank).
 
+        Each element is counted once over the root's ranks (its shard group and, under
+        hybrid sharding, its replica group): hybrid units on replica rank 0 only, nested
+        units over another group (an MoE's experts over the expert-data-parallel group)
+        by their shard descriptors (see :mod:`.norm_shards`).
+
         Raises:
             RuntimeError: the model is on a disk tier (its units step inside backward).
+            ValueError: a nested unit's shards have copies the norm cannot tell apart
+                (a unit over a subgroup, neither expert parts nor hybrid).
         """
-        refuse_on_disk(units_in(self), "clip_grad_norm_")
-        params = list(self.parameters())  # disjoint pieces: every element owned once
-        return clip_grad_norm_sharded(params, max_norm, norm_type, self._process_group)
+        units = units_in(self)
+        refuse_on_disk(units, "clip_grad_norm_")
+        counted, copies = counted_shards(units, self._process_group, self._replicate_group)
+        groups = [self._process_group]
+        if self._replicate_group is not None:
+            groups.append(self._replicate_group)
+        return clip_grad_norm_sharded(counted, max_norm, norm_type, groups, copies=copies)
 
     # state dicts ---------------------------------------------------------------
     def state_dict(  # type: ignore[override]
