@@ -42,6 +42,13 @@ tiles merge independently), writing into the one output (forward) and the one ``
 keys up to its last row. The temporaries are ``query_tile x L/P`` per head, linear in
 ``L``.
 
+[Note: one copy of the output]
+The backward needs the output, so the forward saves it; the caller's output projection
+saves its input too, the output with the heads merged, ``y.transpose(1, 2)`` made
+contiguous. The output is therefore written in the ``(b, s, h, d)`` memory layout (a
+``(b, h, s, d)`` view): that ``contiguous()`` is then no copy, and one tensor serves
+both, as CPU SDPA's output does (fp32; a bf16 output is a second, smaller tensor).
+
 Block math runs in fp32 whatever the input dtype (bf16 inputs give bf16 outputs within
 bf16 rounding); ``dK/dV`` travel in fp32.
 """
@@ -119,6 +126,15 @@ def _attend(
     lse.copy_(merged)
 
 
+def _output_buffer(q: torch.Tensor) -> torch.Tensor:
+    """Zeros of ``q``'s shape in fp32; a 4-D ``(b, h, s, d)`` one laid out as
+    ``(b, s, h, d)`` in memory (see ``[Note: one copy of the output]``)."""
+    if q.dim() != 4:
+        return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    b, h, s, d = q.shape
+    return torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
+
+
 class _Ring:
     """The neighbours of this rank on the ring of ``group``, and the exchange with them."""
 
@@ -163,7 +179,7 @@ class _RingAttention(torch.autograd.Function):
         parts = 2 if causal else 1
         q_ids = _chunk_ids(ring.rank, ring.world, causal)
         qs = _split(q.float(), parts)
-        result = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        result = _output_buffer(q)
         lse_all = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         out, lse = _split(result, parts), list(lse_all.chunk(parts, dim=-1))
         kv = torch.stack([k, v]).contiguous()
