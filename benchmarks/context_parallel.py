@@ -30,23 +30,52 @@ target is at least 3.5x at cp = 4: the activations per rank fall as 1/cp, the re
 the process does not grow with L); beside it the longest L whose activations fit
 ``--act-budget-mib``. A spawn stops at the first L over the RSS budget, so give
 ``--seq-lens`` a grid fine enough to resolve the ratio (e.g. steps of 256 tokens).
-Markdown to stdout, JSON to ``benchmarks/results/``.
+Markdown to stdout; the JSON (``benchmarks/results/``, ``--out``) is rewritten after
+every spawn, so an interrupted run keeps what it measured. ``--scale-seq-lens`` runs
+cp at ``cp x`` each of ``--seq-lens``; ``--steps 0`` runs one forward and backward per
+L; ``--timeout`` bounds each spawn (a spawn that times out or dies is recorded under
+``errors`` and the run goes on).
+
+[Note: the allocator sets the peak]
+With glibc's default malloc the peak RSS of a rank is set less by the bytes it holds
+than by heap fragmentation: the large temporaries of a step (attention blocks,
+all-to-all buffers, gradients) come from the heap below the dynamic mmap threshold,
+and freed holes between live blocks stay resident. The ranks therefore call
+``mallopt(M_MMAP_THRESHOLD, --mmap-threshold)`` (default 1 MiB, what
+``MALLOC_MMAP_THRESHOLD_=1048576`` does from the environment), so every buffer of a
+MiB or more is its own mapping, returned to the OS when freed; ``--mmap-threshold 0``
+measures glibc's default. The setting and any allocator variables of the environment
+(``LD_PRELOAD``, ``MALLOC_*``, ``GLIBC_TUNABLES``) are recorded in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import MIB, RESULTS, peak_rss_bytes, slowest
+from benchmarks.common import (
+    ALLOCATOR_ENV,
+    MIB,
+    RESULTS,
+    command,
+    loadavg,
+    machine,
+    peak_rss_bytes,
+    slowest,
+    status_bytes,
+    timestamp,
+)
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
 from shardkit.models import GPT, Block, gpt_config
 from shardkit.nn.context_parallel import (
@@ -55,7 +84,7 @@ from shardkit.nn.context_parallel import (
     position_ids,
     split_sequence,
 )
-from shardkit.testing import run_distributed
+from shardkit.testing import RankError, RankTimeoutError, run_distributed
 
 _SENT = {"bytes": 0}
 
@@ -102,6 +131,22 @@ def _saved_bytes(params: set[int]) -> Iterator[dict[str, int]]:
     out["bytes"] = sum(seen.values())
 
 
+#: ``mallopt`` parameter number of glibc's ``M_MMAP_THRESHOLD`` (malloc.h)
+_M_MMAP_THRESHOLD = -3
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Serve every allocation of at least ``nbytes`` with its own ``mmap`` in this process
+    (glibc ``mallopt(M_MMAP_THRESHOLD)``, what ``MALLOC_MMAP_THRESHOLD_`` sets at start);
+    True where glibc accepted it. Freed large buffers then go back to the OS at once
+    instead of fragmenting the heap (see ``[Note: the allocator sets the peak]``)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, nbytes))
+
+
 def _core(method: str, group: dist.ProcessGroup) -> Callable[..., torch.Tensor]:
     if method == "ring":
         return RingAttention(group, causal=True).__call__
@@ -127,11 +172,13 @@ def _formula(method: str, cp: int, tokens: int, n_embd: int, layers: int) -> dic
 def run_sweep(method: str, cp: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """On every rank: one step at each ``args.seq_lens`` with the sequence split over
     cp groups of ``cp`` ranks (1: the plain GPT on each rank)."""
+    mmap = args.mmap_threshold > 0 and set_mmap_threshold(args.mmap_threshold)
     mesh = ProcessMesh(ParallelDims(world_size=dist.get_world_size(), cp=cp))
     group, rank = mesh.group("cp"), mesh.local_rank("cp")
     zigzag = method == "ring"
+    rest = slowest(status_bytes("VmRSS") / MIB)
     rows = []
-    for seq in sorted(args.seq_lens):
+    for seq in seq_grid(args, cp):
         torch.manual_seed(0)
         shape = gpt_config(args.model_size, block_size=seq)
         model = GPT(shape)
@@ -158,7 +205,7 @@ def run_sweep(method: str, cp: int, args: argparse.Namespace) -> list[dict[str, 
                 backward_sent = count["bytes"]
             elapsed = slowest(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
-            if step:
+            if step or not args.steps:
                 times.append(elapsed)
             sent, act = {"forward": forward_sent, "backward": backward_sent}, saved["bytes"]
         step_s = statistics.median(times)
@@ -169,7 +216,9 @@ def run_sweep(method: str, cp: int, args: argparse.Namespace) -> list[dict[str, 
                 "method": method if cp > 1 else "plain",
                 "seq_len": seq,
                 "activation_mib": slowest(act / MIB),
+                "rest_rss_mib": rest,
                 "peak_rss_mib": rss,
+                "mmap_threshold": args.mmap_threshold if mmap else None,
                 "step_s": step_s,
                 "us_per_token": 1e6 * step_s / (args.batch * seq),
                 "sent_bytes": sent,
@@ -183,6 +232,14 @@ def run_sweep(method: str, cp: int, args: argparse.Namespace) -> list[dict[str, 
             break
     mesh.destroy()
     return rows
+
+
+def seq_grid(args: argparse.Namespace, cp: int) -> list[int]:
+    """The sequence lengths a ``cp`` spawn runs, ascending: ``args.seq_lens``, times
+    ``cp`` with ``args.scale_seq_lens`` (so every cp's grid resolves its ratio to cp 1
+    equally finely)."""
+    scale = cp if args.scale_seq_lens else 1
+    return sorted(seq * scale for seq in args.seq_lens)
 
 
 def _longest_under(
@@ -263,29 +320,101 @@ def render_markdown(
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def write_plot(rows: list[dict[str, Any]], budget_mib: float, path: Path) -> Path | None:
+    """``path`` (png): activations and peak RSS per rank against L, a line per (cp,
+    method), the RSS budget dashed; None without rows."""
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key in dict.fromkeys((r["cp"], r["method"]) for r in rows):
+        mine = sorted(
+            (r for r in rows if (r["cp"], r["method"]) == key), key=lambda r: r["seq_len"]
+        )
+        seq = [r["seq_len"] for r in mine]
+        label = f"cp {key[0]} {key[1]}"
+        axes[0].plot(seq, [r["activation_mib"] for r in mine], "o-", ms=3, label=label)
+        axes[1].plot(seq, [r["peak_rss_mib"] for r in mine], "o-", ms=3, label=label)
+    axes[0].set_title("activations saved for the backward, per rank")
+    axes[1].set_title("peak RSS per rank")
+    axes[1].axhline(budget_mib, ls="--", c="gray", label=f"budget {budget_mib:.0f} MiB")
+    for ax in axes:
+        ax.set_xlabel("sequence length L (tokens)")
+        ax.set_ylabel("MiB")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--methods", nargs="+", default=["ulysses", "ring"])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    parser.add_argument(
+        "--scale-seq-lens",
+        action="store_true",
+        help="run each cp at the --seq-lens times cp (the grid scales with the expected fit)",
+    )
     parser.add_argument("--model-size", default="tiny")
     parser.add_argument("--batch", type=int, default=1, help="rows per step")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
+    parser.add_argument(
+        "--steps", type=int, default=2, help="timed steps after one warm-up; 0: one step only"
+    )
     parser.add_argument("--act-budget-mib", type=float, default=64.0)
     parser.add_argument("--rss-budget-mib", type=float, default=2048.0)
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=2**20,
+        help="bytes from which the ranks' glibc malloc mmaps an allocation (mallopt "
+        "M_MMAP_THRESHOLD, as MALLOC_MMAP_THRESHOLD_ does); 0 keeps the allocator's default",
+    )
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per spawn")
     parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args(argv)
-    rows: list[dict[str, Any]] = []
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parser().parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"context_parallel-{timestamp()}.json"
+    doc: dict[str, Any] = {
+        "command": command("benchmarks.context_parallel", argv),
+        "args": vars(args),
+        "allocator": {
+            "mmap_threshold": args.mmap_threshold or "glibc default (dynamic)",
+            "env": {k: os.environ[k] for k in ALLOCATOR_ENV if os.environ.get(k)},
+        },
+        "machine": machine(),
+        "rows": [],
+        "errors": [],
+    }
     for cp in args.cps:
         for method in args.methods if cp > 1 else ["plain"]:
-            rows += run_distributed(run_sweep, cp, method, cp, args, timeout_s=600)[0]
-    fits = longest(rows, args)
-    doc = {"args": vars(args), "rows": rows, "longest": fits}
-    print(render_markdown(rows, fits, args))
-    out = RESULTS.__class__(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"context_parallel-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    (out / name).write_text(json.dumps(doc, indent=1))
+            load = loadavg()
+            try:
+                got = run_distributed(run_sweep, cp, method, cp, args, timeout_s=args.timeout)
+                doc["rows"] += [{**r, "loadavg": load} for r in got[0]]
+            except (
+                RankError,
+                RankTimeoutError,
+            ) as err:  # a timeout or a rank killed for memory: keep going
+                doc["errors"].append({"cp": cp, "method": method, "error": str(err)[-2000:]})
+            doc["longest"] = longest(doc["rows"], args)
+            path.write_text(json.dumps(doc, indent=1))  # after every spawn
+    print(render_markdown(doc["rows"], doc["longest"], args))
+    for e in doc["errors"]:
+        print(f"cp {e['cp']} {e['method']}: failed: {e['error'].splitlines()[-1]}")
+    plot = write_plot(doc["rows"], args.rss_budget_mib, path.with_suffix(".png"))
+    print(f"written {path}" + (f" and {plot}" if plot else ""))
     return doc
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from benchmarks.context_parallel import longest, render_markdown, run_sweep
+from benchmarks.context_parallel import longest, render_markdown, run_sweep, seq_grid
 
 
 def _sweeps(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -17,12 +17,14 @@ def _sweeps(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def test_counted_bytes_match_the_formulas(rank_pool: Any) -> None:
     args = argparse.Namespace(
-        seq_lens=[32, 64],
+        seq_lens=[64, 32],
+        scale_seq_lens=False,
         model_size="tiny",
         batch=1,
-        steps=1,
+        steps=0,  # one forward and backward per L
         act_budget_mib=1.0,
         rss_budget_mib=1e6,
+        mmap_threshold=2**20,
     )
     rows = rank_pool(2).run(_sweeps, args)[0]
     by = {(r["method"], r["seq_len"]): r for r in rows}
@@ -30,6 +32,8 @@ def test_counted_bytes_match_the_formulas(rank_pool: Any) -> None:
     for (method, seq), r in by.items():
         assert r["sent_bytes"] == r["formula_bytes"], (method, seq, r)
         assert r["us_per_token"] > 0
+        assert r["mmap_threshold"] == 2**20  # glibc took the setting on every rank
+        assert 0 < r["rest_rss_mib"] < r["peak_rss_mib"]
     # 4 layers x 4 all-to-alls x (1/2 of 32/2 tokens x 128 x 4 bytes), each direction
     assert by[("ulysses", 32)]["sent_bytes"]["forward"] == 4 * 4 * 16 * 128 * 4 // 2
     # 4 layers x 1 K/V block (2 x 32/2 tokens x 128 x 4 bytes) forward
@@ -37,6 +41,12 @@ def test_counted_bytes_match_the_formulas(rank_pool: Any) -> None:
     assert by[("plain", 64)]["sent_bytes"] == {"forward": 0, "backward": 0}
     for method in ("ulysses", "ring"):
         assert by[(method, 64)]["activation_mib"] < 0.75 * by[("plain", 64)]["activation_mib"]
+    # ring keeps one copy of the attention output (saved by it and by the projection,
+    # as plain SDPA's), so its activations are half the plain model's at cp 2; Ulysses
+    # keeps SDPA's output and the all-to-all's: 4 layers x 32 tokens x 128 x 4 B more
+    plain, ring = by[("plain", 64)]["activation_mib"], by[("ring", 64)]["activation_mib"]
+    assert abs(ring - plain / 2) < 1e-3 * plain, (ring, plain)
+    assert by[("ulysses", 64)]["activation_mib"] - ring >= 4 * 32 * 128 * 4 / 2**20
     fits = {(f["cp"], f["method"]): f["longest_seq_len"] for f in longest(rows, args)}
     assert fits == {(1, "plain"): 64, (2, "ulysses"): 64, (2, "ring"): 64}  # RSS 1e6 MiB
     assert "| 2 | ring | 64 |" in render_markdown(rows, longest(rows, args))
@@ -63,3 +73,10 @@ def test_longest_under_the_rss_budget_and_its_ratio_to_cp1() -> None:
     text = render_markdown([], list(got.values()), args)  # the summary table only
     assert "| 4 | ulysses | 2560 (5.00x) | 2048 (4.00x) |" in text, text
     assert "| 2 | ring | none | none |" in text, text
+
+
+def test_seq_grid_scales_with_cp_when_asked() -> None:
+    args = argparse.Namespace(seq_lens=[96, 64], scale_seq_lens=True)
+    assert seq_grid(args, 1) == [64, 96] and seq_grid(args, 4) == [256, 384]
+    args.scale_seq_lens = False
+    assert seq_grid(args, 4) == [64, 96]

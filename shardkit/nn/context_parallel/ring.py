@@ -33,6 +33,22 @@ sends it on to ``r + 1``; after ``P`` hops each accumulator is back on its owner
 and receives are posted in the same order on both ends of every link (K/V of step ``j``,
 then dK/dV of step ``j``), which is what both gloo and NCCL match on.
 
+[Note: query tiles]
+A block's scores ``q k^T`` are ``(L/P)^2`` per head: quadratic in the local length, and
+at long sequences they, not the activations, set the peak memory. Both passes therefore
+walk each block ``query_tile`` query rows at a time (the online softmax is per row, so
+tiles merge independently), writing into the one output (forward) and the one ``dQ`` /
+``dK/dV`` accumulator (backward) in place; a tile on the causal diagonal reads only the
+keys up to its last row. The temporaries are ``query_tile x L/P`` per head, linear in
+``L``.
+
+[Note: one copy of the output]
+The backward needs the output, so the forward saves it; the caller's output projection
+saves its input too, the output with the heads merged, ``y.transpose(1, 2)`` made
+contiguous. The output is therefore written in the ``(b, s, h, d)`` memory layout (a
+``(b, h, s, d)`` view): that ``contiguous()`` is then no copy, and one tensor serves
+both, as CPU SDPA's output does (fp32; a bf16 output is a second, smaller tensor).
+
 Block math runs in fp32 whatever the input dtype (bf16 inputs give bf16 outputs within
 bf16 rounding); ``dK/dV`` travel in fp32.
 """
@@ -40,7 +56,8 @@ bf16 rounding); ``dK/dV`` travel in fp32.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -69,13 +86,53 @@ def _pairs(q_ids: list[int], k_ids: list[int], causal: bool) -> list[tuple[int, 
     return out
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, kind: str, row0: int) -> torch.Tensor:
+    """``q k^T scale`` for query rows ``row0 ..`` of a chunk; ``_DIAG``: key ``j`` masked
+    for query row ``i`` when ``j > row0 + i`` (the causal triangle of a chunk on itself)."""
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
     if kind == _DIAG:
-        n = s.shape[-1]
-        mask = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~mask, float("-inf"))
+        rows = torch.arange(row0, row0 + s.shape[-2], device=s.device).unsqueeze(-1)
+        cols = torch.arange(s.shape[-1], device=s.device)
+        s = s.masked_fill(cols > rows, float("-inf"))
     return s
+
+
+def _tiles(rows: int, tile: int, kind: str, keys: int) -> Iterator[tuple[int, int, int]]:
+    """``(first row, end row, end key)`` of each query tile of a chunk pair: ``_DIAG``
+    tiles see only the keys up to their last row (the rest are masked)."""
+    for r0 in range(0, rows, tile):
+        r1 = min(r0 + tile, rows)
+        yield r0, r1, (r1 if kind == _DIAG else keys)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    kind: str,
+    row0: int,
+) -> None:
+    """Merge one query tile's attention over one key block into ``out`` / ``lse`` (views
+    of the running result, updated in place) by log-sum-exp."""
+    s = _scores(q, k, scale, kind, row0)
+    lse_b = torch.logsumexp(s, dim=-1)
+    out_b = torch.matmul(torch.exp(s - lse_b.unsqueeze(-1)), v)
+    merged = torch.logaddexp(lse, lse_b)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+    out.add_(out_b.mul_(torch.exp(lse_b - merged).unsqueeze(-1)))
+    lse.copy_(merged)
+
+
+def _output_buffer(q: torch.Tensor) -> torch.Tensor:
+    """Zeros of ``q``'s shape in fp32; a 4-D ``(b, h, s, d)`` one laid out as
+    ``(b, s, h, d)`` in memory (see ``[Note: one copy of the output]``)."""
+    if q.dim() != 4:
+        return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    b, h, s, d = q.shape
+    return torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
 
 
 class _Ring:
@@ -116,13 +173,15 @@ class _RingAttention(torch.autograd.Function):
         group: dist.ProcessGroup,
         causal: bool,
         scale: float,
+        tile: int,
     ) -> torch.Tensor:
         ring = _Ring(group)
         parts = 2 if causal else 1
         q_ids = _chunk_ids(ring.rank, ring.world, causal)
         qs = _split(q.float(), parts)
-        out = [torch.zeros_like(c) for c in qs]
-        lse = [torch.full(c.shape[:-1], float("-inf"), device=q.device) for c in qs]
+        result = _output_buffer(q)
+        lse_all = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+        out, lse = _split(result, parts), list(lse_all.chunk(parts, dim=-1))
         kv = torch.stack([k, v]).contiguous()
         for step in range(ring.world):
             src = (ring.rank - step) % ring.world
@@ -130,20 +189,22 @@ class _RingAttention(torch.autograd.Function):
             works = ring.post(kv if nxt is not None else None, nxt)
             ks, vs = _split(kv[0].float(), parts), _split(kv[1].float(), parts)
             for qi, ki, kind in _pairs(q_ids, _chunk_ids(src, ring.world, causal), causal):
-                s = _scores(qs[qi], ks[ki], scale, kind)
-                lse_b = torch.logsumexp(s, dim=-1)
-                out_b = torch.matmul(torch.exp(s - lse_b.unsqueeze(-1)), vs[ki])
-                merged = torch.logaddexp(lse[qi], lse_b)
-                out[qi] = out[qi] * torch.exp(lse[qi] - merged).unsqueeze(-1) + out_b * torch.exp(
-                    lse_b - merged
-                ).unsqueeze(-1)
-                lse[qi] = merged
+                for r0, r1, kend in _tiles(qs[qi].shape[-2], tile, kind, ks[ki].shape[-2]):
+                    _attend(
+                        qs[qi][..., r0:r1, :],
+                        ks[ki][..., :kend, :],
+                        vs[ki][..., :kend, :],
+                        out[qi][..., r0:r1, :],
+                        lse[qi][..., r0:r1],
+                        scale,
+                        kind,
+                        r0,
+                    )
             _wait(works)
             if nxt is not None:
                 kv = nxt
-        result = torch.cat(out, dim=-2)
-        ctx.save_for_backward(q, k, v, result, torch.cat(lse, dim=-1))
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.save_for_backward(q, k, v, result, lse_all)
+        ctx.group, ctx.causal, ctx.scale, ctx.tile = group, causal, scale, tile
         return result.to(q.dtype)
 
     @staticmethod
@@ -152,11 +213,20 @@ class _RingAttention(torch.autograd.Function):
         causal, scale = ctx.causal, ctx.scale
         ring = _Ring(ctx.group)
         parts = 2 if causal else 1
-        q_ids = _chunk_ids(ring.rank, ring.world, causal)
-        qs, dos = _split(q.float(), parts), _split(grad.float(), parts)
-        lses = list(lse.chunk(parts, dim=-1))
-        deltas = [d.sum(-1) for d in _split(grad.float() * out, parts)]
-        dqs = [torch.zeros_like(c) for c in qs]
+        grad = grad.float()
+        delta = torch.empty_like(lse)  # rowsum(dO * O), FlashAttention's D, per tile
+        for r0 in range(0, q.shape[-2], ctx.tile):
+            r1 = r0 + ctx.tile
+            delta[..., r0:r1] = (grad[..., r0:r1, :] * out[..., r0:r1, :]).sum(-1)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        chunks = _Chunks(
+            _split(q.float(), parts),
+            _split(grad, parts),
+            list(lse.chunk(parts, dim=-1)),
+            list(delta.chunk(parts, dim=-1)),
+            _split(dq, parts),
+            _chunk_ids(ring.rank, ring.world, causal),
+        )
         kv = torch.stack([k, v]).contiguous()
         dkv_in: torch.Tensor | None = None
         send_works: list[dist.Work] = []
@@ -167,9 +237,7 @@ class _RingAttention(torch.autograd.Function):
             works = ring.post(None, dkv_in) if dkv_in is not None else []
             nxt = torch.empty_like(kv) if step < ring.world - 1 else None
             works += ring.post(kv if nxt is not None else None, nxt)
-            dkv = _block_grads(
-                kv, qs, dos, lses, deltas, dqs, q_ids, src, ring.world, causal, scale
-            )
+            dkv = _block_grads(kv, chunks, src, ring.world, causal, scale, ctx.tile)
             _wait(works)
             _wait(send_works)
             if dkv_in is not None:
@@ -179,39 +247,51 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         own = torch.empty_like(kv, dtype=torch.float32)
         _wait(ring.post(None, own) + send_works)
-        dq = torch.cat(dqs, dim=-2).to(q.dtype)
-        return dq, own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
+
+
+class _Chunks(NamedTuple):
+    """This rank's query-side chunks for the backward (fp32 views; ``dq`` written into)."""
+
+    q: list[torch.Tensor]
+    dout: list[torch.Tensor]
+    lse: list[torch.Tensor]
+    delta: list[torch.Tensor]
+    dq: list[torch.Tensor]
+    ids: list[int]
 
 
 def _block_grads(
     kv: torch.Tensor,
-    qs: list[torch.Tensor],
-    dos: list[torch.Tensor],
-    lses: list[torch.Tensor],
-    deltas: list[torch.Tensor],
-    dqs: list[torch.Tensor],
-    q_ids: list[int],
+    c: _Chunks,
     src: int,
     world: int,
     causal: bool,
     scale: float,
+    tile: int,
 ) -> torch.Tensor:
     """This rank's ``dK/dV`` for the K/V block of rank ``src`` (fp32, ``kv``'s layout);
-    adds the block's ``dQ`` into ``dqs`` in place."""
-    parts = len(qs)
+    adds the block's ``dQ`` into ``c.dq`` in place, one query tile at a time."""
+    parts = len(c.q)
     ks, vs = _split(kv[0].float(), parts), _split(kv[1].float(), parts)
-    dks, dvs = [torch.zeros_like(c) for c in ks], [torch.zeros_like(c) for c in vs]
-    for qi, ki, kind in _pairs(q_ids, _chunk_ids(src, world, causal), causal):
-        p = torch.exp(_scores(qs[qi], ks[ki], scale, kind) - lses[qi].unsqueeze(-1))
-        dvs[ki] += torch.matmul(p.transpose(-2, -1), dos[qi])
-        dp = torch.matmul(dos[qi], vs[ki].transpose(-2, -1))
-        ds = p * (dp - deltas[qi].unsqueeze(-1))
-        dqs[qi] += torch.matmul(ds, ks[ki]) * scale
-        dks[ki] += torch.matmul(ds.transpose(-2, -1), qs[qi]) * scale
-    return torch.stack([torch.cat(dks, dim=-2), torch.cat(dvs, dim=-2)])
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    dks, dvs = _split(dkv[0], parts), _split(dkv[1], parts)
+    for qi, ki, kind in _pairs(c.ids, _chunk_ids(src, world, causal), causal):
+        for r0, r1, kend in _tiles(c.q[qi].shape[-2], tile, kind, ks[ki].shape[-2]):
+            q, do = c.q[qi][..., r0:r1, :], c.dout[qi][..., r0:r1, :]
+            k, v = ks[ki][..., :kend, :], vs[ki][..., :kend, :]
+            p = _scores(q, k, scale, kind, r0).sub_(c.lse[qi][..., r0:r1].unsqueeze(-1)).exp_()
+            dvs[ki][..., :kend, :] += torch.matmul(p.transpose(-2, -1), do)
+            dp = torch.matmul(do, v.transpose(-2, -1))
+            ds = p.mul_(dp.sub_(c.delta[qi][..., r0:r1].unsqueeze(-1)))
+            c.dq[qi][..., r0:r1, :] += torch.matmul(ds, k) * scale
+            dks[ki][..., :kend, :] += torch.matmul(ds.transpose(-2, -1), q) * scale
+    return dkv
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, tile: int) -> None:
+    if tile < 1:
+        raise ValueError(f"query_tile must be a positive number of query rows; got {tile}")
     if not (q.shape == k.shape == v.shape):
         raise ValueError(
             f"ring attention needs q, k and v of one shape (batch, heads, seq, head_dim); "
@@ -233,6 +313,7 @@ def ring_attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    query_tile: int = 64,
 ) -> torch.Tensor:
     """Softmax attention of this rank's queries over the whole sequence held by ``group``.
 
@@ -246,17 +327,23 @@ def ring_attention(
         group: the context-parallel process group (``mesh.group("cp")``) of ``P`` ranks.
         causal: mask each query to the keys at or before its position. Default False.
         scale: the softmax scale; default ``1 / sqrt(head_dim)``.
+        query_tile: query rows attended at a time (default 64): each block's scores are
+            computed ``query_tile`` rows at a time, forward and backward, so the
+            temporaries are ``batch x heads x query_tile x seq / P`` floats, linear in the
+            local length instead of quadratic (see ``[Note: query tiles]``). Any
+            positive value; it need not divide the local length.
 
     Returns:
         ``(batch, heads, seq / P, head_dim)`` in ``q``'s dtype: the rows of
         ``scaled_dot_product_attention`` over the whole sequence for this rank's queries.
 
     Raises:
-        ValueError: q, k, v of different shapes, or (causal) an odd local length.
+        ValueError: q, k, v of different shapes, (causal) an odd local length, or
+            ``query_tile < 1``.
     """
-    _check(q, k, v, causal)
+    _check(q, k, v, causal, query_tile)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out: torch.Tensor = _RingAttention.apply(q, k, v, group, causal, scale)
+    out: torch.Tensor = _RingAttention.apply(q, k, v, group, causal, scale, query_tile)
     return out
 
 
@@ -272,14 +359,22 @@ class RingAttention(nn.Module):
         causal: causal mask over the whole sequence (inputs in the zig-zag layout).
             Default True.
         scale: the softmax scale; default None (``1 / sqrt(head_dim)``).
+        query_tile: query rows attended at a time, default 64 (see :func:`ring_attention`).
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, *, causal: bool = True, scale: float | None = None
+        self,
+        group: dist.ProcessGroup,
+        *,
+        causal: bool = True,
+        scale: float | None = None,
+        query_tile: int = 64,
     ) -> None:
         super().__init__()
-        self.group, self.causal, self.scale = group, causal, scale
+        self.group, self.causal, self.scale, self.query_tile = group, causal, scale, query_tile
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """See :func:`ring_attention`."""
-        return ring_attention(q, k, v, self.group, causal=self.causal, scale=self.scale)
+        return ring_attention(
+            q, k, v, self.group, causal=self.causal, scale=self.scale, query_tile=self.query_tile
+        )

@@ -64,7 +64,7 @@ def _one(cfg: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
         for t in (q, k, v)
     ]
     if method == "ring":
-        out = ring_attention(*local, group, causal=causal)
+        out = ring_attention(*local, group, causal=causal, query_tile=cfg.get("tile", 64))
         out.backward(split_sequence(dout, rank, cp, zigzag=zigzag, dim=2))
         got = [out, *(t.grad for t in local)]
     else:  # Ulysses on DeepSpeed's (s, b, h, d)

@@ -11,31 +11,41 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
+from shardkit.nn.context_parallel import ring_attention
 from tests.nn.context_parallel.cp_workers import (
     run_attention_parity,
     run_bad_inputs,
     run_token_mean_loss,
 )
 
-CONFIGS: list[dict[str, Any]] = [
-    {"cp": cp, "method": m, "causal": c, "seq": 16, "dtype": torch.float32}
-    for cp in (2, 4)
-    for m in ("ulysses", "ring")
-    for c in (False, True)
-] + [
-    {
-        "cp": 2,
-        "method": "ulysses",
-        "causal": False,
-        "seq": 16,
-        "dtype": torch.float32,
-        "mask": True,
-    },
-    {"cp": 4, "method": "ring", "causal": True, "seq": 24, "dtype": torch.bfloat16},
-    {"cp": 2, "method": "ulysses", "causal": True, "seq": 24, "dtype": torch.bfloat16},
-]
+CONFIGS: list[dict[str, Any]] = (
+    [
+        {"cp": cp, "method": m, "causal": c, "seq": 16, "dtype": torch.float32}
+        for cp in (2, 4)
+        for m in ("ulysses", "ring")
+        for c in (False, True)
+    ]
+    + [
+        {
+            "cp": 2,
+            "method": "ulysses",
+            "causal": False,
+            "seq": 16,
+            "dtype": torch.float32,
+            "mask": True,
+        },
+        {"cp": 4, "method": "ring", "causal": True, "seq": 24, "dtype": torch.bfloat16},
+        {"cp": 2, "method": "ulysses", "causal": True, "seq": 24, "dtype": torch.bfloat16},
+    ]
+    + [  # ring's query tiles smaller than, and not dividing, the chunks (6 and 10 rows)
+        {"cp": 2, "method": "ring", "causal": True, "seq": 24, "dtype": torch.float32, "tile": 4},
+        {"cp": 4, "method": "ring", "causal": False, "seq": 40, "dtype": torch.float32, "tile": 3},
+        {"cp": 2, "method": "ring", "causal": True, "seq": 24, "dtype": torch.bfloat16, "tile": 5},
+    ]
+)
 
 
 def test_parity_with_full_sequence_sdpa_and_each_other(rank_pool: Any) -> None:
@@ -73,3 +83,9 @@ def test_bad_inputs_raise_clear_errors(rank_pool: Any) -> None:
 def test_token_mean_loss_is_the_global_token_mean(rank_pool: Any) -> None:
     for res in rank_pool(4).run(run_token_mean_loss):
         assert res["loss"] < 1e-6 and res["grad"] < 1e-7, res
+
+
+def test_ring_query_tile_must_be_positive() -> None:
+    x = torch.randn(2, 4, 4, 8)
+    with pytest.raises(ValueError, match="query_tile must be a positive number .* got 0"):
+        ring_attention(x, x, x, None, query_tile=0)  # type: ignore[arg-type]  # checked first
