@@ -1,26 +1,39 @@
-"""Lose a replica and keep training: the main job's ``--fault-tolerant`` mode on loopback.
+"""Lose a replica and keep training: ``--fault-tolerant`` against the restart-based path.
 
-Two replicas of the tiny GPT (``examples/train_gpt.py --fault-tolerant``, each a
-``torchrun --standalone`` agent of ``--ranks-per-replica`` workers running
-``--strategy``, default 2 ranks of hsdp; one plain process per replica with
-``--ranks-per-replica 1``) train against a quorum store hosted by this process. After
-replica 1 commits step ``--kill-after`` its agent and workers are SIGKILLed at a
-random point of its next step; it is started again (same replica id, fresh
-processes) ``--delay`` seconds later, heals from replica 0 over the network (the
-parts of a universal checkpoint) and trains in lockstep to the end. An uninterrupted
-pair of replicas with the same flags is the reference::
+Both paths train the same job on loopback: the tiny GPT over 2 replica groups of
+``--ranks-per-replica`` ranks (default 2 ranks of hsdp each: global batch
+``--batch-size x 2 x ranks``), and lose a rank of the second group at the same point:
+after ``--kill-after`` committed steps, at a random point of the next step.
 
-    python -m benchmarks.live_recovery --out DIR [--steps 20 --kill-after 6 --delay 5]
+- **fault_tolerant**: two ``torchrun --standalone`` agents (``examples/train_gpt.py
+  --fault-tolerant``; one plain process per replica with ``--ranks-per-replica 1``)
+  against a quorum store hosted by this process. Replica 1's agent and workers are
+  SIGKILLed; the same command starts again ``--delay`` seconds later, heals from
+  replica 0 over the network and trains in lockstep to the end.
+- **restart_based**: one ``torchrun --max-restarts 1`` agent of all the ranks
+  (``--strategy hsdp --dp-replicate 2``, or the strategy over every rank), a
+  checkpoint every ``--save-every-restart`` steps, ``--resume``. One worker is
+  SIGKILLed; torchrun restarts every worker, which resume from the last checkpoint.
+- **joiner_late**: the fault-tolerant pair where replica 1 starts only after replica 0
+  committed ``--kill-after`` steps (a new replica group joining a running job).
 
-Writes ``DIR/live_recovery.json``: ``survivor_restarts`` (process restarts of replica
-0: 0 when its process ran from start to end), ``steps_lost`` (steps replica 0 committed
-twice or never: 0 when its steps are exactly 1..steps), ``detect_s`` (from the kill to
-replica 0's first committed step without replica 1), ``rejoin_s`` (from the restart to
-the restarted replica's first committed step: process start-up, quorum, transfer),
-``rejoin_bytes``, ``val_loss_rel_diff`` (replica 0's final validation loss against the
-uninterrupted run's) and ``restart_based`` (what the restart-based path loses for the
-same kill: the steps since the last checkpoint every ``--save-every-restart`` steps;
-its wall time is not measured here, see ``docs/elastic.md``).
+Each killed run is paired with an uninterrupted run of the same path and flags, and
+``--rounds`` rounds run the two paths in ABBA order (fault-tolerant first in even
+rounds), so that the machine's load weighs on both alike::
+
+    python -m benchmarks.live_recovery --out DIR --rounds 3
+
+Writes ``DIR/live_recovery-<date>.json``: per round and as medians over rounds, for
+each path ``steps_lost`` (steps trained twice: the restart-based path redoes those
+since its last checkpoint; 0 when the survivor commits each step 1..steps once),
+``wall_s_lost`` (the killed run's wall time minus its uninterrupted pair's: for the
+fault-tolerant path the survivor's, replica 0), ``survivor_restarts`` and
+``val_loss_rel_diff`` (the final validation loss against the uninterrupted pair's);
+for the fault-tolerant paths also ``detect_s`` (from the kill to the survivor's first
+committed step without replica 1), ``rejoin_s`` (from the joiner's start to its first
+committed step: process start-up, quorum, transfer; None when the survivor finished
+first), ``rejoin_bytes`` (per joiner rank), ``steps_alone`` and ``lockstep_equal``
+(the joiner's final parameters equal the survivor's bit for bit).
 """
 
 from __future__ import annotations
@@ -30,37 +43,71 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, machine
+from benchmarks.common import RESULTS, loadavg, machine, timestamp
 from shardkit.distributed.fault_tolerance import host_store
 
 ROOT = Path(__file__).resolve().parent.parent
+_STEP_LINE = re.compile(r"^step\s+(\d+)/", re.M)
+_RESUMED = re.compile(
+    r"resumed from \S+ at step (\d+)|no checkpoint in \S+; starting from step (0)"
+)
+
+
+def _job_flags(args: argparse.Namespace, out: Path) -> list[str]:
+    return [
+        str(ROOT / "examples" / "train_gpt.py"), "--model-size", "tiny",
+        "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
+        "--steps", str(args.steps), "--eval-every", "0", "--log-every", "1",
+        "--out-dir", str(out),
+    ]  # fmt: skip
+
+
+def _torchrun(ranks: int, *extra: str) -> list[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*command, "--nproc-per-node", str(ranks), *extra]
+
+
+def _start(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with log.open("wb") as handle:
+        return subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
 
 
 def _replica(
     args: argparse.Namespace, port: int, replica: int, out: Path
 ) -> subprocess.Popen[bytes]:
-    launcher = [sys.executable]
-    if args.ranks_per_replica > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone"]
-        launcher += ["--nproc-per-node", str(args.ranks_per_replica)]
+    """One fault-tolerant replica group (a torchrun agent, or one plain process)."""
+    out.mkdir(parents=True, exist_ok=True)
+    ranks = args.ranks_per_replica
+    launcher = _torchrun(ranks) if ranks > 1 else [sys.executable]
     command = [
-        *launcher, str(ROOT / "examples" / "train_gpt.py"),
+        *launcher, *_job_flags(args, out), "--strategy", args.strategy, "--save-every", "0",
         "--fault-tolerant", f"127.0.0.1:{port}", "--replica-id", str(replica),
-        "--max-replicas", "2", "--strategy", args.strategy, "--model-size", "tiny",
-        "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-        "--steps", str(args.steps), "--eval-every", "0", "--save-every", "0",
-        "--ft-timeout", str(args.ft_timeout), "--out-dir", str(out),
+        "--max-replicas", "2", "--ft-timeout", str(args.ft_timeout),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    log = (out.parent / f"{out.name}.log").open("wb")
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return _start(command, out.parent / f"{out.name}.log")
+
+
+def _restart_job(args: argparse.Namespace, out: Path) -> subprocess.Popen[bytes]:
+    """The restart-based job: one torchrun agent of both groups' ranks."""
+    out.mkdir(parents=True, exist_ok=True)
+    layout = ["--strategy", args.strategy]
+    if args.strategy == "hsdp":  # 2 replica groups sharded over ranks_per_replica each
+        layout += ["--dp-replicate", "2"]
+    command = [
+        *_torchrun(2 * args.ranks_per_replica, "--max-restarts", "1"), *_job_flags(args, out),
+        *layout, "--save-every", str(args.save_every_restart), "--keep", "0", "--resume",
+    ]  # fmt: skip
+    return _start(command, out.parent / f"{out.name}.log")
 
 
 def _descendants(pid: int) -> list[int]:
@@ -73,105 +120,227 @@ def _descendants(pid: int) -> list[int]:
     return [d for c in children for d in (c, *_descendants(c))]
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a replica: its process (the torchrun agent) first, so it restarts
-    nothing, then its workers (torchrun puts them in sessions of their own)."""
-    workers = _descendants(pid)
-    for target in (pid, *workers):
+def _kill(pids: list[int]) -> None:
+    for target in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(target, signal.SIGKILL)
 
 
-def _steps(out: Path) -> list[dict[str, Any]]:
+def _ft_steps(out: Path) -> list[dict[str, Any]]:
     path = out / "ft_steps.jsonl"
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _logged_steps(log: Path) -> list[int]:
+    """The ``step N/`` lines a job's rank 0 printed (``--log-every 1``), in order."""
+    return [int(m) for m in _STEP_LINE.findall(log.read_text(errors="replace"))]
+
+
 def _val_loss(out: Path) -> float:
     return float(json.loads((out / "metrics.json").read_text())["val_loss"][-1][1])
 
 
-def _pair(args: argparse.Namespace, work: Path, name: str, kill: bool) -> dict[str, Any]:
+def _wait_until(done: Any, procs: list[subprocess.Popen[bytes]], what: str) -> None:
+    while not done():
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"a process exited before {what}")
+        time.sleep(0.05)
+
+
+def _random_point(args: argparse.Namespace, step_s: float, round_: int) -> None:
+    time.sleep(random.Random(args.seed * 1000 + round_).uniform(0.0, max(step_s, 0.0)))
+
+
+def _finish(
+    procs: list[subprocess.Popen[bytes]], args: argparse.Namespace
+) -> tuple[list[int], float]:
+    """Exit codes, and when replica 0 ended; a joiner still waiting at a quorum after
+    replica 0 ended is killed after ``--grace-s`` (code -1: it never finished)."""
+    codes = [procs[0].wait(timeout=args.timeout_s)]
+    ended = time.time()
+    for proc in procs[1:]:
+        try:
+            codes.append(proc.wait(timeout=args.grace_s))
+        except subprocess.TimeoutExpired:
+            _kill([proc.pid, *_descendants(proc.pid)])
+            proc.wait()
+            codes.append(-1)
+    return codes, ended
+
+
+def fault_tolerant(args: argparse.Namespace, work: Path, case: str, round_: int) -> dict[str, Any]:
+    """One pair of replicas; ``case``: "uninterrupted", "kill" or "late" (joiner_late)."""
     store = host_store(0)
+    name = f"round{round_}-ft-{case}"
     outs = [work / f"{name}-r0", work / f"{name}-r1"]
-    for out in outs:
-        out.mkdir(parents=True, exist_ok=True)
-    procs = [_replica(args, store.port, r, outs[r]) for r in (0, 1)]
-    result: dict[str, Any] = {}
-    if kill:
-        while len(_steps(outs[1])) < args.kill_after:
-            if procs[1].poll() is not None:
-                raise RuntimeError(f"replica 1 exited early: {outs[1]}.log")
-            time.sleep(0.05)
-        step_s = _steps(outs[1])[-1]["time"] - _steps(outs[1])[-2]["time"]
-        time.sleep(random.Random(args.seed).uniform(0.0, step_s))  # a random point of the step
-        _kill_tree(procs[1].pid)
+    start = time.time()
+    procs = [_replica(args, store.port, 0, outs[0])]
+    if case != "late":
+        procs.append(_replica(args, store.port, 1, outs[1]))
+    result: dict[str, Any] = {"loadavg": loadavg()}
+    joiner_out, joined_at = outs[1], start
+    watch = outs[1] if case == "kill" else outs[0]
+    if case != "uninterrupted":
+        _wait_until(lambda: len(_ft_steps(watch)) >= args.kill_after, procs, "the kill")
+    if case == "kill":
+        times = [s["time"] for s in _ft_steps(outs[1])]
+        _random_point(args, times[-1] - times[-2] if len(times) > 1 else 0.0, round_)
+        _kill([procs[1].pid, *_descendants(procs[1].pid)])  # the agent first: no restart
         procs[1].wait()
-        killed_at = time.time()
+        result["killed_at"] = time.time()
         time.sleep(args.delay)
-        restarted_at = time.time()
         joiner_out = work / f"{name}-r1-restarted"
-        joiner_out.mkdir(parents=True, exist_ok=True)
-        procs[1] = _replica(args, store.port, 1, joiner_out)
-        result.update(killed_at=killed_at, restarted_at=restarted_at, joiner_out=joiner_out)
-    codes = [p.wait(timeout=args.timeout_s) for p in procs]
-    if any(codes):
-        raise RuntimeError(f"replica exit codes {codes}; see the logs in {work}")
-    return {**result, "outs": outs, "val_loss": _val_loss(outs[0])}
+    if case != "uninterrupted":
+        joined_at = time.time()
+        procs.append(_replica(args, store.port, 1, joiner_out))
+    codes, ended = _finish(procs, args)
+    result["wall_s"] = ended - start  # to the survivor's (replica 0's) exit
+    if codes[0] != 0:
+        raise RuntimeError(f"replica 0 exited with {codes[0]}; see {outs[0]}.log")
+    result.update(val_loss=_val_loss(outs[0]), exit_codes=codes)
+    if case != "uninterrupted":
+        result.update(_ft_events(args, outs[0], joiner_out, result.get("killed_at"), joined_at))
+    return result
 
 
-def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    reference = _pair(args, work, "uninterrupted", kill=False)
-    run = _pair(args, work, "kill", kill=True)
-    survivor = _steps(run["outs"][0])
-    joiner = _steps(run["joiner_out"])
-    without = [s for s in survivor if 1 not in s["members"] and s["time"] > run["killed_at"]]
-    steps = [s["step"] for s in survivor]
-    lost = len(set(range(1, args.steps + 1)) ^ set(steps)) + len(steps) - len(set(steps))
-    kill_step = args.kill_after + 1
-    last_ckpt = (kill_step - 1) // args.save_every_restart * args.save_every_restart
+def _ft_events(
+    args: argparse.Namespace,
+    survivor: Path,
+    joiner: Path,
+    killed_at: float | None,
+    joined_at: float,
+) -> dict[str, Any]:
+    steps = _ft_steps(survivor)
+    numbers = [s["step"] for s in steps]
+    lost = len(set(range(1, args.steps + 1)) ^ set(numbers)) + len(numbers) - len(set(numbers))
+    joined = _ft_steps(joiner)
+    alone = [s for s in steps if 1 not in s["members"]]
+    after_kill = [s for s in alone if killed_at is not None and s["time"] > killed_at]
+    models = [survivor / "model.pt", joiner / "model.pt"]
     return {
-        "survivor_restarts": 0,  # replica 0's process ran from start to end (exit code 0)
         "steps_lost": lost,
-        "detect_s": without[0]["time"] - run["killed_at"] if without else None,
-        "rejoin_s": joiner[0]["time"] - run["restarted_at"] if joiner else None,
-        "rejoin_bytes": joiner[0]["healed_bytes"] if joiner else None,
-        "steps_without_replica_1": len([s for s in survivor if 1 not in s["members"]]),
-        "val_loss": run["val_loss"],
-        "val_loss_uninterrupted": reference["val_loss"],
-        "val_loss_rel_diff": abs(run["val_loss"] - reference["val_loss"]) / reference["val_loss"],
-        "restart_based": {
-            "survivor_restarts": 1,
-            "steps_lost": kill_step - 1 - last_ckpt,
-            "save_every": args.save_every_restart,
-            "wall_s_lost": None,  # not measured by this benchmark: see docs/elastic.md
-        },
+        "survivor_restarts": 0,  # replica 0's process ran from its start to its exit
+        "steps_alone": len(alone),
+        "detect_s": after_kill[0]["time"] - killed_at if after_kill and killed_at else None,
+        "rejoin_s": joined[0]["time"] - joined_at if joined else None,
+        "rejoin_bytes": joined[0]["healed_bytes"] if joined else None,
+        "lockstep_equal": _same_parameters(*models) if all(p.exists() for p in models) else None,
     }
+
+
+def _same_parameters(a: Path, b: Path) -> bool:
+    import torch
+
+    first, second = torch.load(a), torch.load(b)
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def restart_based(args: argparse.Namespace, work: Path, kill: bool, round_: int) -> dict[str, Any]:
+    """One restart-based job; with ``kill``, a worker of the second group is SIGKILLed."""
+    out = work / f"round{round_}-restart-{'kill' if kill else 'uninterrupted'}"
+    log = out.parent / f"{out.name}.log"
+    start = time.time()
+    proc = _restart_job(args, out)
+    result: dict[str, Any] = {"loadavg": loadavg()}
+    if kill:
+        _wait_until(lambda: len(_logged_steps(log)) >= args.kill_after, [proc], "the kill")
+        _random_point(args, 0.0 if len(_logged_steps(log)) < 2 else args.step_s_hint, round_)
+        committed = max(_logged_steps(log))
+        workers = sorted(_descendants(proc.pid))
+        _kill(workers[-1:])  # the last-started worker: a rank of the second group
+        result.update(killed_at=time.time(), committed_at_kill=committed)
+    code = proc.wait(timeout=args.timeout_s)
+    result["wall_s"] = time.time() - start
+    if code != 0:
+        raise RuntimeError(f"the restart-based job exited with {code}; see {log}")
+    result["val_loss"] = _val_loss(out)
+    if kill:
+        text = log.read_text(errors="replace")
+        resumed = [int(a or b) for a, b in _RESUMED.findall(text)]
+        restarted_from = resumed[-1] if len(resumed) > 1 else None
+        result.update(
+            survivor_restarts=len(resumed) - 1,
+            restarted_from_step=restarted_from,
+            steps_lost=None if restarted_from is None else committed - restarted_from,
+        )
+    return result
+
+
+def _lost(killed: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **killed,
+        "wall_s_lost": killed["wall_s"] - reference["wall_s"],
+        "val_loss_uninterrupted": reference["val_loss"],
+        "val_loss_rel_diff": abs(killed["val_loss"] - reference["val_loss"])
+        / reference["val_loss"],
+    }
+
+
+def one_round(args: argparse.Namespace, work: Path, round_: int) -> dict[str, Any]:
+    """Both paths (uninterrupted, then killed) in ABBA order, then joiner_late."""
+    paths = ["fault_tolerant", "restart_based"]
+    result: dict[str, Any] = {}
+    references: dict[str, dict[str, Any]] = {}
+    for path in paths if round_ % 2 == 0 else paths[::-1]:
+        if path == "fault_tolerant":
+            pair = [fault_tolerant(args, work, c, round_) for c in ("uninterrupted", "kill")]
+        else:
+            pair = [restart_based(args, work, kill, round_) for kill in (False, True)]
+        references[path] = pair[0]
+        result[path] = _lost(pair[1], pair[0])
+        result[path]["uninterrupted_wall_s"] = pair[0]["wall_s"]
+    late = fault_tolerant(args, work, "late", round_)
+    result["joiner_late"] = _lost(late, references["fault_tolerant"])
+    return result
+
+
+def medians(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per path, the median over rounds of every numeric key (None when none was)."""
+    summary: dict[str, dict[str, float | None]] = {}
+    for path in rounds[0]:
+        keys = [k for k, v in rounds[0][path].items() if not isinstance(v, (list, dict, str))]
+        summary[path] = {}
+        for key in keys:
+            values = [r[path].get(key) for r in rounds]
+            if any(isinstance(v, bool) for v in values):  # lockstep_equal: in every round
+                summary[path][key] = float(all(v is True for v in values))
+                continue
+            numbers = [float(v) for v in values if isinstance(v, (int, float))]
+            summary[path][key] = statistics.median(numbers) if numbers else None
+    return summary
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--strategy", default="hsdp", choices=["ddp", "oss", "sdp", "hsdp"])
-    parser.add_argument("--ranks-per-replica", type=int, default=2)
-    parser.add_argument("--kill-after", type=int, default=6, help="replica 1's committed steps")
-    parser.add_argument("--delay", type=float, default=5.0, help="seconds before the restart")
-    parser.add_argument("--ft-timeout", type=float, default=5.0)
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--save-every-restart", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout-s", type=float, default=1200.0)
+    add = parser.add_argument
+    add("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
+    add("--rounds", type=int, default=1, help="ABBA rounds of both paths (default 1)")
+    add("--steps", type=int, default=60)
+    add("--strategy", default="hsdp", choices=["ddp", "oss", "sdp", "hsdp"])
+    add("--ranks-per-replica", type=int, default=2)
+    add("--kill-after", type=int, default=14, help="committed steps before the kill")
+    add("--delay", type=float, default=3.0, help="seconds before the killed replica restarts")
+    add("--ft-timeout", type=float, default=5.0)
+    add("--seq-len", type=int, default=32)
+    add("--batch-size", type=int, default=4)
+    add("--save-every-restart", type=int, default=10)
+    add("--step-s-hint", type=float, default=0.5, help="restart path: the kill's random window")
+    add("--seed", type=int, default=0)
+    add("--grace-s", type=float, default=60.0, help="wait for a joiner after replica 0 ended")
+    add("--timeout-s", type=float, default=1800.0)
     args = parser.parse_args(argv)
     out = Path(args.out)
     work = out / "live_recovery_runs"
-    result = {**measure(args, work), "args": vars(args), "machine": machine()}
+    rounds = [one_round(args, work, r) for r in range(args.rounds)]
+    result = {"medians": medians(rounds), "rounds": rounds, "args": vars(args)}
+    result["machine"] = machine()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "live_recovery.json").write_text(json.dumps(result, indent=1, default=str))
-    print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1, default=str))
+    path = out / f"live_recovery-{timestamp()}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps(result["medians"], indent=1, default=str))
+    print(f"wrote {path}")
     return result
 
 

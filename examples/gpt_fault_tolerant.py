@@ -20,6 +20,13 @@ replica missing, the step trains on the survivors' rows only. Validation scores 
 window on each replica. Each committed step appends a line to ``--out-dir``'s
 ``ft_steps.jsonl`` (step, members, unix time, loss, healed bytes; the replica's rank
 0 writes it).
+
+Checkpoints: every ``--save-every`` steps (and at the last step) the lowest replica
+of the step's quorum writes the universal checkpoint into ``--checkpoint-dir`` (one
+directory every replica reaches; default its own ``--out-dir``)
+(:meth:`FaultTolerantReplicas.checkpoint`); ``--resume`` loads the newest one there and
+starts the replica's manager at its step. A replica that finds none (or an older one)
+is behind and heals from the others at the first quorum.
 """
 
 from __future__ import annotations
@@ -79,10 +86,10 @@ def flag_error(config: Any, world_size: int) -> str | None:
         )
     if not 0 <= replica_id < max_replicas:
         return f"--replica-id {replica_id} is not in [0, --max-replicas {max_replicas})"
-    if config.resume or config.save_every or config.stop_after is not None:
+    if config.stop_after is not None or config.async_checkpoint:
         return (
-            "--fault-tolerant writes no checkpoints (a restarted replica receives the state "
-            "from a live one): pass --save-every 0, without --resume / --stop-after"
+            "--fault-tolerant runs to --steps and writes its checkpoints in the foreground: "
+            "drop --stop-after and --async-checkpoint"
         )
     return None
 
@@ -92,9 +99,12 @@ def train_loop(
     out_dir: Path,
     report: Callable[[Any, float | None], None],
     say: Callable[[Any, str], None],
+    save: Callable[[Any, Path], None],
 ) -> FaultTolerantReplicas:
-    """Train ``run`` (the main job's ``Run``) to ``--steps`` as one fault-tolerant
-    replica; ``report(run, tokens_per_s)`` evaluates and prints, ``say`` prints."""
+    """Train ``run`` (the main job's ``Run``, resumed to ``run.step`` or not) to
+    ``--steps`` as one fault-tolerant replica; ``report(run, tokens_per_s)`` evaluates
+    and prints, ``say`` prints, ``save(run, out_dir)`` writes a checkpoint (collective
+    over the replica's ranks)."""
     config, strategy = run.config, run.strategy
     n_val = config.eval_batches * run.plan.global_batch
     run.val = eval_windows(run.val_tokens, n_val, config.seq_len, 0, 1)  # every window
@@ -120,17 +130,20 @@ def train_loop(
         initial_replicas=config.max_replicas,
         prefix=f"gpt-ft-{config.seed}",
         group=dist.group.WORLD if run.env.world_size > 1 else None,
+        step=run.step,
     )
     log = (out_dir / "ft_steps.jsonl").open("a") if run.env.rank == 0 else None
     try:
-        _steps(run, ft, log, report, say)
+        _steps(run, ft, log, report, say, lambda: save(run, out_dir))
     finally:
         if log is not None:
             log.close()
     return ft
 
 
-def _steps(run: Any, ft: FaultTolerantReplicas, log: Any, report: Any, say: Any) -> None:
+def _steps(
+    run: Any, ft: FaultTolerantReplicas, log: Any, report: Any, say: Any, save: Callable[[], None]
+) -> None:
     config, strategy = run.config, run.strategy
     tokens_per_replica = run.sampler.rows * config.seq_len
     while ft.step < config.steps:
@@ -161,6 +174,9 @@ def _steps(run: Any, ft: FaultTolerantReplicas, log: Any, report: Any, say: Any)
             say(run, f"step {run.step:5d}/{config.steps} | train {loss:.4f} | replicas {members}")
         if (config.eval_every and run.step % config.eval_every == 0) or run.step == config.steps:
             report(run, len(members) * tokens_per_replica / dt)
+        last = run.step == config.steps
+        if config.save_every and (run.step % config.save_every == 0 or last):
+            ft.checkpoint(save)  # the lowest member writes
 
 
 def serve(port: int) -> None:

@@ -121,6 +121,9 @@ class JobConfig:
         async_checkpoint: write the checkpoints in the background
             (:class:`gpt_checkpoint.JobCheckpointer`); needs ``save_every`` > 0.
         keep: checkpoints kept; 0: all.
+        checkpoint_dir: where checkpoints are written and ``--resume`` reads them;
+            None: ``out_dir``. With ``fault_tolerant``, one directory every replica
+            reaches (the lowest replica of each step's quorum writes).
         stop_after: end this run after this step (None: at ``steps``).
         data: a text file or a directory of ``.txt`` files; None: the default text.
         profile_steps: ``"a:b"``: a ``torch.profiler`` trace of steps a..b per rank
@@ -149,6 +152,7 @@ class JobConfig:
     save_every: int = 100
     async_checkpoint: bool = False
     keep: int = 2
+    checkpoint_dir: str | None = None
     stop_after: int | None = None
     data: str | None = None
     profile_steps: str | None = None
@@ -214,6 +218,7 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--save-every", type=_non_negative, default=job.save_every, help="0: never")
     add("--async-checkpoint", action="store_true", help="write checkpoints in the background")
     add("--keep", type=_non_negative, default=job.keep, help="checkpoints kept; 0: all")
+    add("--checkpoint-dir", default=None, help="checkpoints and --resume (default --out-dir)")
     add("--stop-after", type=_positive, default=None, help="end this run after this step")
     add("--resume", action="store_true", help="continue from the latest checkpoint")
     add("--data", default=None, help="a text file or a directory of .txt files")
@@ -632,12 +637,19 @@ def checkpoint_extra(run: Run) -> dict[str, Any]:
     }
 
 
+def checkpoint_dir(config: JobConfig) -> Path:
+    """Where checkpoints go and ``--resume`` reads: ``--checkpoint-dir``, else ``--out-dir``."""
+    return Path(config.checkpoint_dir or config.out_dir)
+
+
 def save(run: Run, out_dir: Path) -> None:
-    """This step's checkpoint (collective)."""
+    """This step's checkpoint (collective), into :func:`checkpoint_dir` (``out_dir``
+    unless ``--checkpoint-dir`` is given)."""
     strategy = run.strategy
     module = strategy.checkpoint_module()
     extra = checkpoint_extra(run)
-    run.checkpointer.save(out_dir, run.step, module, strategy.optimizer, extra, run.config.keep)
+    directory = checkpoint_dir(run.config) if run.config.checkpoint_dir else out_dir
+    run.checkpointer.save(directory, run.step, module, strategy.optimizer, extra, run.config.keep)
 
 
 def restore(run: Run, step: int, saved_world_size: int, mine: Any, first: Any) -> None:
@@ -988,7 +1000,7 @@ def run_job(
     for callback in callbacks:
         callback(run)
     if config.resume:  # may change the batch plan, or refuse it: the banner comes after
-        maybe_resume(run, out_dir)
+        maybe_resume(run, checkpoint_dir(config))
     degree, cp = config.strategy.tp, config.strategy.cp
     tp_note = f" | tensor parallel {degree} (data parallel {env.world_size // (degree * cp)})"
     cp_note = f" | context parallel {cp} ({config.strategy.cp_method})" if cp > 1 else ""
@@ -1012,8 +1024,8 @@ def run_job(
         f"{len(data[1]):,} val tokens",
     )
     run.checkpointer = JobCheckpointer(config.async_checkpoint)  # collective when async
-    if config.fault_tolerant is not None:  # refuses --save-every, so never async
-        ft_train_loop(run, out_dir, report, say)
+    if config.fault_tolerant is not None:  # refuses --async-checkpoint
+        ft_train_loop(run, out_dir, report, say, save)
     else:
         with run.checkpointer:  # the last background save is committed before finish
             train_loop(run, out_dir)

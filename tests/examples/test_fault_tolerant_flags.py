@@ -18,6 +18,7 @@ def _error(argv: list[str], world_size: int = 1) -> str | None:
 
 def test_flag_combinations_are_checked() -> None:
     assert _error(_FT) is None
+    assert _error([*_FT[:-1], "5", "--resume", "--checkpoint-dir", "shared"]) is None
     assert _error([*_FT, "--replica-id", "1"]) is None
     for strategy in ("oss", "sdp", "hsdp"):  # replicas of several ranks
         assert _error([*_FT, "--strategy", strategy], world_size=2) is None, strategy
@@ -26,7 +27,8 @@ def test_flag_combinations_are_checked() -> None:
         ([*_FT, "--strategy", "fsdp"], "runs --strategy ddp/oss/sdp/hsdp, not fsdp"),
         ([*_FT, "--replica-id", "2"], "--replica-id 2 is not in [0, --max-replicas 2)"),
         (["--fault-tolerant", "nohost", "--save-every", "0"], "expected HOST:PORT of the quorum"),
-        (_FT[:-2], "writes no checkpoints (a restarted replica receives the state"),
+        ([*_FT, "--stop-after", "3"], "drop --stop-after and --async-checkpoint"),
+        ([*_FT[:-1], "5", "--async-checkpoint"], "drop --stop-after and --async-checkpoint"),
     ]
     for argv, message in cases:
         got = _error(argv)

@@ -150,9 +150,14 @@ class FaultTolerantReplicas:
             replica has the same number of ranks, and every rank of the replica
             builds its manager and calls its methods. Default None: a replica of one
             process (no collectives inside it). See [Note: a replica of several ranks].
+        step: the committed step count this replica starts from: the step of the
+            checkpoint it resumed (:meth:`checkpoint`), ``>= 0``; default 0. A replica
+            behind the others heals from them at its first quorum; one ahead serves
+            them.
 
     Raises:
-        ValueError: ``replica_id < 0``, ``min_replicas < 1`` or a timeout ``<= 0``.
+        ValueError: ``replica_id < 0``, ``min_replicas < 1``, ``step < 0`` or a
+            timeout ``<= 0``.
 
     Source: the design of torchft (PyTorch, 2024: per-step quorum through a
     lighthouse, ``should_commit``, live recovery from a peer), written for gloo and a
@@ -173,12 +178,13 @@ class FaultTolerantReplicas:
         initial_replicas: int | None = None,
         prefix: str = "shardkit-ft",
         group: dist.ProcessGroup | None = None,
+        step: int = 0,
     ) -> None:
         join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
-        if replica_id < 0 or min_replicas < 1:
+        if replica_id < 0 or min_replicas < 1 or step < 0:
             raise ValueError(
-                f"FaultTolerantReplicas: replica_id={replica_id} and min_replicas={min_replicas}; "
-                "pass replica_id >= 0 and min_replicas >= 1"
+                f"FaultTolerantReplicas: replica_id={replica_id}, min_replicas={min_replicas} "
+                f"and step={step}; pass replica_id >= 0, min_replicas >= 1 and step >= 0"
             )
         if min(timeout_s, join_timeout_s, quorum_timeout_s) <= 0:
             raise ValueError(
@@ -190,7 +196,7 @@ class FaultTolerantReplicas:
         self.min_replicas, self.timeout_s = min_replicas, timeout_s
         self.join_timeout_s, self.quorum_timeout_s = join_timeout_s, quorum_timeout_s
         self.initial_replicas = initial_replicas
-        self.step = 0
+        self.step = step
         self.state = ReplicaState.JOINING
         self.quorum: Quorum | None = None
         self.stats = ReplicaStats()
@@ -411,6 +417,38 @@ class FaultTolerantReplicas:
             if self.replica_id not in quorum.members:
                 return self._drop()
             self.quorum = quorum
+
+    # checkpoints -----------------------------------------------------------------
+    def checkpoint(self, save: Callable[[], object]) -> bool:
+        """Write the state of the step just committed once, from one replica.
+
+        Call it on every rank of every member after a committed step (after the
+        optimizer step that followed :meth:`average_gradients` returning True): the
+        lowest replica id of the step's quorum calls ``save()`` on each of its ranks
+        (together: it may be a collective over the replica's group, e.g.
+        ``shardkit.checkpoint.universal.save_universal``); the others return at once.
+        Every member holds the same state after a commit, so one copy is the job's.
+        To resume, every replica loads the newest checkpoint and passes its step as
+        ``step=`` to a new manager on a fresh quorum store (or prefix).
+
+        Args:
+            save: writes this rank's part of the checkpoint of step :attr:`step`.
+
+        Returns:
+            True when this replica wrote; False when another member did, or this
+            replica was dropped from the step (it holds no committed state to write).
+
+        Warning:
+            A writer that dies mid-save leaves the previous checkpoint the newest (the
+            universal checkpoint commits atomically); the others are not told and do
+            not write it again.
+        """
+        if self.quorum is None or self.state is not ReplicaState.MEMBER:
+            return False
+        if self.replica_id != min(self.quorum.members):
+            return False
+        save()
+        return True
 
     def _vote(self, quorum: Quorum, ok: bool) -> Verdict:
         """The round's verdict, given this replica's outcome (its rank 0 votes)."""

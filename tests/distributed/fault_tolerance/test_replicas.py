@@ -12,6 +12,7 @@ plain model trained on the batches of the replicas that contributed to each step
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import time
 from datetime import timedelta
@@ -105,6 +106,7 @@ def _train(port: int, prefix: str, cfg: dict[str, Any]) -> dict[str, Any] | None
     commits: list[tuple[int, tuple[int, ...]]] = []  # every incarnation's
     healed: list[dict[str, Any]] = []
     served: list[dict[str, Any]] = []
+    wrote: list[int] = []  # the committed steps this replica checkpointed
     slow = dict(cfg.get("slow", {}))
     final_members = cfg.get("final_members", len(cfg["replicas"]))
     deadline = time.monotonic() + 60.0
@@ -131,6 +133,8 @@ def _train(port: int, prefix: str, cfg: dict[str, Any]) -> dict[str, Any] | None
             assert rep.ft.quorum is not None
             history.append((step, rep.ft.quorum.members))
             commits.append(history[-1])
+            count = len(wrote)
+            assert rep.ft.checkpoint(functools.partial(wrote.append, step)) == (len(wrote) > count)
         else:  # dropped: restart this replica from scratch, another initialisation
             served += rep.served
             rep = _Replica(store, prefix, {**cfg, "fail_serving": False}, seed=100 + step)
@@ -141,6 +145,7 @@ def _train(port: int, prefix: str, cfg: dict[str, Any]) -> dict[str, Any] | None
         "final": _snapshot(rep),
         "healed": healed,
         "served": served + rep.served,
+        "wrote": wrote,
     }
     if cfg.get("report"):
         torch.save(result, Path(cfg["report"], f"replica{me}.pt"))
@@ -210,6 +215,7 @@ def test_no_failure_equals_ddp_then_two_drops_rejoin(rank_pool: Any, store: dist
         assert _equal(ft[replica]["final"]["model"], ddp[0]["model"])
         assert _equal(ft[replica]["final"]["optim"], ddp[0]["optim"])
         assert _equal(ft[replica]["final"]["model"], reference["model"])
+    assert (ft[0]["wrote"], ft[1]["wrote"]) == ([0, 1, 2, 3], [])  # the lowest member writes
     # 2. Two failures in a row: replica 1 slow in step 1, replica 2 slow in step 2;
     # each is dropped, restarts from scratch and heals; replica 0's first transfer fails.
     # (Under load a replica may also be dropped spuriously by the short timeout: the
@@ -223,6 +229,8 @@ def test_no_failure_equals_ddp_then_two_drops_rejoin(rank_pool: Any, store: dist
         assert all(job[step] == members for step, members in r["commits"]), r["commits"]
     history = sorted(job.items())
     assert [s for s, _ in history] == list(range(len(history))), history
+    writers = {s: r for r, result in enumerate(results) for s in result["wrote"]}
+    assert writers == {s: min(members) for s, members in history}, writers  # once a step
     assert 1 not in history[1][1] and 2 not in history[2][1], history
     assert history[-1][1] == (0, 1, 2), history
     for replica in (1, 2):  # lockstep after healing: the same steps from then on
