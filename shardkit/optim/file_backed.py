@@ -191,13 +191,20 @@ def _in_place(
     flats: list[torch.Tensor], offsets: list[int], total: int
 ) -> tuple[list[Segment], int] | None:
     """The whole file as one segment when ``flats`` lie at ``offsets`` of one
-    page-aligned buffer (state read by :func:`read_state`), else None (packed)."""
-    if not flats:
+    page-aligned buffer (state read by :func:`read_state`), else None (packed).
+
+    Empty tensors hold no bytes and are left out of the test: torch gives every tensor
+    of no element the address 0, even a view at an offset of the buffer (the state of a
+    parameter whose piece is empty on this rank), so testing them refused every such
+    piece and packed its whole state with a copy at every step.
+    """
+    held = [(t, o) for t, o in zip(flats, offsets, strict=True) if t.numel()]
+    if not held:
         return None
-    base = flats[0].data_ptr() - offsets[0]
-    if base % PAGE or any(t.data_ptr() - o != base for t, o in zip(flats, offsets, strict=True)):
+    base = held[0][0].data_ptr() - held[0][1]
+    if base % PAGE or any(t.data_ptr() - o != base for t, o in held):
         return None
-    storage = flats[0].untyped_storage()
+    storage = held[0][0].untyped_storage()
     if storage.data_ptr() != base or storage.nbytes() < total:
         return None
     return [(0, base, total)], total

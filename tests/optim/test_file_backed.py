@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,3 +109,44 @@ def test_state_of_another_class_is_refused() -> None:
 def test_both_disk_tiers_step_with_it() -> None:
     assert issubclass(DiskOptimizer, FileBackedOptimizer)
     assert issubclass(SlicedOptimizer, FileBackedOptimizer)
+
+
+def test_state_with_an_empty_tensor_is_written_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A piece holding a parameter with no element on this rank (an empty FSDP piece):
+    its state read back from the file is written from the read buffer as it is (one
+    segment from its start: no packing copy), and steps like one AdamW. Before, torch's
+    address 0 of empty tensors made every such piece fall back to packing."""
+    plain = [nn.Parameter(torch.randn(3)), nn.Parameter(torch.zeros(0))]
+    tiered = [nn.Parameter(p.detach().clone()) for p in plain]
+    reference = torch.optim.AdamW(plain, lr=0.1)
+    optimizer = FileBackedOptimizer(
+        tiered, torch.optim.AdamW, {"lr": 0.1}, stored_class=None, where="x"
+    )
+    store = _store(tmp_path)
+    calls: list[Any] = []
+    write_async = store.write_async
+
+    def spy(*args: Any, segments: Any = None) -> Any:
+        calls.append(segments)
+        return write_async(*args, segments=segments)
+
+    monkeypatch.setattr(store, "write_async", spy)
+    layout: dict[str, Any] | None = None
+    for step in range(2):
+        for p, q in zip(plain, tiered, strict=True):
+            p.grad = torch.full(p.shape, step + 1.0)
+            q.grad = p.grad.clone()
+        reference.step()
+        state = {} if layout is None else read_state(store, "piece0", layout)
+        base = None if layout is None else state[0]["exp_avg"].data_ptr()
+        layout = write_state(store, "piece0", step + 1, optimizer.step_piece(tiered, state), "x")
+        for p, q in zip(plain, tiered, strict=True):
+            assert torch.equal(p, q), f"step {step + 1}"
+    assert calls[0] is None  # fresh state: packed
+    assert calls[1] == ([(0, base, 196)], 196)  # p0: moments 0, 64, step 128; p1: all at 192
+    assert layout is not None
+    stored = read_state(store, "piece0", layout)
+    assert stored[1]["exp_avg"].shape == (0,) and float(stored[1]["step"]) == 2.0
+    assert torch.equal(stored[0]["exp_avg_sq"], reference.state[plain[0]]["exp_avg_sq"])

@@ -138,12 +138,12 @@ class OffloadModel(nn.Module):
         offload_dir: directory of the disk tier (created if missing); default None.
         resume: disk tier only: continue from the generation stored in ``offload_dir``
             (the model gives only the architecture) instead of starting a new one.
-        disk_io_bytes: disk tier only: memory ``optimizer.step()`` may use beyond one
-            slice to keep the disk busy (see [Note: the step at the disk's speed] in
-            :mod:`shardkit.nn.offload.disk`): at most this many bytes of writes in
-            flight, and the next slice read ahead when its parameters and optimizer
-            state fit in it. Default 0: one slice at a time, each written before the
-            next is read.
+        disk_io_bytes: disk tier only: memory ``optimizer.step()``, forward and
+            backward may use beyond one slice to keep the disk busy (see [Note: the step
+            at the disk's speed] in :mod:`shardkit.nn.offload.disk`): at most this many
+            bytes of writes in flight, and the next slice read ahead when its parameters
+            (and in the step its optimizer state) fit in it. Default 0: one slice at a
+            time, each written before the next is read.
         param_init_fn: disk tier only, for a model on ``meta``: called on each slice
             (an ``nn.Sequential``) once its parameters are allocated, to initialise
             them in place; default: ``reset_parameters()`` of every submodule having one.
@@ -219,6 +219,8 @@ class OffloadModel(nn.Module):
             for s in self.slices
             if not s.pinned
         ]
+        for before, after in zip(self.runners, self.runners[1:]):
+            before.next_forward, after.next_backward = after.slice, before.slice
         self._dummy = torch.empty(0, requires_grad=True)
 
     # -- construction ------------------------------------------------------------------

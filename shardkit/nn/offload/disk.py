@@ -30,7 +30,9 @@ state are read ahead (:meth:`DiskTier.read_ahead`) and slice k - 1's are written
 behind (the store's write-behind; a slice's compute buffer is freed once written),
 within the memory ``OffloadModel(disk_io_bytes=...)`` allows beyond one slice: at most
 that many bytes of writes in flight, and a slice read ahead only when its parameters
-and optimizer state fit in it. With the default 0 the step holds one slice, each
+and optimizer state fit in it. Forward and backward read ahead the same way: while
+slice k computes, the parameters of the slice that runs next (k + 1 in forward, k - 1
+in backward) are read, when they fit in ``disk_io_bytes``. With the default 0 the step holds one slice, each
 written before the next is read, as forward and backward do. The commit waits for every
 write (see [Note: write-behind] in :mod:`shardkit.checkpoint.generations`).
 """
@@ -210,20 +212,22 @@ class DiskTier(Tier):
             self.store.read(s.name, "params", s.compute.tensor)
         s.point_at(s.compute_views)
 
-    def read_ahead(self, s: Slice) -> None:
-        """Start reading offloaded ``s``'s parameters into its compute buffer and its
-        optimizer state on the store's background threads (see [Note: the step at the
-        disk's speed]); :meth:`load` and :meth:`load_optim_state` then wait for them."""
+    def read_ahead(self, s: Slice, optim_state: bool = True) -> None:
+        """Start reading offloaded ``s``'s parameters into its compute buffer and (with
+        ``optim_state``, for the step) its optimizer state on the store's background
+        threads (see [Note: the step at the disk's speed]); :meth:`load` and
+        :meth:`load_optim_state` then wait for them. A no-op unless what is read fits
+        in ``io_bytes``."""
         if s.pinned or s.state is not SliceState.OFFLOADED or s.name in self._reading:
             return
-        if 3 * s.layout.nbytes > self.io_bytes:  # parameters + AdamW's two moments
+        if (3 if optim_state else 1) * s.layout.nbytes > self.io_bytes:  # AdamW: 2 moments
             return
         assert s.compute is not None
         self._reap(s)
         s.compute.allocate()
         self._reading[s.name] = self.store.read_async(s.name, "params", s.compute.tensor)
         layout = self.optim_layouts.get(s.name)
-        if layout is not None and self.store.path(s.name, "optim") is not None:
+        if optim_state and layout is not None and self.store.path(s.name, "optim") is not None:
             self._state_ahead[s.name] = read_state_async(self.store, s.name, layout)
 
     def _offload(self, s: Slice) -> None:
@@ -269,7 +273,10 @@ class DiskTier(Tier):
         present = self.grads_present.setdefault(s.name, set())
         for i, p in with_grad:
             assert p.grad is not None
-            views[i].add_(p.grad.to(views[i].device))
+            if i in present:
+                views[i].add_(p.grad.to(views[i].device))
+            else:  # the file holds zeros there: write the gradient, do not add to them
+                views[i].copy_(p.grad)
             present.add(i)
             p.grad = None
         del views, mapped  # unmaps: the pages leave this process's resident set

@@ -58,12 +58,17 @@ class SliceRunner:
         checkpoint: recompute the slice's activations in backward instead of keeping them.
         after_backward: called after the slice's backward, while it is resident (gradient
             averaging across ranks), or None.
+        next_forward / next_backward: the slice that runs after this one in forward /
+            in backward (None for the last), read ahead while this one computes
+            (:meth:`~shardkit.nn.offload.tiers.Tier.read_ahead`).
     """
 
     slice: Slice
     tier: Tier
     checkpoint: bool
     after_backward: Callable[[Slice], None] | None = None
+    next_forward: Slice | None = None
+    next_backward: Slice | None = None
 
     def run_no_grad(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         """Forward without autograd (evaluation)."""
@@ -82,6 +87,8 @@ class SliceRunner:
         assert module is not None
         saved, outputs = _Saved(), []
         self.tier.load(self.slice)
+        if self.next_forward is not None:
+            self.tier.read_ahead(self.next_forward, optim_state=False)
         try:
             for k, (chunk, grad) in enumerate(zip(chunks, needs_grad, strict=True)):
                 x = chunk.detach().requires_grad_(grad)
@@ -98,6 +105,8 @@ class SliceRunner:
     def backward(self, saved: _Saved, grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
         """Backward of every micro-batch through the slice; returns the input gradients."""
         self.tier.load(self.slice)
+        if self.next_backward is not None:
+            self.tier.read_ahead(self.next_backward, optim_state=False)
         try:
             for j in reversed(range(len(saved.inputs))):
                 y = saved.outputs[j]

@@ -62,6 +62,11 @@ class Tier(ABC):
             self._load(s)
         s.state = SliceState.RESIDENT
 
+    def read_ahead(self, s: Slice, optim_state: bool = True) -> None:
+        """Start bringing ``s`` in, to run next (the disk tier reads it on a background
+        thread; other tiers: nothing to do); ``optim_state``: its optimizer state too."""
+        return None
+
     def offload(self, s: Slice) -> None:
         """Send ``s`` and its gradients back to the tier; RESIDENT -> OFFLOADED."""
         if s.pinned:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import shardkit.checkpoint.direct_io as direct_io
+from shardkit.memory import buffer_pools
 from shardkit.models import GPT, Block
 from shardkit.nn.data_parallel.fully_sharded import (
     DiskOffload,
@@ -21,6 +24,7 @@ from shardkit.nn.data_parallel.fully_sharded import (
 )
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.nn.data_parallel.fully_sharded.unit import units_in
+from shardkit.nn.data_parallel.fully_sharded.unit_buffers import SHARDS
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 from tests.nn.data_parallel.fsdp_workers import (
     TINY,
@@ -101,9 +105,11 @@ def disk_parity(cfg: dict[str, Any], directory: str) -> dict[str, Any]:
     disk = optimizer.tier
     shard_bytes = sum(u.nbytes for u in disk.units)
     on_disk = _count_files_at_commits(disk)
-    out: dict[str, Any] = {"losses": [], "ref_losses": []}
+    out: dict[str, Any] = {"losses": [], "ref_losses": [], "bounced": []}
     for step in range(cfg.get("steps", 3)):
-        out["losses"].append(_step(model, optimizer, step))
+        with _bounced_bytes() as bounced:
+            out["losses"].append(_step(model, optimizer, step))
+        out["bounced"].append(bounced[0])
         x, y = global_batch(step, world)
         _, ref_loss = ref(x, y)
         ref_loss.backward()
@@ -124,6 +130,29 @@ def disk_parity(cfg: dict[str, Any], directory: str) -> dict[str, Any]:
     out["most_files"] = max(on_disk)
     disk.close()
     return out
+
+
+@contextlib.contextmanager
+def _bounced_bytes() -> Iterator[list[int]]:
+    """Spy on direct I/O: yields ``[bytes]`` copied through a bounce buffer since the
+    start (what was not read or written in place)."""
+    count = [0]
+    fill, read_chunks = direct_io._fill, direct_io._read_chunks
+
+    def counted_fill(address: int, start: int, length: int, segments: Any) -> None:
+        count[0] += length
+        fill(address, start, length, segments)
+
+    def counted_read(fd: int, address: int, nbytes: int, **kwargs: Any) -> None:
+        count[0] += nbytes
+        read_chunks(fd, address, nbytes, **kwargs)
+
+    direct_io._fill = counted_fill  # type: ignore[assignment]
+    direct_io._read_chunks = counted_read  # type: ignore[assignment]
+    try:
+        yield count
+    finally:
+        direct_io._fill, direct_io._read_chunks = fill, read_chunks  # type: ignore[assignment]
 
 
 def _count_files_at_commits(disk: DiskOffload) -> list[int]:
@@ -427,3 +456,26 @@ def recover_after_second_backward(root: str) -> dict[str, Any]:
     diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
     disk.close()
     return {"refused": refused, "diff": diff}
+
+
+def in_place_io(root: str) -> dict[str, Any]:
+    """A two-layer MLP as one FSDP unit on the disk tier, AdamW, three steps: bytes
+    through direct I/O's bounce buffers per step, the shard's alignment, and the shard
+    memory resident between steps."""
+    torch.manual_seed(0)
+    disk = DiskOffload(root)
+    module = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Linear(256, 128))
+    model = FSDP(module, disk_offload=disk)
+    optimizer = disk.optimizer(torch.optim.AdamW, lr=1e-3)
+    (unit,) = [u for u in units_in(model) if u.handle.infos]
+    out: dict[str, Any] = {"bounced": [], "resident_between_steps": []}
+    out["aligned"] = unit.handle.local_shard.data_ptr() % direct_io.PAGE == 0
+    out["shard_bytes"] = unit.store.nbytes
+    for _ in range(3):
+        with _bounced_bytes() as bounced:
+            model(torch.randn(4, 128)).square().mean().backward()
+            optimizer.step()
+        out["bounced"].append(bounced[0])
+        out["resident_between_steps"].append(buffer_pools()[SHARDS].resident)
+    disk.close()
+    return out

@@ -25,7 +25,22 @@ def test_parity_with_write_behind_and_read_ahead(tmp_path: Path) -> None:
     plain = tiny()
     expected = train(plain, optimizer_for(plain, "adamw"), 3)
     om, rename = wrap(tiny(), offload_device=tmp_path, num_slices=3, disk_io_bytes=IO_BYTES)
+    store, reads = om.tier.store, {"ahead": 0, "waited": 0}
+    read, read_async = store.read, store.read_async
+
+    def counted(key: str, real: Any) -> Any:
+        def call(entry: str, kind: str, *args: Any, **kwargs: Any) -> Any:
+            reads[key] += kind == "params"
+            return real(entry, kind, *args, **kwargs)
+
+        return call
+
+    store.read, store.read_async = counted("waited", read), counted("ahead", read_async)
     assert train(om, optimizer_for(om, "adamw"), 3) == expected  # bit for bit
+    # per step: the first slice of forward, of backward and of the step read while
+    # the training thread waits; the other two of each read ahead (before: forward
+    # and backward read all three while the training thread waited)
+    assert reads == {"ahead": 3 * 6, "waited": 3 * 3}, reads
     assert_state_dicts_close(plain_state(om, rename), dict(plain.named_parameters()), atol=0)
     assert om.tier.store.inflight_bytes == 0
     assert all(s.compute is None or not s.compute.is_allocated for s in om.tier.slices)

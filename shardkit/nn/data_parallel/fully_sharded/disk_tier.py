@@ -65,8 +65,9 @@ sharded parameters with the state read from its file: the file-backed optimizer 
 first and is not available.
 
 [Note: what is resident]
-While a unit is not running, its local shard's storage is freed (``resize_(0)``) and
-its sharded parameters (``named_parameters()``) are empty placeholders, as
+While a unit is not running, its local shard's memory is given back (the handle's
+page-aligned :class:`~.unit_buffers.UnitBuffer`, released: direct I/O reads into it and
+writes from it in place, with no bounce copy) and its sharded parameters (``named_parameters()``) are empty placeholders, as
 OffloadModel's disk tier; at most the running unit, the prefetched one and the units
 whose gradient reduction is in flight hold their shard, plus the optimizer state of
 the stepping unit and of the prefetched one, plus the writes in flight (at most
@@ -485,6 +486,9 @@ class DiskUnit:
         self.handle = handle
         self.label = label
         shard = handle.local_shard
+        if handle.shard_buffer is None:
+            raise ValueError(f"{label}: its flat parameter was not built for the disk tier")
+        self.buffer = handle.shard_buffer  # page-aligned: read and written in place
         self.nbytes = shard.numel() * shard.element_size()
         self.resident = True
         self.loaded_version = 0
@@ -573,9 +577,7 @@ class DiskUnit:
         self.loaded_version = int(handle.local_shard._version)
 
     def _allocate(self) -> None:
-        storage = self.handle.local_shard.untyped_storage()
-        if storage.nbytes() != self.nbytes:
-            storage.resize_(self.nbytes)
+        self.buffer.acquire()
         self.resident = True
 
     def release(self) -> None:
@@ -593,7 +595,7 @@ class DiskUnit:
             if self not in self.tier.written:
                 self.tier.written.append(self)
             return
-        self.handle.local_shard.untyped_storage().resize_(0)
+        self.buffer.release()
         self.resident = False
 
     def write_done(self) -> bool:

@@ -43,7 +43,12 @@ from torch import nn
 
 from shardkit.distributed.shard_descriptor import TensorView
 from shardkit.nn.data_parallel.fully_sharded.placement import Placement
-from shardkit.nn.data_parallel.fully_sharded.unit_buffers import GRADIENTS, PARAMETERS, UnitBuffer
+from shardkit.nn.data_parallel.fully_sharded.unit_buffers import (
+    GRADIENTS,
+    PARAMETERS,
+    SHARDS,
+    UnitBuffer,
+)
 
 __all__ = ["FlatLayout", "FlatParamHandle", "FullFlat", "ParamInfo", "ParamLocation"]
 
@@ -236,6 +241,7 @@ class FlatParamHandle:
         self.placement = placement or Placement(
             flat.device, flat.device, flat.dtype, flat.dtype, flat.dtype
         )
+        self.shard_buffer: UnitBuffer | None = None  # the disk tier's local shard memory
         self.local_shard = self._new_local_shard(flat)
         self._full_index: dict[int, int] = {}  # id of an unsharded parameter -> its index
         self._with_grad: set[int] = set()  # parameters in the flat gradient being reduced
@@ -259,6 +265,13 @@ class FlatParamHandle:
         padded[: flat.numel()].copy_(flat)
         shard = padded[lo:hi]
         home = self.placement.to_shard_home(shard)
+        if self.placement.on_disk:
+            # a page-aligned buffer at a fixed address, its memory given back between
+            # the unit's uses: direct I/O reads and writes it in place (no bounce copy)
+            self.shard_buffer = UnitBuffer(hi - lo, home.dtype, home.device, SHARDS)
+            self.shard_buffer.acquire()
+            self.shard_buffer.tensor.copy_(home)
+            return self.shard_buffer.tensor
         return home.clone() if home is shard else home  # not a view into ``padded``
 
     def _new_full(self, dtype: torch.dtype) -> FullFlat:

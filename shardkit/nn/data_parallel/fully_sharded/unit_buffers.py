@@ -39,12 +39,15 @@ import torch
 
 from shardkit.memory import BufferAccount, buffer_account
 
-__all__ = ["GRADIENTS", "PARAMETERS", "UnitBuffer"]
+__all__ = ["GRADIENTS", "PARAMETERS", "SHARDS", "UnitBuffer"]
 
 PARAMETERS = "fsdp unit parameters"
 """The pool name of full parameter buffers in :func:`shardkit.memory.buffer_pools`."""
 GRADIENTS = "fsdp unit gradients"
 """The pool name of full gradient buffers in :func:`shardkit.memory.buffer_pools`."""
+SHARDS = "fsdp disk shards"
+"""The pool name of the local shards of units on the disk tier (resident only while
+the unit runs, steps or is written) in :func:`shardkit.memory.buffer_pools`."""
 
 _HUGE_PAGE = 2 * 2**20  # bytes; transparent huge pages on x86-64 and arm64 (4 KiB base)
 
