@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Mapping
@@ -54,17 +55,24 @@ from shardkit.testing import run_distributed
 def interleaved_rank(spec: Mapping[str, Any]) -> dict[str, dict[str, list[list[float]]]]:
     """Body of every rank: ``{"wall" | "cpu": {strategy: [[s per step] per round]}}``,
     the slowest rank's wall time and CPU time (every thread of the process, gloo's
-    included: on a loaded machine it moves much less than the wall time)."""
+    included: on a loaded machine it moves much less than the wall time); and
+    ``"warmup": {strategy: [[s per warm-up step]]}`` (wall, slowest rank: a compiled
+    row's first one is its compile, kept out of the timed steps)."""
     config = model_config(spec["size"], spec["seq_len"])
     x, y = _batch(config, spec["batch"])
     names = list(spec["strategies"])
     built = {name: _strategy(name, config, spec) for name in names}
-    for name in names:
-        for _ in range(spec["warmup"]):
-            _step(built[name], x, y)
     times: dict[str, dict[str, list[list[float]]]] = {
-        kind: {name: [] for name in names} for kind in ("wall", "cpu")
+        kind: {name: [] for name in names} for kind in ("wall", "cpu", "warmup")
     }
+    for name in names:  # the first warm-up step of a compiled row compiles its blocks
+        warm = []
+        for _ in range(spec["warmup"]):
+            dist.barrier()
+            start = time.perf_counter()
+            _step(built[name], x, y)
+            warm.append(slowest(time.perf_counter() - start))
+        times["warmup"][name].append(warm)
     for round_index in range(spec["rounds"]):
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in names:
@@ -127,6 +135,20 @@ def compile_ceilings(summary: Mapping[str, Mapping[str, float]]) -> dict[str, di
     return out
 
 
+def paired_x_eager(times: Mapping[str, list[list[float]]]) -> dict[str, float]:
+    """Per compiled row ``"<X> + compile"`` run with its eager row ``X``: the median over
+    rounds of (X's round median / the compiled row's round median), both from the same
+    rounds of the same ranks (> 1: compiled is faster)."""
+    out = {}
+    for name, rounds in times.items():
+        eager = times.get(name.removesuffix(COMPILED))
+        if name.endswith(COMPILED) and eager is not None:
+            out[name] = statistics.median(
+                statistics.median(e) / statistics.median(c) for e, c in zip(eager, rounds)
+            )
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.interleaved", description=__doc__)
     add_strategy_args(parser)
@@ -143,8 +165,12 @@ def main(argv: list[str] | None = None) -> None:
         "steps": args.steps,
         "warmup": args.warmup,
     }
+    load_start = list(os.getloadavg())
     times = run_distributed(interleaved_rank, args.world_size, spec, timeout_s=args.timeout)[0]
+    warmup = times.pop("warmup")
     summary = {kind: summarize(per_kind) for kind, per_kind in times.items()}
+    for name, (steps,) in warmup.items():
+        print(f"{name}: warm-up steps {', '.join(f'{t:.1f}' for t in steps)} s (wall)")
     for kind, rows in summary.items():
         head = f"{kind + ' time':<16}{'median ms':>11}{'x first (rounds)':>18}"
         print(f"{head}{'x first (steps)':>17}  range")
@@ -153,6 +179,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"{name:<16}{row['median_ms']:11.0f}{row['round_ratio']:18.3f}{row['step_ratio']:17.3f}"
                 f"  [{row['step_ratio_min']:.2f}, {row['step_ratio_max']:.2f}]"
             )
+    paired = {kind: paired_x_eager(per_kind) for kind, per_kind in times.items()}
+    for kind, ratios in paired.items():
+        for name, ratio in ratios.items():
+            print(f"{kind}: {name} {ratio:.3f}x its eager step (paired by round)")
     ceilings = {kind: compile_ceilings(rows) for kind, rows in summary.items()}
     for kind, rows in ceilings.items():
         for name, c in rows.items():
@@ -165,7 +195,10 @@ def main(argv: list[str] | None = None) -> None:
     record = {
         "args": {**vars(args), "out": str(args.out)},
         "times": times,
+        "warmup_s": {name: steps for name, (steps,) in warmup.items()},
+        "loadavg_start_end": [load_start, list(os.getloadavg())],
         "summary": summary,
+        "x_eager_paired": paired,
         "compile_ceilings": ceilings,
     }
     path.write_text(json.dumps(record, indent=1))

@@ -7,14 +7,15 @@
   Muon's authors train GPTs (Jordan et al. 2024). Muon runs with
   ``adjust_lr_fn="match_rms_adamw"`` (Liu et al. 2025, "Muon is scalable", section
   2.2), so one ``--lr`` serves both classes. Two optimizer classes in one optimizer:
-  ``shardkit.optim.WholeTensorOptimizer``, over FSDP's shards (``fsdp``, ``hsdp``).
+  ``shardkit.optim.WholeTensorOptimizer``, over FSDP's shards (``fsdp``, ``hsdp``), as
+  the local optimizer of ``OSS`` (``oss``, ``sdp``: each owner steps its whole
+  tensors), or alone (``ddp``: every rank steps every whole tensor).
 - ``adafactor``: ``torch.optim.Adafactor`` (factored second moment, Shazeer and Stern
   2018) at ``--lr`` on every parameter: plain under ``ddp``, wrapped by ``OSS`` under
   ``oss`` / ``sdp`` (each owner steps whole tensors), a ``WholeTensorOptimizer`` under
   ``fsdp`` / ``hsdp``.
 
-Refused (exit 2): ``muon`` with ``ddp``, ``oss`` and ``sdp`` (their optimizer is one
-torch class, or one ``OSS`` over one class); any optimizer but AdamW with ``pipe``
+Refused (exit 2): any optimizer but AdamW with ``pipe``
 and ``offload`` (each stage or slice steps its own AdamW), with ``--tp`` > 1 and
 ``--cp`` > 1 (a whole-tensor optimizer must not step a tensor-parallel part; not
 tried with context parallelism), with ``--moe-experts`` (the experts are a unit of
@@ -23,21 +24,20 @@ their own over another group) and with ``--precision fp16`` (loss scaling not tr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.optim import WholeTensorOptimizer
+from shardkit.optim import OSS, WholeTensorOptimizer
 
 OPTIMIZERS = ("adamw", "muon", "adafactor")
 """The ``--optimizer`` choices."""
 
 WHOLE_TENSOR_STRATEGIES = {
     "adamw": ("ddp", "oss", "sdp", "fsdp", "hsdp", "pipe", "offload"),
-    "muon": ("fsdp", "hsdp"),
+    "muon": ("ddp", "oss", "sdp", "fsdp", "hsdp"),
     "adafactor": ("ddp", "oss", "sdp", "fsdp", "hsdp"),
 }
 """The strategies each ``--optimizer`` runs with."""
@@ -53,12 +53,7 @@ def optimizer_error(
         return f"unknown --optimizer {optimizer!r}; choose one of {list(OPTIMIZERS)}"
     allowed = WHOLE_TENSOR_STRATEGIES[optimizer]
     if strategy not in allowed:
-        why = (
-            "Muon for the blocks' matrices and AdamW for the rest are two optimizer classes, "
-            "which one optimizer steps only over FSDP's shards (WholeTensorOptimizer)"
-            if optimizer == "muon" and strategy in ("ddp", "oss", "sdp")
-            else f"--strategy {strategy} steps AdamW on each of its stages or slices"
-        )
+        why = f"--strategy {strategy} steps AdamW on each of its stages or slices"
         return (
             f"--optimizer {optimizer} applies to --strategy {' / '.join(allowed)}, not "
             f"{strategy!r} ({why}); use --strategy {allowed[0]} or --optimizer adamw"
@@ -90,18 +85,62 @@ def optimizer_kwargs(optimizer: str, lr: float, adamw: dict[str, Any]) -> dict[s
     return adamw
 
 
+def param_groups(
+    optimizer: str, params: list[nn.Parameter], muon: list[bool], adamw: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The param groups of a :class:`WholeTensorOptimizer` (``muon``, ``adafactor``),
+    each naming its class under ``"optim"``.
+
+    Args:
+        params: the parameters, in the order of the plain model's.
+        muon: :func:`muon_names` of the plain model.
+
+    Raises:
+        RuntimeError: ``params`` are another number than ``muon`` says.
+    """
+    if len(params) != len(muon):
+        raise RuntimeError(
+            f"the wrapped model has {len(params)} parameters, the plain one {len(muon)}"
+        )
+    lr = adamw["lr"]
+    if optimizer == "adafactor":
+        return [{"params": params, "optim": torch.optim.Adafactor, "lr": lr}]
+    matrices = [p for p, m in zip(params, muon) if m]
+    rest = [p for p, m in zip(params, muon) if not m]
+    return [
+        {"params": matrices, "optim": torch.optim.Muon, **optimizer_kwargs("muon", lr, adamw)},
+        {"params": rest, "optim": torch.optim.AdamW, **adamw},
+    ]
+
+
 def whole_optimizer(
-    optimizer: str, params: Iterable[nn.Parameter], adamw: dict[str, Any]
+    optimizer: str, model: nn.Module, adamw: dict[str, Any]
 ) -> torch.optim.Optimizer:
-    """The optimizer of a strategy whose ranks hold whole parameters (``ddp``)."""
+    """The optimizer of a strategy whose ranks hold whole parameters (``ddp``): every
+    rank steps every parameter."""
+    params = list(model.parameters())
     if optimizer == "adafactor":
         return torch.optim.Adafactor(params, **optimizer_kwargs(optimizer, adamw["lr"], adamw))
+    if optimizer == "muon":
+        return WholeTensorOptimizer(param_groups(optimizer, params, muon_names(model), adamw))
     return torch.optim.AdamW(params, **adamw)
 
 
-def oss_class(optimizer: str) -> type[torch.optim.Optimizer]:
-    """The class ``OSS`` wraps under ``oss`` / ``sdp``."""
-    return torch.optim.Adafactor if optimizer == "adafactor" else torch.optim.AdamW
+def oss_optimizer(
+    optimizer: str, model: nn.Module, adamw: dict[str, Any], group: dist.ProcessGroup | None
+) -> OSS:
+    """The ``OSS`` of ``oss`` / ``sdp``: each owner steps its whole parameters with
+    AdamW, Adafactor, or (``muon``) a :class:`WholeTensorOptimizer` of Muon and AdamW."""
+    if optimizer == "muon":
+        groups = param_groups(optimizer, list(model.parameters()), muon_names(model), adamw)
+        return OSS(groups, optim=WholeTensorOptimizer, process_group=group)
+    oss_class = torch.optim.Adafactor if optimizer == "adafactor" else torch.optim.AdamW
+    return OSS(
+        model.parameters(),
+        optim=oss_class,
+        process_group=group,
+        **optimizer_kwargs(optimizer, adamw["lr"], adamw),
+    )
 
 
 def muon_names(model: nn.Module) -> list[bool]:
@@ -131,18 +170,6 @@ def sharded_optimizer(
     """
     if optimizer == "adamw":
         return torch.optim.AdamW(params, **adamw)
-    if len(params) != len(muon):
-        raise RuntimeError(
-            f"the wrapped model has {len(params)} parameters, the plain one {len(muon)}"
-        )
-    lr = adamw["lr"]
-    if optimizer == "adafactor":
-        groups = [{"params": params, "optim": torch.optim.Adafactor, "lr": lr}]
-    else:
-        matrices = [p for p, m in zip(params, muon) if m]
-        rest = [p for p, m in zip(params, muon) if not m]
-        groups = [
-            {"params": matrices, "optim": torch.optim.Muon, **optimizer_kwargs("muon", lr, adamw)},
-            {"params": rest, "optim": torch.optim.AdamW, **adamw},
-        ]
-    return WholeTensorOptimizer(wrapped, groups, process_group=group)
+    return WholeTensorOptimizer(
+        wrapped, param_groups(optimizer, params, muon, adamw), process_group=group
+    )

@@ -45,13 +45,7 @@ import torch
 import torch.distributed as dist
 from gpt_context_parallel import apply_context_parallel
 from gpt_moe import MoEGPT, moe_error, moe_tp_plan
-from gpt_optimizer import (
-    muon_names,
-    optimizer_kwargs,
-    oss_class,
-    sharded_optimizer,
-    whole_optimizer,
-)
+from gpt_optimizer import muon_names, oss_optimizer, sharded_optimizer, whole_optimizer
 from gpt_stage_init import materialize_stage
 from gpt_strategy import (
     PRECISIONS,
@@ -196,7 +190,7 @@ def _ddp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     )
     if config.grad_compression is not None:
         register_ddp_comm_hook(module, config.grad_compression)
-    optimizer = whole_optimizer(config.optimizer, model.parameters(), adamw_kwargs(config))
+    optimizer = whole_optimizer(config.optimizer, model, adamw_kwargs(config))
     if moe:
         edp = strategy_mesh(config).group("edp")
         return _MoEDDPStrategy(module=module, optimizer=optimizer, model=model, edp=edp)
@@ -218,12 +212,7 @@ def _oss(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     device_ids = [device] if device.type == "cuda" else None
     group = data_parallel_group()
     module = DistributedDataParallel(model, device_ids=device_ids, process_group=group)
-    optimizer = OSS(
-        model.parameters(),
-        optim=oss_class(config.optimizer),
-        process_group=group,
-        **optimizer_kwargs(config.optimizer, config.lr, adamw_kwargs(config)),
-    )
+    optimizer = oss_optimizer(config.optimizer, model, adamw_kwargs(config), group)
     register_reduce_to_owner_hook(module, optimizer, grad_compression=config.grad_compression)
     return _OSSStrategy(module=module, optimizer=optimizer, model=model)
 
@@ -231,12 +220,7 @@ def _oss(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
 def _sdp(model: GPT, config: StrategyConfig, device: torch.device) -> Strategy:
     """ShardedDataParallel + OSS(AdamW): gradients and optimizer state sharded (ZeRO-2)."""
     group = data_parallel_group()
-    optimizer = OSS(
-        model.parameters(),
-        optim=oss_class(config.optimizer),
-        process_group=group,
-        **optimizer_kwargs(config.optimizer, config.lr, adamw_kwargs(config)),
-    )
+    optimizer = oss_optimizer(config.optimizer, model, adamw_kwargs(config), group)
     module = ShardedDataParallel(
         model, optimizer, process_group=group, grad_compression=config.grad_compression
     )

@@ -48,7 +48,7 @@ ZeRO: Rajbhandari et al. 2020, section 5.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -162,6 +162,13 @@ class WholeTensorOptimizer(Optimizer):
             {"params": rest, "optim": torch.optim.AdamW, "lr": 3e-4},
         ], process_group=shard_group)
 
+    Where every rank holds its parameters whole (a plain model, torch DDP, or as the
+    local optimizer of ``OSS`` / ``ShardedDataParallel``), pass the param groups
+    alone: each group steps its parameters with its class, with no communication::
+
+        optimizer = OSS(groups, optim=WholeTensorOptimizer)   # ZeRO-1/2: owners step
+        optimizer = WholeTensorOptimizer(groups)              # DDP: every rank steps
+
     Each param group names its optimizer class under ``"optim"``; its other keys are
     the class's arguments. A group whose class needs whole tensors
     (:func:`needs_whole_tensors`) is stepped by owner ranks on whole tensors (see the
@@ -175,16 +182,20 @@ class WholeTensorOptimizer(Optimizer):
             universal-checkpoint layout whose pieces partition each parameter over
             ``process_group``), or a plain module in one process (each parameter
             whole: the single-process reference of a sharded run, or a resume of its
-            universal checkpoint).
+            universal checkpoint); or, with ``param_groups`` left out, the param
+            groups themselves: no model, each parameter held whole on this rank.
         param_groups: param-group dicts, each with ``"params"`` (parameters of
-            ``model``, as ``model.named_parameters()`` returns them) and ``"optim"``.
+            ``model``, as ``model.named_parameters()`` returns them) and ``"optim"``;
+            default None (``model`` is the param groups).
         process_group: the group the parameters are sharded over (FSDP's
             ``process_group``; with hybrid sharding its shard group); default None
-            (the world group).
+            (the world group). Unused without a model.
+        **defaults: hyperparameters of every group that does not set them (what
+            ``OSS(groups, optim=WholeTensorOptimizer, **defaults)`` passes on).
 
     Raises:
         TypeError: a group without an optimizer class; a model that is no
-            ``nn.Module`` and has no registered layout.
+            ``nn.Module`` and has no registered layout; a model without param groups.
         ValueError: a whole-tensor parameter that is not ``model``'s, is a
             tensor-parallel part, or whose pieces over ``process_group`` do not cover
             it exactly once (a parameter held whole, or the wrong group); the whole
@@ -199,12 +210,25 @@ class WholeTensorOptimizer(Optimizer):
 
     def __init__(
         self,
-        model: nn.Module,
-        param_groups: Iterable[dict[str, Any]],
+        model: nn.Module | Iterable[dict[str, Any]],
+        param_groups: Iterable[dict[str, Any]] | None = None,
         *,
         process_group: dist.ProcessGroup | None = None,
+        **defaults: Any,
     ) -> None:
-        groups = [dict(g) for g in param_groups]
+        held: nn.Module | None
+        if param_groups is None:  # WholeTensorOptimizer(param_groups): every tensor whole here
+            if isinstance(model, nn.Module):
+                raise TypeError(
+                    f"WholeTensorOptimizer({type(model).__name__}) got no param groups: pass "
+                    "WholeTensorOptimizer(model, param_groups, process_group=...) over FSDP's "
+                    "shards, or WholeTensorOptimizer(param_groups) where each rank holds the "
+                    "parameters whole"
+                )
+            held, param_groups = None, model
+        else:
+            held = cast(nn.Module, model)
+        groups = [{**defaults, **g} for g in param_groups]
         classes = [_optim_of(g, i) for i, g in enumerate(groups)]
         super().__init__(groups, {})
         self.process_group = process_group
@@ -212,8 +236,12 @@ class WholeTensorOptimizer(Optimizer):
         self.rank = 0 if alone else group_rank(process_group)
         self.world_size = 1 if alone else group_size(process_group)
         whole = [needs_whole_tensors(c) for c in classes]
-        self.model = model
-        self.plan, self._sharded, self.writes = self._read_layout(model, whole)
+        self.model = held
+        self.plan: ExchangePlan = plan_exchange([], self.rank, self.world_size)
+        self._sharded: list[torch.Tensor] = []
+        self.writes: dict[str, bool] = {}
+        if held is not None:  # else nothing to exchange: no collective, no whole copies
+            self.plan, self._sharded, self.writes = self._read_layout(held, whole)
         self._proxies = self._make_proxies()
         self._inners = [
             self._build_inner(g, c, w) for g, c, w in zip(self.param_groups, classes, whole)
@@ -278,7 +306,7 @@ class WholeTensorOptimizer(Optimizer):
 
     def _build_inner(self, group: dict[str, Any], optim: type[Optimizer], whole: bool) -> Optimizer:
         params = group["params"]
-        if whole:
+        if whole and self.model is not None:
             index = {id(p): i for i, p in enumerate(self._sharded)}
             params = [self._proxies[index[id(p)]] for p in params if index[id(p)] in self._proxies]
         inner = optim([{"params": params}], **_hyper(group))

@@ -96,7 +96,8 @@ def check_pieces(pieces: Pieces) -> None:
         "process_group (FSDP's flat shards): pass the FSDP model's shard group as "
         "process_group (hybrid sharding: the shard group, not the world). Parameters "
         "every rank holds whole (DDP, ShardedDataParallel) are already whole: use "
-        "shardkit.optim.OSS(params, optim=...) there"
+        "WholeTensorOptimizer(param_groups) with no model, or shardkit.optim.OSS("
+        "param_groups, optim=WholeTensorOptimizer) there"
     )
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from benchmarks.compare import parse_args
-from benchmarks.interleaved import compile_ceilings
+from benchmarks.compile_shapes import ceiling, paired_ratio
+from benchmarks.interleaved import compile_ceilings, paired_x_eager
 from benchmarks.profile_step import _strategy
 from benchmarks.report import _add_compile, compile_table
 from benchmarks.runners import BY_NAME
@@ -78,6 +79,39 @@ def test_compile_ceiling_from_known_times() -> None:
     assert c["blocks_share"] == pytest.approx(0.5)
     del rows["blocks + compile"]
     assert compile_ceilings(rows) == {}
+
+
+def test_paired_speedups_from_known_times() -> None:
+    """benchmarks.interleaved and compile_shapes: the median over rounds of the eager
+    round median over the compiled one (rounds 2.0, 1.25, 1.5 -> 1.5)."""
+    eager = [[1.0, 1.0, 9.0], [2.0], [1.5, 1.4, 1.6]]
+    compiled = [[0.5, 0.4, 0.6], [1.6], [1.0]]
+    assert paired_ratio(eager, compiled) == pytest.approx(1.5)
+    times = {
+        "shardkit fsdp": eager,
+        "shardkit fsdp + compile": compiled,
+        "torch DDP + compile": [[1.0]],
+    }
+    assert paired_x_eager(times) == pytest.approx({"shardkit fsdp + compile": 1.5})
+
+
+def test_compile_ceiling_from_a_known_profile() -> None:
+    """compile_shapes: GEMM 80 + attention 14 of 100 self CPU units: compiling (the
+    other 6 removed at best) gives at most 100 / 94 = 1.064x."""
+    self_cpu = {
+        "aten::mm": 50.0,
+        "aten::addmm": 30.0,
+        "aten::_scaled_dot_product_flash_attention_for_cpu": 4.0,
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward": 10.0,
+        "aten::gelu": 4.0,
+        "aten::native_layer_norm": 2.0,
+    }
+    out = ceiling(self_cpu)
+    assert out["gemm_share"] == pytest.approx(0.80)
+    assert out["attention_share"] == pytest.approx(0.14)
+    assert out["ceiling"] == pytest.approx(100 / 94)
+    with pytest.raises(ValueError, match="no GEMM or attention operator"):
+        ceiling({"aten::gelu": 1.0})
 
 
 def test_blocks_row_runs_the_blocks_alone() -> None:

@@ -1,5 +1,6 @@
-"""The main job's ``--optimizer``: Muon + AdamW under fsdp trains; Adafactor saved by
-fsdp resumes under sdp on the uninterrupted run's losses; combinations that cannot
+"""The main job's ``--optimizer``: Muon + AdamW under fsdp trains, and under ddp, oss
+and sdp (resumed from one another) on fsdp's losses; Adafactor saved by fsdp resumes
+under sdp on the uninterrupted run's losses; combinations that cannot
 work are refused with one line (exit 2)."""
 
 from __future__ import annotations
@@ -31,21 +32,32 @@ def test_muon_trains_and_adafactor_resumes_under_another_strategy(
     rank_pool: Any, tmp_path: Path
 ) -> None:
     """One spawned group: fsdp + Muon for 4 steps; fsdp + Adafactor for 4 steps; fsdp +
-    Adafactor saved after 2 steps and resumed by sdp (OSS(Adafactor)) to step 4."""
-    d = {name: str(tmp_path / name) for name in ("muon", "whole", "resumed")}
+    Adafactor saved after 2 steps and resumed by sdp (OSS(Adafactor)) to step 4; Muon +
+    AdamW under ddp (a WholeTensorOptimizer on every rank) saved after step 2, resumed
+    by oss (OSS(WholeTensorOptimizer)) for step 3, then by sdp for step 4: the fsdp
+    run's losses."""
+    d = {name: str(tmp_path / name) for name in ("muon", "whole", "resumed", "muon-whole")}
+    muon_whole = [*COMMON, "--optimizer", "muon", "--out-dir", d["muon-whole"]]
     argvs = [
         [*COMMON, "--strategy", "fsdp", "--optimizer", "muon", "--save-every", "0"],
         [*COMMON, "--strategy", "fsdp", "--optimizer", "adafactor", "--save-every", "0"],
         [*COMMON, "--strategy", "fsdp", "--optimizer", "adafactor", "--save-every", "2"],
         [*COMMON, "--strategy", "sdp", "--optimizer", "adafactor", "--save-every", "0"],
+        [*muon_whole, "--strategy", "ddp", "--save-every", "2", "--stop-after", "2"],
+        [*muon_whole, "--strategy", "oss", "--save-every", "1", "--stop-after", "3", "--resume"],
+        [*muon_whole, "--strategy", "sdp", "--save-every", "0", "--resume"],
     ]
     argvs[0] += ["--out-dir", d["muon"]]
     argvs[1] += ["--out-dir", d["whole"]]
     argvs[2] += ["--out-dir", d["resumed"], "--stop-after", "2"]
     argvs[3] += ["--out-dir", d["resumed"], "--resume"]
-    assert rank_pool(2).run(_run_main, argvs, timeout_s=300) == [[0] * 4] * 2
+    assert rank_pool(2).run(_run_main, argvs, timeout_s=300) == [[0] * len(argvs)] * 2
     muon = _losses(tmp_path / "muon")
     assert len(muon) == STEPS and muon[-1] < muon[0] - 0.3, muon
+    muon_whole_losses = _losses(tmp_path / "muon-whole")
+    assert len(muon_whole_losses) == STEPS
+    for a, b in zip(muon, muon_whole_losses):  # owners of whole tensors: fsdp's trajectory
+        assert abs(a - b) < 1e-5, (muon, muon_whole_losses)
     whole, resumed = _losses(tmp_path / "whole"), _losses(tmp_path / "resumed")
     assert len(whole) == len(resumed) == STEPS
     assert whole[-1] < whole[0], whole  # Adafactor at --lr 2e-3 falls slowly
@@ -56,8 +68,7 @@ def test_muon_trains_and_adafactor_resumes_under_another_strategy(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--strategy", "ddp", "--optimizer", "muon"], "--optimizer muon applies to --strategy"),
-        (["--strategy", "oss", "--optimizer", "muon"], "two optimizer classes"),
+        (["--strategy", "pipe", "--optimizer", "muon"], "--optimizer muon applies to --strategy"),
         (["--strategy", "pipe", "--optimizer", "adafactor"], "steps AdamW on each"),
         (["--strategy", "fsdp", "--optimizer", "muon", "--tp", "2"], "with --tp 2"),
         (["--strategy", "ddp", "--optimizer", "adafactor", "--cp", "2"], "with --cp 2"),

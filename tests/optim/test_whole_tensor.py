@@ -36,6 +36,9 @@ PARITY_2 = [
     ("sdp", "adafactor"),
     ("oss", "muon"),
     ("oss", "lamb"),
+    ("ddp+one", "muon"),  # "+one": every group in one optimizer (the main job's ddp,
+    ("oss+one", "muon"),  # oss and sdp): WholeTensorOptimizer(groups), alone or as
+    ("sdp+one", "muon"),  # OSS(groups, optim=WholeTensorOptimizer)
 ]
 PARITY_3 = [
     ("fsdp-flat", "muon"),
@@ -44,6 +47,7 @@ PARITY_3 = [
     ("hybrid", "muon"),
     ("sdp", "lamb"),
     ("oss", "adafactor"),
+    ("sdp+one", "muon"),
 ]
 PARITY_4 = [("hybrid", "muon"), ("hybrid", "adafactor"), ("hybrid", "lamb")]  # 2 x 2
 SAVED_AT_2 = [

@@ -184,17 +184,21 @@ class Run:
             self.optimizers = [
                 WholeTensorOptimizer(model, _groups(named, kind, shapes), process_group=self.group)
             ]
-        elif strategy == "ddp":  # torch DDP and a plain optimizer: each rank holds all
-            named = list(plain.named_parameters())
-            self.optimizers = plain_optimizers(named, kind, shapes)
+        elif strategy.startswith("ddp"):  # torch DDP, each rank holds all: plain optimizers
+            named = list(plain.named_parameters())  # ("+one": one WholeTensorOptimizer)
+            self.optimizers = (
+                [WholeTensorOptimizer(_groups(named, kind, shapes))]
+                if strategy.endswith("+one")
+                else plain_optimizers(named, kind, shapes)
+            )
             model = DDP(plain)
-        elif strategy == "sdp":
+        elif strategy.startswith("sdp"):
             named = list(plain.named_parameters())
-            self.optimizers = _oss(named, kind, shapes)
+            self.optimizers = _oss(named, kind, shapes, strategy.endswith("+one"))
             model = ShardedDataParallel(plain, self.optimizers)  # type: ignore[arg-type]
         else:  # oss under torch DDP
             named = list(plain.named_parameters())
-            self.optimizers = _oss(named, kind, shapes)
+            self.optimizers = _oss(named, kind, shapes, strategy.endswith("+one"))
             model = DDP(plain)
         self.model = model
 
@@ -211,13 +215,18 @@ class Run:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         state = self.model.state_dict()
-        if self.strategy in ("ddp", "sdp", "oss"):
+        if self.strategy.split("+")[0] in ("ddp", "sdp", "oss"):
             inner = self.model.module
             state = inner.state_dict()
         return {k: v.detach().clone() for k, v in state.items()}
 
 
-def _oss(named: list[tuple[str, nn.Parameter]], kind: str, shapes: dict[str, Any]) -> list[Any]:
+def _oss(
+    named: list[tuple[str, nn.Parameter]], kind: str, shapes: dict[str, Any], one: bool = False
+) -> list[Any]:
+    """One OSS per param group, or (``one``) one OSS of a WholeTensorOptimizer over all."""
+    if one:
+        return [OSS(_groups(named, kind, shapes), optim=WholeTensorOptimizer)]
     out = []
     for g in _groups(named, kind, shapes):
         optim = g.pop("optim")
