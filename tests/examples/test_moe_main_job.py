@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 import train_gpt
-from gpt_moe import MoEGPT, MoESettings, active_and_total
+from gpt_checkpoint import check_model_flags
+from gpt_data import InputError
+from gpt_moe import MoEGPT, MoESettings, active_and_total, moe_model_flags
 
 from shardkit.models import gpt_config
 
@@ -149,3 +151,22 @@ def test_moe_refusals_one_line_exit_2(
     assert err.startswith("train_gpt.py: error: ") and err.count("\n") == 1, err
     assert message in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "named"),
+    [
+        ((8, 1), (4, 1), "--moe-experts 8 (this run: 4)"),  # another expert count
+        ((4, 2), (4, 1), "--moe-every 2 (this run: 1)"),  # MoE in other blocks
+        ((4, 1), (0, 1), "--moe-experts 4 (this run: 0)"),  # an MoE checkpoint, dense run
+    ],
+)
+def test_resume_with_other_moe_flags_names_them(
+    saved: tuple[int, int], now: tuple[int, int], named: str
+) -> None:
+    """The checkpoint's model flags hold ``--moe-experts`` / ``--moe-every``: a resume
+    with others is refused naming them, before any key is looked up."""
+    flags = {"model_size": "tiny", **moe_model_flags(*now)}
+    with pytest.raises(InputError) as err:
+        check_model_flags({"model_size": "tiny", **moe_model_flags(*saved)}, flags, Path("c"))
+    assert named in str(err.value) and "resume with the same model flags" in str(err.value)
