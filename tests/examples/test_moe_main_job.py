@@ -1,8 +1,8 @@
 """The main job with ``--moe-experts``: each Block's MLP an ``MoE``; the expert-parallel
 run (``--ep 2``) follows the ``--ep 1`` run under ddp (experts out of DDP, averaged over
-``edp``) and fsdp (experts in a unit over ``edp``), and so does ``--ep 2 --tp 2`` on 4
-ranks (each expert split over tp too), resumed at ``--ep 1`` on 2; bad MoE flags are
-refused."""
+``edp``) and fsdp (experts in a unit over ``edp``), and so does ``--ep 2 --tp 2
+--sequence-parallel`` on 4 ranks (each expert split over tp too, each MoE routing the
+gathered sequence), resumed at ``--ep 1`` on 2; bad MoE flags are refused."""
 
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ def test_ep2_follows_ep1_under_ddp_and_fsdp(
 ) -> None:
     """One spawned group for every main-job MoE run: ep 1 / 2 under ddp and fsdp, ep 1
     under oss, sdp (both with --moe-every 2) and hsdp, and a ddp --ep 2 checkpoint
-    resumed at --ep 1; on 4 ranks, fsdp --ep 2 --tp 2 (the same global batch: 2
-    data-parallel ranks) saved at step 1 and resumed at --ep 1 on 2 ranks."""
+    resumed at --ep 1; on 4 ranks, fsdp --ep 2 --tp 2 --sequence-parallel (the same
+    global batch: 2 data-parallel ranks) saved at step 1 and resumed at --ep 1 on 2
+    ranks."""
     runs = [(s, ep) for s in ("ddp", "fsdp") for ep in (1, 2)]
     argvs = [
         [*COMMON, "--strategy", s, "--ep", str(ep), "--out-dir", str(tmp_path / f"{s}{ep}")]
@@ -55,7 +56,8 @@ def test_ep2_follows_ep1_under_ddp_and_fsdp(
     argvs += [[*COMMON, *a, "--out-dir", str(tmp_path / name)] for name, a in others.items()]
     pool = rank_pool(2)
     assert pool.run(_run_main, argvs, timeout_s=300) == [[0] * len(argvs)] * 2
-    ep_tp = ["--strategy", "fsdp", "--ep", "2", "--tp", "2", "--save-every", "1"]
+    ep_tp = ["--strategy", "fsdp", "--ep", "2", "--tp", "2", "--sequence-parallel"]
+    ep_tp += ["--save-every", "1"]
     ep_tp_argv = [*COMMON, *ep_tp, "--stop-after", "1", "--out-dir", str(tmp_path / "ep_tp")]
     assert rank_pool(4).run(_run_main, [ep_tp_argv], timeout_s=300) == [[0]] * 4
     resume = [*COMMON, "--strategy", "ddp", "--ep", "1", "--resume"]
@@ -107,7 +109,8 @@ def test_ep2_follows_ep1_under_ddp_and_fsdp(
     code = train_gpt.main([*dense, "--resume", "--out-dir", str(tmp_path / "saved")])
     err = capsys.readouterr().err
     assert code == 2 and "--moe-experts 4 (this run: 0)" in err, err
-    # fsdp --ep 2 --tp 2: experts split over both, saved at step 1, resumed on 2 ranks
+    # fsdp --ep 2 --tp 2 --sequence-parallel: experts split over both, each MoE routing the
+    # gathered sequence; saved at step 1, resumed on 2 ranks
     saved = json.loads((tmp_path / "ep_tp" / "ckpt-000001" / "manifest.json").read_text())
     assert saved["layout"]["strategy"] == "fsdp+ep2+tp2", saved["layout"]["strategy"]
     resumed = _metrics(tmp_path / "ep_tp")["train_loss"]
@@ -135,10 +138,6 @@ def test_ep2_follows_ep1_under_ddp_and_fsdp(
         (
             ["--moe-experts", "4", "--ep", "2", "--strategy", "sdp"],
             "--ep 2 with --strategy sdp",
-        ),
-        (
-            ["--moe-experts", "4", "--tp", "2", "--sequence-parallel"],
-            "--moe-experts with --tp 2 --sequence-parallel: the gate needs each token",
         ),
     ],
 )
