@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 doc["x_fairscale"] = ratios_to_fairscale([r for r in rows if "error" not in r])
                 path.write_text(json.dumps(doc, indent=1))
         loads.append(_load())
+        path.write_text(json.dumps(doc, indent=1))
     return doc
 
 

@@ -93,18 +93,31 @@ class MoEGPT(GPT):
         return [m for m in self.modules() if isinstance(m, MoEMLP)]
 
     def split_experts(
-        self, ep_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None = None
+        self,
+        ep_group: dist.ProcessGroup | None,
+        tp_group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         """(Re)build the MoE layers over ``ep_group`` (None: every expert here) and each
         expert over ``tp_group`` (None: whole experts), each layer from its seed: the
-        same weights at any expert- and tensor-parallel size. Before wrapping."""
+        same weights at any expert- and tensor-parallel size. With ``sequence_parallel``
+        (``--sequence-parallel``) each layer takes and returns its rank's chunk of the
+        sequence (``MoE(sequence_parallel=True)``). Before wrapping."""
         s, n = self.moe_settings, self.config.n_embd
         for i, block in enumerate(self.blocks):
             if i % s.every != s.every - 1:
                 continue
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(s.seed + i)
-                moe = MoE(n, 4 * n, s.experts, k=s.top_k, ep_group=ep_group, tp_group=tp_group)
+                moe = MoE(
+                    n,
+                    4 * n,
+                    s.experts,
+                    k=s.top_k,
+                    ep_group=ep_group,
+                    tp_group=tp_group,
+                    sequence_parallel=sequence_parallel,
+                )
             block.mlp = MoEMLP(moe.to(self.wte.weight.device))
 
     def aux_loss(self) -> torch.Tensor:
@@ -162,12 +175,10 @@ def moe_step_stats(model: nn.Module, device: torch.device) -> tuple[float, float
     return float(both[0]), float(both[1])
 
 
-def moe_error(
-    experts: int, top_k: int, every: int, ep: int, tp: int, strategy: str, sequence_parallel: bool
-) -> str | None:
+def moe_error(experts: int, top_k: int, every: int, ep: int, strategy: str) -> str | None:
     """Why the MoE flags do not fit (``--moe-top-k`` above ``--moe-experts``, experts
-    not split evenly over ``--ep``, flags given without ``--moe-experts``, ``--tp`` with
-    ``--sequence-parallel``, a strategy without MoE support), or None when they do."""
+    not split evenly over ``--ep``, flags given without ``--moe-experts``, a strategy
+    without MoE support), or None when they do."""
     if experts == 0:
         if (top_k, every, ep) != (1, 1, 1):
             return (
@@ -183,11 +194,6 @@ def moe_error(
         return (
             f"--moe-experts {experts} does not split over --ep {ep} ranks; choose an --ep "
             f"that divides {experts}"
-        )
-    if tp > 1 and sequence_parallel:
-        return (
-            f"--moe-experts with --tp {tp} --sequence-parallel: the gate needs each token "
-            "on every tensor-parallel rank, not a sequence chunk; drop --sequence-parallel"
         )
     if strategy not in ("ddp", "oss", "sdp", "fsdp", "hsdp"):
         return (

@@ -578,8 +578,7 @@ def option_error(config: StrategyConfig) -> str | None:
             f"use --strategy {owners[0]}"
         )
     problem = moe_error(
-        *(config.moe_experts, config.moe_top_k, config.moe_every, config.ep, config.tp),
-        *(config.name, config.sequence_parallel),
+        config.moe_experts, config.moe_top_k, config.moe_every, config.ep, config.name
     )
     if problem is not None:
         return problem
@@ -622,7 +621,8 @@ def build_strategy(model: GPT, config: StrategyConfig, device: torch.device) -> 
     spec = STRATEGIES[config.name]
     mesh = ProcessMesh(parallel_dims(config, dist.get_world_size()))
     if isinstance(model, MoEGPT) and mesh.size("ep", "tp") > 1:  # each rank keeps its experts
-        model.split_experts(mesh.group("ep"), mesh.group("tp") if mesh.size("tp") > 1 else None)
+        tp = mesh.group("tp") if mesh.size("tp") > 1 else None
+        model.split_experts(mesh.group("ep"), tp, config.sequence_parallel and tp is not None)
     if mesh.size("cp") > 1:  # attention over the cp group; inputs split by a pre-hook
         apply_context_parallel(model, mesh.group("cp"), config.cp_method)
     split: dict[str, tuple[int, int]] = {}

@@ -1,8 +1,8 @@
 """The main job with ``--moe-experts``: each Block's MLP an ``MoE``; the expert-parallel
 run (``--ep 2``) follows the ``--ep 1`` run under ddp (experts out of DDP, averaged over
-``edp``) and fsdp (experts in a unit over ``edp``), and so does ``--ep 2 --tp 2`` on 4
-ranks (each expert split over tp too), resumed at ``--ep 1`` on 2; bad MoE flags are
-refused."""
+``edp``) and fsdp (experts in a unit over ``edp``), and so does ``--ep 2 --tp 2
+--sequence-parallel`` on 4 ranks (each expert split over tp too, each MoE routing the
+gathered sequence), resumed at ``--ep 1`` on 2; bad MoE flags are refused."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 import train_gpt
-from gpt_moe import MoEGPT, MoESettings, active_and_total
+from gpt_checkpoint import check_model_flags
+from gpt_data import InputError
+from gpt_moe import MoEGPT, MoESettings, active_and_total, moe_model_flags
 
 from shardkit.models import gpt_config
 
@@ -37,8 +39,9 @@ def test_ep2_follows_ep1_under_ddp_and_fsdp(
 ) -> None:
     """One spawned group for every main-job MoE run: ep 1 / 2 under ddp and fsdp, ep 1
     under oss, sdp (both with --moe-every 2) and hsdp, and a ddp --ep 2 checkpoint
-    resumed at --ep 1; on 4 ranks, fsdp --ep 2 --tp 2 (the same global batch: 2
-    data-parallel ranks) saved at step 1 and resumed at --ep 1 on 2 ranks."""
+    resumed at --ep 1; on 4 ranks, fsdp --ep 2 --tp 2 --sequence-parallel (the same
+    global batch: 2 data-parallel ranks) saved at step 1 and resumed at --ep 1 on 2
+    ranks."""
     runs = [(s, ep) for s in ("ddp", "fsdp") for ep in (1, 2)]
     argvs = [
         [*COMMON, "--strategy", s, "--ep", str(ep), "--out-dir", str(tmp_path / f"{s}{ep}")]
@@ -53,7 +56,8 @@ def test_ep2_follows_ep1_under_ddp_and_fsdp(
     argvs += [[*COMMON, *a, "--out-dir", str(tmp_path / name)] for name, a in others.items()]
     pool = rank_pool(2)
     assert pool.run(_run_main, argvs, timeout_s=300) == [[0] * len(argvs)] * 2
-    ep_tp = ["--strategy", "fsdp", "--ep", "2", "--tp", "2", "--save-every", "1"]
+    ep_tp = ["--strategy", "fsdp", "--ep", "2", "--tp", "2", "--sequence-parallel"]
+    ep_tp += ["--save-every", "1"]
     ep_tp_argv = [*COMMON, *ep_tp, "--stop-after", "1", "--out-dir", str(tmp_path / "ep_tp")]
     assert rank_pool(4).run(_run_main, [ep_tp_argv], timeout_s=300) == [[0]] * 4
     resume = [*COMMON, "--strategy", "ddp", "--ep", "1", "--resume"]
@@ -105,7 +109,8 @@ def test_ep2_follows_ep1_under_ddp_and_fsdp(
     code = train_gpt.main([*dense, "--resume", "--out-dir", str(tmp_path / "saved")])
     err = capsys.readouterr().err
     assert code == 2 and "--moe-experts 4 (this run: 0)" in err, err
-    # fsdp --ep 2 --tp 2: experts split over both, saved at step 1, resumed on 2 ranks
+    # fsdp --ep 2 --tp 2 --sequence-parallel: experts split over both, each MoE routing the
+    # gathered sequence; saved at step 1, resumed on 2 ranks
     saved = json.loads((tmp_path / "ep_tp" / "ckpt-000001" / "manifest.json").read_text())
     assert saved["layout"]["strategy"] == "fsdp+ep2+tp2", saved["layout"]["strategy"]
     resumed = _metrics(tmp_path / "ep_tp")["train_loss"]
@@ -134,10 +139,6 @@ def test_ep2_follows_ep1_under_ddp_and_fsdp(
             ["--moe-experts", "4", "--ep", "2", "--strategy", "sdp"],
             "--ep 2 with --strategy sdp",
         ),
-        (
-            ["--moe-experts", "4", "--tp", "2", "--sequence-parallel"],
-            "--moe-experts with --tp 2 --sequence-parallel: the gate needs each token",
-        ),
     ],
 )
 def test_moe_refusals_one_line_exit_2(
@@ -149,3 +150,22 @@ def test_moe_refusals_one_line_exit_2(
     assert err.startswith("train_gpt.py: error: ") and err.count("\n") == 1, err
     assert message in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "named"),
+    [
+        ((8, 1), (4, 1), "--moe-experts 8 (this run: 4)"),  # another expert count
+        ((4, 2), (4, 1), "--moe-every 2 (this run: 1)"),  # MoE in other blocks
+        ((4, 1), (0, 1), "--moe-experts 4 (this run: 0)"),  # an MoE checkpoint, dense run
+    ],
+)
+def test_resume_with_other_moe_flags_names_them(
+    saved: tuple[int, int], now: tuple[int, int], named: str
+) -> None:
+    """The checkpoint's model flags hold ``--moe-experts`` / ``--moe-every``: a resume
+    with others is refused naming them, before any key is looked up."""
+    flags = {"model_size": "tiny", **moe_model_flags(*now)}
+    with pytest.raises(InputError) as err:
+        check_model_flags({"model_size": "tiny", **moe_model_flags(*saved)}, flags, Path("c"))
+    assert named in str(err.value) and "resume with the same model flags" in str(err.value)

@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.distributed.all_to_all import all_to_all
+from shardkit.distributed.sequence_split import gather_sequence, split_sequence
 from shardkit.nn.moe.experts import GroupedExperts, expert_parallel_rank_and_size
 from shardkit.nn.moe.gate import Routing, TopKGate
 from shardkit.nn.moe.gradients import check_ddp_leaves_experts
@@ -85,6 +86,15 @@ class MoE(nn.Module):
             ``[Note: tensor parallel inside each expert]``); the gate and the shared
             experts stay whole, and the input must be the same on every rank of it.
             Default None: whole experts.
+        sequence_parallel: the input and output are this rank's contiguous chunk of the
+            sequence (dim 1 of ``(batch, sequence, M)``) over ``tp_group``, as in a
+            sequence-parallel region (Megatron-LM, Korthikanti et al. 2022, section
+            4.2.2): the layer all-gathers the sequence, routes every token (the gate
+            needs each token's logits: capacity positions are counted over the whole
+            batch), and returns this rank's chunk of the output. The gathered
+            computation is the same on every rank of ``tp_group``, so the gather's
+            backward keeps this rank's chunk of the gradient (no reduce-scatter).
+            Default False.
 
     Attributes:
         gate: the router, a :class:`~shardkit.nn.moe.gate.TopKGate`.
@@ -99,7 +109,9 @@ class MoE(nn.Module):
     Raises:
         ValueError: ``num_experts`` not a multiple of the ep group's size, ``k`` outside
             ``[1, num_experts]``, a capacity factor ``<= 0``, ``ffn_hidden_size`` not
-            a multiple of the tp group's size.
+            a multiple of the tp group's size, ``sequence_parallel`` without a
+            ``tp_group`` of more than one rank; in forward, a sequence length not
+            divisible by the tp group's size (with ``sequence_parallel``).
     """
 
     def __init__(
@@ -120,6 +132,7 @@ class MoE(nn.Module):
         ep_group: dist.ProcessGroup | None = None,
         bias_update_speed: float = 0.0,
         tp_group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.gate = TopKGate(
@@ -137,6 +150,13 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(
             num_experts, hidden_size, ffn_hidden_size, activation, ep_group, tp_group
         )
+        if sequence_parallel and self.experts.tp_group is None:
+            raise ValueError(
+                "sequence_parallel=True needs a tp_group of more than one rank (the "
+                "sequence is split over it); pass tp_group=mesh.group('tp') or drop "
+                "sequence_parallel"
+            )
+        self.sequence_parallel = sequence_parallel
         self.ep_group = ep_group
         self.ep_rank, self.ep_size = expert_parallel_rank_and_size(ep_group)
         self.z_loss_coef = z_loss_coef
@@ -163,6 +183,8 @@ class MoE(nn.Module):
                 :func:`~shardkit.nn.moe.ignore_experts_in_ddp` before wrapping).
         """
         self._check_data_parallel()
+        if self.sequence_parallel:  # every rank routes every token (see Args)
+            hidden_states = gather_sequence(hidden_states, self.experts.tp_group, 1, "split")
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
         routing = self.gate(tokens)
@@ -177,7 +199,10 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             output = output + self.shared_experts(tokens)
         l_aux = routing.aux_loss + self.z_loss_coef * routing.z_loss
-        return output.reshape(shape), l_aux, routing.counts
+        output = output.reshape(shape)
+        if self.sequence_parallel:
+            output = split_sequence(output, self.experts.tp_group, 1)
+        return output, l_aux, routing.counts
 
     def _check_data_parallel(self) -> None:
         """At the first forward under each torch DDP module: refuse one that reduces the

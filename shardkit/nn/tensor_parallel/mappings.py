@@ -48,6 +48,11 @@ import torch
 import torch.distributed as dist
 
 from shardkit.distributed.all_reduce import copy_to_region, reduce_from_region
+from shardkit.distributed.sequence_split import (
+    gather_sequence,
+    reduce_scatter_sequence,
+    split_sequence,
+)
 from shardkit.nn.tensor_parallel.groups import TPGroup, rank_and_size, resolve_group
 
 __all__ = [
@@ -72,13 +77,13 @@ SEQUENCE_DIM = 1
 
 
 def _split_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    world = rank_and_size(group)[1]
+    rank, world = rank_and_size(group)
     size = x.shape[-1]
     if size % world != 0:
         raise ValueError(
             f"last dimension {size} is not divisible by the tensor-parallel degree {world}"
         )
-    return _split_dim(x, -1, group)
+    return x if world == 1 else x.chunk(world, dim=-1)[rank].contiguous()
 
 
 def _gather_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -89,49 +94,6 @@ def _gather_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tens
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
-
-
-def _check_divisible(x: torch.Tensor, dim: int, world: int) -> None:
-    size = x.shape[dim]
-    if size % world != 0:
-        raise ValueError(
-            f"sequence length {size} (dim {dim} of shape {tuple(x.shape)}) is not divisible "
-            f"by the tensor-parallel degree {world} (sequence parallel splits it into {world} "
-            f"equal chunks); pad the sequence to a multiple of {world} or turn "
-            "sequence_parallel off"
-        )
-
-
-def _split_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """This rank's contiguous chunk of dimension ``dim``."""
-    rank, world = rank_and_size(group)
-    if world == 1:
-        return x
-    _check_divisible(x, dim, world)
-    return x.chunk(world, dim=dim)[rank].contiguous()
-
-
-def _gather_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The chunks of every rank concatenated along ``dim``, in rank order."""
-    world = rank_and_size(group)[1]
-    if world == 1:
-        return x
-    front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((world * front.shape[0], *front.shape[1:]))
-    dist.all_gather_single(out, front, group=group)
-    return out.movedim(0, dim)
-
-
-def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The sum over ranks of this rank's chunk of ``dim``."""
-    world = rank_and_size(group)[1]
-    if world == 1:
-        return x
-    _check_divisible(x, dim, world)
-    front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
-    dist.reduce_scatter_single(out, front, group=group)
-    return out.movedim(0, dim)
 
 
 class _ScatterToRegion(torch.autograd.Function):
@@ -154,45 +116,6 @@ class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _split_last(grad, ctx.group), None
-
-
-class _ScatterToSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, dim: int
-    ) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _split_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _gather_dim(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherFromSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, dim: int
-    ) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _gather_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _reduce_scatter_dim(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, dim: int
-    ) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _gather_dim(grad, ctx.dim, ctx.group), None, None
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: TPGroup = None) -> torch.Tensor:
@@ -239,7 +162,7 @@ def scatter_to_sequence_parallel_region(
     Raises:
         ValueError: the sequence length is not divisible by the degree ``T`` (both named).
     """
-    return _ScatterToSequenceRegion.apply(x, resolve_group(group), dim)
+    return split_sequence(x, resolve_group(group), dim)
 
 
 def gather_from_sequence_parallel_region(
@@ -257,7 +180,7 @@ def gather_from_sequence_parallel_region(
         group: the tensor-parallel group; default None (the mesh's).
         dim: the sequence dimension. Default 1.
     """
-    return _GatherFromSequenceRegion.apply(x, resolve_group(group), dim)
+    return gather_sequence(x, resolve_group(group), dim)
 
 
 def reduce_scatter_to_sequence_parallel_region(
@@ -275,7 +198,7 @@ def reduce_scatter_to_sequence_parallel_region(
     Raises:
         ValueError: the sequence length is not divisible by the degree ``T`` (both named).
     """
-    return _ReduceScatterToSequenceRegion.apply(x, resolve_group(group), dim)
+    return reduce_scatter_sequence(x, resolve_group(group), dim)
 
 
 # FairScale's names

@@ -46,6 +46,7 @@ def _moe(
     cfg: dict[str, Any],
     group: dist.ProcessGroup | None,
     tp_group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
 ) -> MoE:
     """The layer of seed 0, its experts split over ``group`` (ep) and ``tp_group``."""
     torch.manual_seed(0)
@@ -59,6 +60,7 @@ def _moe(
         drop_tokens=cfg["drop"],
         ep_group=group,
         tp_group=tp_group,
+        sequence_parallel=sequence_parallel,
     )
 
 

@@ -48,6 +48,27 @@ def test_experts_split_over_ep_and_tp_equal_the_plain_layer(rank_pool: Any) -> N
     _check_parity(WORLD2, rank_pool(2).run(w.run_tp_parity, WORLD2, timeout_s=240))
 
 
+SEQUENCE_PARALLEL = [
+    {"ep": 2, "tp": 2, "k": 2, "drop": True, "factor": 0.75},
+    {"ep": 1, "tp": 2, "k": 1, "drop": False, "factor": 1.0},
+]
+
+
+def test_sequence_parallel_moe_routes_the_gathered_sequence(rank_pool: Any) -> None:
+    """Each tensor-parallel rank holds a chunk of the sequence; the layer gathers it,
+    routes every token and returns this rank's chunk: outputs and gradients equal the
+    single-process layer's on the whole sequence."""
+    per_rank = rank_pool(4).run(w.run_sequence_parallel, SEQUENCE_PARALLEL, timeout_s=120)
+    for i, cfg in enumerate(SEQUENCE_PARALLEL):
+        dropped = sum(per_rank[r][i]["dropped"] for r in range(4))
+        assert (dropped > 0) == cfg["drop"], (cfg, dropped)
+        for rank, results in enumerate(per_rank):
+            res = results[i]
+            assert res["shape"] == (2, 4, M), res  # this rank's half of 8 positions
+            for key in ("out", "x", "gate", "w1", "w2"):
+                assert res[key] < ATOL, (cfg, rank, key, res[key])
+
+
 def test_parallelize_model_with_experts_over_ep_and_tp(rank_pool: Any) -> None:
     for rank, res in enumerate(rank_pool(4).run(w.run_parallelize_moe_tp, timeout_s=120)):
         assert res["moved"] > 1e-3, res

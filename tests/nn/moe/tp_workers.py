@@ -196,3 +196,49 @@ def run_parallelize_moe_tp() -> dict[str, Any]:
         errors = [_err(g.detach(), w) for g, w in zip(got, expect, strict=True)]
     mesh.destroy()
     return {"errors": errors, "moved": float(want[0]["grads"][1].abs().max()), **refused}
+
+
+def run_sequence_parallel(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``MoE(sequence_parallel=True)`` over ep x tp: each tensor-parallel rank passes its
+    chunk of the sequence (dim 1) of its dp index's tokens; its output and input
+    gradient equal the same chunks of the single-process layer's on the whole sequence,
+    the gate's gradient the whole sequence's, the experts' the ep mean."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for cfg in configs:
+        mesh = ProcessMesh(ParallelDims(world_size=world, ep=cfg["ep"], tp=cfg["tp"]))
+        dp_ranks = mesh.ranks("dp")
+        me, t, tp = dp_ranks.index(rank), mesh.local_rank("tp"), cfg["tp"]
+        ep = mesh.group("ep") if cfg["ep"] > 1 else None
+        moe = moe_workers._moe(cfg, ep, tp_group=mesh.group("tp"), sequence_parallel=True)
+        ref = moe_workers._moe(cfg, None)
+        cut = _Slices(moe, mesh)
+        want = []
+        for i in range(len(dp_ranks)):  # 8 positions: divisible by tp
+            ref.zero_grad()
+            g = torch.Generator().manual_seed(300 + i)
+            x, target = torch.randn(2, 8, M, generator=g), torch.randn(2, 8, M, generator=g)
+            x.requires_grad_()
+            out, _, _ = ref(x)
+            (out * target).sum().backward()
+            grads = [p.grad.clone() for p in (ref.gate.wg.weight, ref.experts.w1, ref.experts.w2)]  # type: ignore[union-attr]
+            want.append({"x": x, "t": target, "out": out.detach(), "dx": x.grad, "grads": grads})
+        mine = want[me]
+        x = mine["x"].detach().chunk(tp, dim=1)[t].clone().requires_grad_()
+        out, _, _ = moe(x)
+        (out * mine["t"].chunk(tp, dim=1)[t]).sum().backward()
+        ep_index = [dp_ranks.index(r) for r in mesh.ranks("ep")]
+        mean = [sum(want[i]["grads"][j] for i in ep_index) / len(ep_index) for j in (1, 2)]
+        results.append(
+            {
+                "shape": tuple(out.shape),
+                "out": _err(out.detach(), mine["out"].chunk(tp, dim=1)[t]),
+                "x": _err(x.grad, mine["dx"].chunk(tp, dim=1)[t]),  # type: ignore[arg-type]
+                "gate": _err(moe.gate.wg.weight.grad, mine["grads"][0]),  # type: ignore[arg-type]
+                "w1": _err(moe.experts.w1.grad, cut.w1(mean[0])),  # type: ignore[arg-type]
+                "w2": _err(moe.experts.w2.grad, cut.w2(mean[1])),  # type: ignore[arg-type]
+                "dropped": int((~moe.last_routing.kept).sum()),  # type: ignore[union-attr]
+            }
+        )
+        mesh.destroy()
+    return results
