@@ -44,6 +44,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -76,6 +77,14 @@ def _torchrun(ranks: int, *extra: str) -> list[str]:
     return [*command, "--nproc-per-node", str(ranks), *extra]
 
 
+def _fresh(out: Path) -> Path:
+    """``out`` emptied: a run never appends to an earlier run's ``ft_steps.jsonl`` nor
+    resumes from its checkpoints (the kill is timed from these files)."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    return out
+
+
 def _start(command: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with log.open("wb") as handle:
@@ -86,7 +95,7 @@ def _replica(
     args: argparse.Namespace, port: int, replica: int, out: Path
 ) -> subprocess.Popen[bytes]:
     """One fault-tolerant replica group (a torchrun agent, or one plain process)."""
-    out.mkdir(parents=True, exist_ok=True)
+    _fresh(out)
     ranks = args.ranks_per_replica
     launcher = _torchrun(ranks) if ranks > 1 else [sys.executable]
     command = [
@@ -99,7 +108,7 @@ def _replica(
 
 def _restart_job(args: argparse.Namespace, out: Path) -> subprocess.Popen[bytes]:
     """The restart-based job: one torchrun agent of both groups' ranks."""
-    out.mkdir(parents=True, exist_ok=True)
+    _fresh(out)
     layout = ["--strategy", args.strategy]
     if args.strategy == "hsdp":  # 2 replica groups sharded over ranks_per_replica each
         layout += ["--dp-replicate", "2"]
