@@ -57,7 +57,7 @@ from benchmarks.common import RESULTS, loadavg, machine, timestamp
 from shardkit.distributed.fault_tolerance import host_store
 
 ROOT = Path(__file__).resolve().parent.parent
-_STEP_LINE = re.compile(r"^step\s+(\d+)/", re.M)
+_STEP_LINE = re.compile(r"step\s+(\d+)/\d+ \| train \d")  # after a progress bar's \r too
 _RESUMED = re.compile(
     r"resumed from \S+ at step (\d+)|no checkpoint in \S+; starting from step (0)"
 )

@@ -11,7 +11,9 @@ def test_step_lines_and_the_resumed_step_are_read_from_the_log(tmp_path: Path) -
     log = tmp_path / "job.log"
     log.write_text(
         "--resume: no checkpoint in runs/x; starting from step 0\n"
-        "step     1/60 | train 5.5 | 1,000 tok/s\nstep    12/60 | train 4.1 | 9 tok/s\n"
+        "step     0/60 | train   -    | val 5.4678\n"
+        "step     1/60 | train 5.5 | 1,000 tok/s\ntrain: 4%| 1/60 [00:00<00:04]\r"
+        "step    12/60 | train 4.1 | 9 tok/s\n"
         "[rank3]: killed\nresumed from runs/x/ckpt-000010 at step 10\n"
         "step    11/60 | train 4.2 | 9 tok/s\n"
     )
