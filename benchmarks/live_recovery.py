@@ -14,8 +14,8 @@ after ``--kill-after`` committed steps, at a random point of the next step.
   (``--strategy hsdp --dp-replicate 2``, or the strategy over every rank), a
   checkpoint every ``--save-every-restart`` steps, ``--resume``. One worker is
   SIGKILLed; torchrun restarts every worker, which resume from the last checkpoint.
-- **joiner_late**: the fault-tolerant pair where replica 1 starts only after replica 0
-  committed ``--kill-after`` steps (a new replica group joining a running job).
+- **joiner_late**: the fault-tolerant kill with the restart ``--late-delay`` seconds
+  after the kill instead of ``--delay``: the joiner meets a survivor further ahead.
 
 Each killed run is paired with an uninterrupted run of the same path and flags, and
 ``--rounds`` rounds run the two paths in ABBA order (fault-tolerant first in even
@@ -44,6 +44,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -56,7 +57,7 @@ from benchmarks.common import RESULTS, loadavg, machine, timestamp
 from shardkit.distributed.fault_tolerance import host_store
 
 ROOT = Path(__file__).resolve().parent.parent
-_STEP_LINE = re.compile(r"^step\s+(\d+)/", re.M)
+_STEP_LINE = re.compile(r"step\s+(\d+)/\d+ \| train \d")  # after a progress bar's \r too
 _RESUMED = re.compile(
     r"resumed from \S+ at step (\d+)|no checkpoint in \S+; starting from step (0)"
 )
@@ -76,6 +77,14 @@ def _torchrun(ranks: int, *extra: str) -> list[str]:
     return [*command, "--nproc-per-node", str(ranks), *extra]
 
 
+def _fresh(out: Path) -> Path:
+    """``out`` emptied: a run never appends to an earlier run's ``ft_steps.jsonl`` nor
+    resumes from its checkpoints (the kill is timed from these files)."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    return out
+
+
 def _start(command: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with log.open("wb") as handle:
@@ -86,7 +95,7 @@ def _replica(
     args: argparse.Namespace, port: int, replica: int, out: Path
 ) -> subprocess.Popen[bytes]:
     """One fault-tolerant replica group (a torchrun agent, or one plain process)."""
-    out.mkdir(parents=True, exist_ok=True)
+    _fresh(out)
     ranks = args.ranks_per_replica
     launcher = _torchrun(ranks) if ranks > 1 else [sys.executable]
     command = [
@@ -99,7 +108,7 @@ def _replica(
 
 def _restart_job(args: argparse.Namespace, out: Path) -> subprocess.Popen[bytes]:
     """The restart-based job: one torchrun agent of both groups' ranks."""
-    out.mkdir(parents=True, exist_ok=True)
+    _fresh(out)
     layout = ["--strategy", args.strategy]
     if args.strategy == "hsdp":  # 2 replica groups sharded over ranks_per_replica each
         layout += ["--dp-replicate", "2"]
@@ -171,30 +180,26 @@ def _finish(
 
 
 def fault_tolerant(args: argparse.Namespace, work: Path, case: str, round_: int) -> dict[str, Any]:
-    """One pair of replicas; ``case``: "uninterrupted", "kill" or "late" (joiner_late)."""
+    """One pair of replicas; ``case``: "uninterrupted", "kill" or "late" (a kill with
+    the restart ``--late-delay`` seconds later: joiner_late)."""
     store = host_store(0)
     name = f"round{round_}-ft-{case}"
     outs = [work / f"{name}-r0", work / f"{name}-r1"]
     start = time.time()
-    procs = [_replica(args, store.port, 0, outs[0])]
-    if case != "late":
-        procs.append(_replica(args, store.port, 1, outs[1]))
+    procs = [_replica(args, store.port, r, outs[r]) for r in (0, 1)]
     result: dict[str, Any] = {"loadavg": loadavg()}
     joiner_out, joined_at = outs[1], start
-    watch = outs[1] if case == "kill" else outs[0]
     if case != "uninterrupted":
-        _wait_until(lambda: len(_ft_steps(watch)) >= args.kill_after, procs, "the kill")
-    if case == "kill":
+        _wait_until(lambda: len(_ft_steps(outs[1])) >= args.kill_after, procs, "the kill")
         times = [s["time"] for s in _ft_steps(outs[1])]
         _random_point(args, times[-1] - times[-2] if len(times) > 1 else 0.0, round_)
         _kill([procs[1].pid, *_descendants(procs[1].pid)])  # the agent first: no restart
         procs[1].wait()
         result["killed_at"] = time.time()
-        time.sleep(args.delay)
+        time.sleep(args.delay if case == "kill" else args.late_delay)
         joiner_out = work / f"{name}-r1-restarted"
-    if case != "uninterrupted":
         joined_at = time.time()
-        procs.append(_replica(args, store.port, 1, joiner_out))
+        procs[1] = _replica(args, store.port, 1, joiner_out)
     codes, ended = _finish(procs, args)
     result["wall_s"] = ended - start  # to the survivor's (replica 0's) exit
     if codes[0] != 0:
@@ -322,6 +327,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add("--ranks-per-replica", type=int, default=2)
     add("--kill-after", type=int, default=14, help="committed steps before the kill")
     add("--delay", type=float, default=3.0, help="seconds before the killed replica restarts")
+    add("--late-delay", type=float, default=15.0, help="the same, joiner_late")
     add("--ft-timeout", type=float, default=5.0)
     add("--seq-len", type=int, default=32)
     add("--batch-size", type=int, default=4)
