@@ -141,7 +141,9 @@ def _medians(per_name: dict[str, list[list[float]]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Measure every width; print the table and write the JSON; return the document."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.compile_shapes", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.compile_shapes", description=__doc__.splitlines()[0]
+    )
     add = p.add_argument
     add("--widths", type=int, nargs="+", default=[128, 256, 512], help="default 128 256 512")
     add("--batch", type=int, default=8, help="sequences (default 8)")
