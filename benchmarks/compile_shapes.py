@@ -16,7 +16,9 @@ it; that time is reported apart and never timed as a step. Then ``--rounds`` rou
 rounds and compiled first in odd ones (ABAB); each step's wall and CPU time. Reported
 per width: median step of each, the paired ratio (median over rounds of the eager
 round median over the compiled one) for wall and CPU time, and the profile of
-``--steps`` eager steps (``torch.profiler``, self CPU time per operator).
+``--profile-steps`` eager steps (``torch.profiler``, self CPU time per operator: wall
+time of each operator on the main thread, so on a loaded machine preemption lands on
+operators at random; enough steps average it out).
 
 [Note: the ceiling]
 Inductor fuses the element-wise work around the matrix multiplies (LayerNorm, GELU,
@@ -115,7 +117,7 @@ def measure(width: int, args: argparse.Namespace) -> dict[str, Any]:
             times["wall"][name].append([w for w, _ in steps])
             times["cpu"][name].append([c for _, c in steps])
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps):
+        for _ in range(args.profile_steps):
             _step(eager, x)
     self_cpu = {e.key: float(e.self_cpu_time_total) for e in prof.key_averages()}
     top = sorted(self_cpu.items(), key=lambda kv: -kv[1])[: args.top]
@@ -141,13 +143,16 @@ def _medians(per_name: dict[str, list[list[float]]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Measure every width; print the table and write the JSON; return the document."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.compile_shapes", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.compile_shapes", description=__doc__.splitlines()[0]
+    )
     add = p.add_argument
     add("--widths", type=int, nargs="+", default=[128, 256, 512], help="default 128 256 512")
     add("--batch", type=int, default=8, help="sequences (default 8)")
     add("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     add("--rounds", type=int, default=6, help="ABAB rounds (default 6)")
-    add("--steps", type=int, default=3, help="steps per round and profiled steps (default 3)")
+    add("--steps", type=int, default=3, help="steps per round (default 3)")
+    add("--profile-steps", type=int, default=20, help="eager steps profiled (default 20)")
     add("--warmup", type=int, default=2, help="untimed steps of each after the compile")
     add("--threads", type=int, default=1, help="intra-op threads (default 1)")
     add("--top", type=int, default=12, help="operators kept from the profile (default 12)")

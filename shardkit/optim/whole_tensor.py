@@ -446,9 +446,16 @@ class WholeTensorOptimizer(Optimizer):
         """Load what :meth:`state_dict` returned on this rank: the state and the
         hyperparameters of every group.
 
+        Without a model, a plain ``torch.optim`` state dict of the same param groups
+        loads too (what ``OSS(groups, optim=WholeTensorOptimizer)`` gives its local
+        optimizer: :meth:`OSS.load_state_dict`).
+
         Raises:
-            ValueError: saved with other owners (another world size or other groups).
+            ValueError: saved with other owners (another world size or other groups);
+                a plain state dict with another number of groups or of parameters.
         """
+        if "owners" not in state_dict and self.model is None:
+            state_dict = self._split_plain(state_dict)
         if list(state_dict["owners"]) != list(self.plan.owners):
             raise ValueError(
                 f"this state dict was saved with the owners {state_dict['owners']}, this "
@@ -458,3 +465,27 @@ class WholeTensorOptimizer(Optimizer):
         for group, inner, saved in zip(self.param_groups, self._inners, state_dict["inner"]):
             inner.load_state_dict(saved)
             group.update(_hyper(inner.param_groups[0]))  # the saved lr, betas, ...
+
+    def _split_plain(self, plain: dict[str, Any]) -> dict[str, Any]:
+        """A plain ``torch.optim`` state dict as :meth:`state_dict` lays it out: one
+        inner state dict per param group."""
+        saved = plain["param_groups"]
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if [len(g["params"]) for g in saved] != sizes:
+            raise ValueError(
+                f"the state dict has param groups of sizes {[len(g['params']) for g in saved]}, "
+                f"this WholeTensorOptimizer has {sizes}: it was saved for other parameters"
+            )
+        inner = []
+        for group in saved:
+            ids = group["params"]
+            hyper = {k: v for k, v in group.items() if k not in ("params", "optim")}
+            inner.append(
+                {
+                    "state": {
+                        j: plain["state"][i] for j, i in enumerate(ids) if i in plain["state"]
+                    },
+                    "param_groups": [{**hyper, "params": list(range(len(ids)))}],
+                }
+            )
+        return {"owners": list(self.plan.owners), "inner": inner}

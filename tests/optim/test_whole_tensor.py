@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardkit.optim import WholeTensorOptimizer, needs_whole_tensors
+from shardkit.optim import OSS, WholeTensorOptimizer, needs_whole_tensors
 from shardkit.optim.whole_tensor_exchange import Pieces, check_pieces, plan_exchange
 from shardkit.testing import RankPool
 from tests.optim import whole_tensor_workers as workers
@@ -259,3 +259,46 @@ def test_local_state_dict_round_trip_at_the_same_world_size(
     """WholeTensorOptimizer.state_dict() (this rank's state, Adafactor's factored moments
     included) loads back into a new run, which continues as the plain model."""
     assert results[2]["local_state_roundtrip"] < TOL
+
+
+def _small_run(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    groups = [
+        {"params": [p for p in model.parameters() if p.ndim == 2], "optim": torch.optim.Muon},
+        {"params": [p for p in model.parameters() if p.ndim != 2], "optim": torch.optim.AdamW},
+    ]
+    if kind == "oss":
+        return model, OSS(groups, optim=WholeTensorOptimizer, lr=0.02)
+    return model, WholeTensorOptimizer(groups, lr=0.02)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("kind", ["alone", "oss"])
+def test_without_a_model_the_state_dict_round_trips(kind: str) -> None:
+    """WholeTensorOptimizer(groups) (its own state dict) and OSS(groups,
+    optim=WholeTensorOptimizer) (a plain torch state dict, loaded into the
+    WholeTensorOptimizer inside) in one process: saved after 2 steps and loaded into a
+    new run, 2 more steps give the uninterrupted run's parameters exactly; ``lr`` given
+    once reaches both groups. (Newton-Schulz in fp32: torch's bf16 one is slow on CPU.)"""
+    with workers.fp32_muon():
+        whole, whole_opt = _small_run(kind)
+        _train(whole, whole_opt, range(4))
+        first, first_opt = _small_run(kind)
+        _train(first, first_opt, range(2))
+        saved_model, saved_opt = first.state_dict(), first_opt.state_dict()
+        second, second_opt = _small_run(kind)
+        second.load_state_dict(saved_model)
+        second_opt.load_state_dict(saved_opt)
+        _train(second, second_opt, range(2, 4))
+    for a, b in zip(whole.parameters(), second.parameters()):
+        assert torch.equal(a, b)
+    assert [g["lr"] for g in second_opt.param_groups] == [0.02, 0.02]
+    assert len(second_opt.state) == 6  # every parameter has state (Muon's, AdamW's)
