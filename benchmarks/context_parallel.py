@@ -352,13 +352,6 @@ def write_plot(rows: list[dict[str, Any]], budget_mib: float, path: Path) -> Pat
     return path
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0; got {value}")
-    return value
-
-
 def failure_line(error: str) -> str:
     """The line of a spawn's error to print: its last, unless that only says which other
     ranks failed (then the one before it, the exception, with that note)."""
@@ -384,7 +377,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=1, help="rows per step")
     parser.add_argument(
         "--steps",
-        type=_non_negative,
+        type=int,
         default=2,
         help="timed steps after one warm-up; 0: one step only",
     )
@@ -403,7 +396,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.steps < 0:
+        parser.error(f"argument --steps: must be >= 0; got {args.steps}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"context_parallel-{timestamp()}.json"
