@@ -352,10 +352,21 @@ def write_plot(rows: list[dict[str, Any]], budget_mib: float, path: Path) -> Pat
     return path
 
 
+def failure_line(error: str) -> str:
+    """The line of a spawn's error to print: its last, unless that only says which other
+    ranks failed (then the one before it, the exception, with that note)."""
+    lines = [line for line in error.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[-1].startswith("(ranks "):
+        return f"{lines[-2]} {lines[-1]}"
+    return lines[-1] if lines else error
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--methods", nargs="+", default=["ulysses", "ring"])
+    parser.add_argument(
+        "--methods", nargs="+", choices=["ulysses", "ring"], default=["ulysses", "ring"]
+    )
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument(
         "--scale-seq-lens",
@@ -365,7 +376,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-size", default="tiny")
     parser.add_argument("--batch", type=int, default=1, help="rows per step")
     parser.add_argument(
-        "--steps", type=int, default=2, help="timed steps after one warm-up; 0: one step only"
+        "--steps",
+        type=int,
+        default=2,
+        help="timed steps after one warm-up; 0: one step only",
     )
     parser.add_argument("--act-budget-mib", type=float, default=64.0)
     parser.add_argument("--rss-budget-mib", type=float, default=2048.0)
@@ -382,7 +396,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.steps < 0:
+        parser.error(f"argument --steps: must be >= 0; got {args.steps}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"context_parallel-{timestamp()}.json"
@@ -412,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             path.write_text(json.dumps(doc, indent=1))  # after every spawn
     print(render_markdown(doc["rows"], doc["longest"], args))
     for e in doc["errors"]:
-        print(f"cp {e['cp']} {e['method']}: failed: {e['error'].splitlines()[-1]}")
+        print(f"cp {e['cp']} {e['method']}: failed: {failure_line(e['error'])}")
     plot = write_plot(doc["rows"], args.rss_budget_mib, path.with_suffix(".png"))
     print(f"written {path}" + (f" and {plot}" if plot else ""))
     return doc

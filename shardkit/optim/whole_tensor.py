@@ -47,6 +47,7 @@ ZeRO: Rajbhandari et al. 2020, section 5.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import Any, cast
 
@@ -144,8 +145,14 @@ def _optim_of(group: dict[str, Any], index: int) -> type[Optimizer]:
     )
 
 
-def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in ("params", "optim")}
+def _hyper(group: dict[str, Any], optim: type[Optimizer] | None = None) -> dict[str, Any]:
+    """A group's hyperparameters; with ``optim``, those its constructor takes (a torch
+    group holds more: AdamW's ``decoupled_weight_decay``, a scheduler's ``initial_lr``)."""
+    hyper = {k: v for k, v in group.items() if k not in ("params", "optim")}
+    args = inspect.signature(optim.__init__).parameters if optim is not None else {}
+    if not args or any(a.kind is a.VAR_KEYWORD for a in args.values()):
+        return hyper
+    return {k: v for k, v in hyper.items() if k in args}
 
 
 class WholeTensorOptimizer(Optimizer):
@@ -309,7 +316,8 @@ class WholeTensorOptimizer(Optimizer):
         if whole and self.model is not None:
             index = {id(p): i for i, p in enumerate(self._sharded)}
             params = [self._proxies[index[id(p)]] for p in params if index[id(p)] in self._proxies]
-        inner = optim([{"params": params}], **_hyper(group))
+        inner = optim([{"params": params}], **_hyper(group, optim))
+        inner.param_groups[0].update(_hyper(group))  # the keys the constructor does not take
         for k, v in inner.param_groups[0].items():
             group.setdefault(k, v)
         return inner

@@ -308,7 +308,11 @@ class RankPool:
         Raises:
             RankError: a rank raised or died; names the rank and has its traceback.
             RankTimeoutError: ranks were silent past the timeout; names them.
+            ValueError: ``timeout_s`` <= 0 (before any rank starts the task).
         """
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        if limit <= 0:
+            raise ValueError(f"timeout_s must be > 0 seconds; got {limit}")
         if not self._procs:
             self._start()
         what = getattr(fn, "__qualname__", repr(fn))
@@ -316,7 +320,6 @@ class RankPool:
         self._next_task += 1
         for q in self._tasks:
             q.put((task_id, fn, args, kwargs, seed))
-        limit = self.timeout_s if timeout_s is None else timeout_s
         try:
             paths = self._collect(task_id, limit, what)
         except RankError as err:

@@ -8,7 +8,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from benchmarks.context_parallel import longest, render_markdown, run_sweep, seq_grid
+import pytest
+
+from benchmarks.context_parallel import (
+    failure_line,
+    longest,
+    main,
+    render_markdown,
+    run_sweep,
+    seq_grid,
+)
 
 
 def _sweeps(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -80,3 +89,20 @@ def test_seq_grid_scales_with_cp_when_asked() -> None:
     assert seq_grid(args, 1) == [64, 96] and seq_grid(args, 4) == [256, 384]
     args.scale_seq_lens = False
     assert seq_grid(args, 4) == [64, 96]
+
+
+@pytest.mark.parametrize("argv", [["--methods", "foo"], ["--steps", "-1"]])
+def test_bad_options_are_refused_before_any_spawn(argv: list[str], tmp_path: Any) -> None:
+    # --methods foo ran Ulysses under the name foo; --steps -1 failed in every spawn
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_failed_spawn_prints_the_exception_not_only_the_other_ranks() -> None:
+    error = (
+        "rank 1 failed:\nTraceback...\nValueError: not divisible by 6\n\n(ranks [0, 2] also failed)"
+    )
+    assert failure_line(error) == "ValueError: not divisible by 6 (ranks [0, 2] also failed)"
+    assert failure_line("rank 0 timed out after 5 s") == "rank 0 timed out after 5 s"

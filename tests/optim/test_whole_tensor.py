@@ -302,3 +302,30 @@ def test_without_a_model_the_state_dict_round_trips(kind: str) -> None:
         assert torch.equal(a, b)
     assert [g["lr"] for g in second_opt.param_groups] == [0.02, 0.02]
     assert len(second_opt.state) == 6  # every parameter has state (Muon's, AdamW's)
+
+
+def test_oss_over_whole_tensor_optimizer_repartitions_after_freezing() -> None:
+    """OSS(groups, optim=WholeTensorOptimizer) rebuilds its local optimizer when a
+    parameter is frozen between steps; AdamW's group holds ``decoupled_weight_decay``,
+    which its constructor does not take (was a TypeError). 2 steps, freeze the first
+    weight, 2 steps: equal to torch's Muon + AdamW on the plain model."""
+    with workers.fp32_muon():
+        model, opt = _small_run("oss")
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(
+            torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4)
+        )
+        muon = torch.optim.Muon([p for p in plain.parameters() if p.ndim == 2], lr=0.02)
+        adamw = torch.optim.AdamW([p for p in plain.parameters() if p.ndim != 2], lr=0.02)
+        for step in range(4):
+            if step == 2:
+                model[0].weight.requires_grad_(False)
+                plain[0].weight.requires_grad_(False)
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+            for net in (model, plain):
+                net(x).square().mean().backward()
+            for o in (opt, muon, adamw):
+                o.step()
+                o.zero_grad()
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), float((a - b).abs().max())

@@ -213,6 +213,10 @@ def test_bad_arguments() -> None:
         RankPool(0)
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         RankPool(2, timeout_s=0)
+    pool = RankPool(2)  # a per-call timeout of 0 killed every rank as a false hang
+    with pytest.raises(ValueError, match="timeout_s must be > 0 seconds; got 0"):
+        pool.run(_random_draw, timeout_s=0)
+    assert not pool._procs  # refused before any rank started
 
 
 def test_gloo_binds_no_device() -> None:

@@ -45,7 +45,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.distributed.collectives import group_rank, group_ranks
 from shardkit.distributed.grad_norm import clip_grad_norm_sharded
+from shardkit.distributed.shard_descriptor import ranks_of, view_of
 from shardkit.distributed.validation import parameter_problem
+from shardkit.nn.moe.experts import GroupedExperts
 
 __all__ = [
     "all_reduce_expert_gradients",
@@ -130,7 +132,16 @@ def clip_grad_norm_(
     Returns:
         The total norm (0-d fp32) before clipping, the same on every rank, equal to
         ``torch.nn.utils.clip_grad_norm_`` on the single-process model.
+
+    Raises:
+        ValueError: ``ep_group`` is not the group the experts of a
+            :class:`~shardkit.nn.moe.MoE` in ``module`` are split over (for experts
+            built with ``ep_group=None``, whole on every rank: any group of more than
+            one rank); the norm would count experts several times. Checked before any
+            gradient is touched; :class:`~shardkit.nn.moe.MOELayer`'s experts record
+            no group and are not checked.
     """
+    _check_ep_group(module, ep_group)
     experts = expert_parameters(module)
     ids = {id(p) for p in experts.values()}
     dense = [p for p in module.parameters() if id(p) not in ids]
@@ -138,6 +149,29 @@ def clip_grad_norm_(
     counted = [*experts.values(), *(dense if first else [])]
     copies = [] if first else dense
     return clip_grad_norm_sharded(counted, max_norm, norm_type, ep_group, copies=copies)
+
+
+def _check_ep_group(module: nn.Module, ep_group: dist.ProcessGroup | None) -> None:
+    """Refuse an ``ep_group`` other than the one ``module``'s grouped experts are split
+    over (see :func:`clip_grad_norm_`)."""
+    given = ranks_of(ep_group)
+    if given is None:  # one process: nothing split
+        return
+    for name, experts in module.named_modules():
+        if not isinstance(experts, GroupedExperts):
+            continue
+        ep = [s for s in view_of(experts.w1).splits if s.mesh_dim == "ep"]
+        holders = ep[0].group if ep else (dist.get_rank(),)
+        if tuple(holders or ()) != given:
+            raise ValueError(
+                f"clip_grad_norm_: ep_group holds ranks {list(given)}, but the experts "
+                f"`{name}` are split over ranks {list(holders or ())} (ep "
+                f"{experts.num_experts // experts.num_local_experts}): their gradients "
+                "would be counted several times in the norm. Pass the ep_group the MoE "
+                "was built with (mesh.group('ep')); for experts whole on every rank "
+                "(ep_group=None at construction) use torch.nn.utils.clip_grad_norm_ "
+                "after the gradient reduction"
+            )
 
 
 def check_ddp_leaves_experts(ddp: DistributedDataParallel, experts: nn.Module) -> None:

@@ -79,8 +79,9 @@ class MOELayer(nn.Module):
         a multiple of the experts. Returns ``(S, T, M)``; sets ``self.l_aux``.
 
         Raises:
-            ValueError: not exactly one input, not 3-dimensional, or ``S`` not a
-                multiple of the local experts.
+            ValueError: not exactly one input, not 3-dimensional, ``S`` not a
+                multiple of the local experts, or the gate's experts not the group's
+                size times the local experts.
         """
         if len(input) != 1 or input[0].dim() != 3:
             shapes = [tuple(t.shape) for t in input]
@@ -97,6 +98,12 @@ class MOELayer(nn.Module):
         tokens = x.reshape(-1, d_model)
         self.l_aux, combine_weights, dispatch_mask = self.gate(tokens)
         num_experts, capacity = dispatch_mask.shape[1], dispatch_mask.shape[2]
+        if num_experts != self.world_size * self.num_local_experts:
+            raise ValueError(
+                f"the gate routes to {num_experts} experts, but the group holds "
+                f"{self.world_size} rank(s) x {self.num_local_experts} local expert(s): each "
+                "expert would run the tokens of others; give the gate ranks x local experts"
+            )
         token, slot = _routes(dispatch_mask)
         rows = tokens.index_select(0, token)
         dispatched = tokens.new_zeros(num_experts * capacity, d_model).index_add(0, slot, rows)

@@ -147,6 +147,12 @@ def run_ddp(cfg: dict[str, Any]) -> dict[str, Any]:
     x, target = _tokens(rank)
     (ddp(x) * target).sum().backward()
     reduced = all_reduce_expert_gradients(block, mesh.group("edp"))
+    refused = []  # a wrong ep_group counted experts several times in the norm
+    for wrong in (None, mesh.group("edp")):
+        try:
+            clip_grad_norm_(block, MAX_NORM, ep_group=wrong)
+        except ValueError as e:
+            refused.append(str(e))
     norm = clip_grad_norm_(block, MAX_NORM, ep_group=mesh.group("ep"))
     lo = block.moe.experts.first_expert
     hi = lo + block.moe.experts.num_local_experts
@@ -160,7 +166,7 @@ def run_ddp(cfg: dict[str, Any]) -> dict[str, Any]:
         _err(grads[2], mean[2][lo:hi]),
     ]  # type: ignore[arg-type]
     mesh.destroy()
-    res = {"ignored": ignored, "reduced": reduced, "errors": errors}
+    res = {"ignored": ignored, "reduced": reduced, "errors": errors, "refused": refused}
     return res | {"norm": float(norm), "want_norm": want_norm}
 
 

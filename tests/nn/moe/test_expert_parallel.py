@@ -53,6 +53,8 @@ def test_ddp_dense_over_dp_experts_over_edp(rank_pool: Any) -> None:
         assert max(res["errors"]) < ATOL, res["errors"]  # clipped gradients
         assert res["want_norm"] > 2 * w.MAX_NORM  # clipping binds
         assert abs(res["norm"] - res["want_norm"]) < ATOL, res
+        assert len(res["refused"]) == 2, res["refused"]  # world and edp: not the ep group
+        assert all("split over ranks" in m and "mesh.group('ep')" in m for m in res["refused"])
 
 
 def test_moelayer_over_an_ep_group(rank_pool: Any) -> None:

@@ -99,6 +99,11 @@ def test_moelayer_rejects_bad_shapes() -> None:
         ValueError, match=r"one \(sequence, token, model\) tensor; got shapes \[\(4, 3\)\]"
     ):
         layer(torch.randn(4, 3))
+    # a gate of 4 experts over 2 local ones (one process) ran each expert on two
+    # experts' tokens
+    two = MOELayer(Top2Gate(3, 4), nn.ModuleList([nn.Linear(3, 3) for _ in range(2)]))
+    with pytest.raises(ValueError, match=r"routes to 4 experts, but the group holds 1 rank"):
+        two(torch.randn(4, 2, 3))
 
 
 def test_moelayer_equals_fairscale(tmp_path: Any) -> None:
