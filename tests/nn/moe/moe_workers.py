@@ -4,6 +4,7 @@ reference computed on the same rank, for every rank's tokens."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,8 @@ def run_ddp(cfg: dict[str, Any]) -> dict[str, Any]:
         _err(grads[1], mean[1][lo:hi]),
         _err(grads[2], mean[2][lo:hi]),
     ]  # type: ignore[arg-type]
+    del ddp  # the reducer goes while its group lives (see run_data_parallel_guards)
+    gc.collect()
     mesh.destroy()
     res = {"ignored": ignored, "reduced": reduced, "errors": errors, "refused": refused}
     return res | {"norm": float(norm), "want_norm": want_norm}
@@ -412,6 +415,10 @@ def run_data_parallel_guards() -> dict[str, Any]:
     res["oss_edp"] = _error_of(
         lambda: OSS(block.moe.experts.parameters(), lr=1.0, process_group=mesh.group("edp"))
     )
+    # Free the DDP reducers while their groups live: destroyed after mesh.destroy(), the
+    # reducer of a DDP whose forward raised hung in its destructor on one rank now and then.
+    ddp = edp = None  # type: ignore[assignment]
+    gc.collect()
     mesh.destroy()
     return res
 
