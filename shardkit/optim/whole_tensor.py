@@ -487,13 +487,12 @@ class WholeTensorOptimizer(Optimizer):
         inner = []
         for group in saved:
             ids = group["params"]
-            hyper = {k: v for k, v in group.items() if k not in ("params", "optim")}
             inner.append(
                 {
                     "state": {
                         j: plain["state"][i] for j, i in enumerate(ids) if i in plain["state"]
                     },
-                    "param_groups": [{**hyper, "params": list(range(len(ids)))}],
+                    "param_groups": [{**_hyper(group), "params": list(range(len(ids)))}],
                 }
             )
         return {"owners": list(self.plan.owners), "inner": inner}

@@ -32,9 +32,10 @@ within the memory ``OffloadModel(disk_io_bytes=...)`` allows beyond one slice: a
 that many bytes of writes in flight, and a slice read ahead only when its parameters
 and optimizer state fit in it. Forward and backward read ahead the same way: while
 slice k computes, the parameters of the slice that runs next (k + 1 in forward, k - 1
-in backward) are read, when they fit in ``disk_io_bytes``. With the default 0 the step holds one slice, each
-written before the next is read, as forward and backward do. The commit waits for every
-write (see [Note: write-behind] in :mod:`shardkit.checkpoint.generations`).
+in backward) are read, when they fit in ``disk_io_bytes``. With the default 0 the step
+holds one slice, each written before the next is read, as forward and backward do.
+The commit waits for every write (see [Note: write-behind] in
+:mod:`shardkit.checkpoint.generations`).
 """
 
 from __future__ import annotations

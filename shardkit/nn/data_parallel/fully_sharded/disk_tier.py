@@ -67,7 +67,8 @@ first and is not available.
 [Note: what is resident]
 While a unit is not running, its local shard's memory is given back (the handle's
 page-aligned :class:`~.unit_buffers.UnitBuffer`, released: direct I/O reads into it and
-writes from it in place, with no bounce copy) and its sharded parameters (``named_parameters()``) are empty placeholders, as
+writes from it in place, with no bounce copy) and its sharded parameters
+(``named_parameters()``) are empty placeholders, as
 OffloadModel's disk tier; at most the running unit, the prefetched one and the units
 whose gradient reduction is in flight hold their shard, plus the optimizer state of
 the stepping unit and of the prefetched one, plus the writes in flight (at most
