@@ -67,13 +67,7 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank: build on meta, wrap on the disk tier, train ``steps`` steps."""
     rank = dist.get_rank()
     torch.set_num_threads(cfg["threads"])
-    config = GPTConfig(
-        vocab_size=cfg["vocab"],
-        block_size=cfg["seq"],
-        n_layer=cfg["n_layer"],
-        n_head=cfg["n_head"],
-        n_embd=cfg["n_embd"],
-    )
+    config = _gpt_config(cfg, cfg["n_layer"])
     start = time.perf_counter()
     with torch.device("meta"):
         gpt = GPT(config)
@@ -83,7 +77,7 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     options: dict[str, Any] = {"disk_offload": disk, "param_init_fn": _init}
     with enable_wrap(wrapper_cls=FSDP, **options):
         model = FSDP(auto_wrap(gpt, transformer_auto_wrap_policy({Block})), **options)
-    optimizer = disk.optimizer(torch.optim.AdamW, **{**ADAMW, "lr": cfg["lr"]})
+    optimizer = disk.optimizer(torch.optim.AdamW, **_adamw(cfg))
     out: dict[str, Any] = {
         "rank": rank,
         "params": params,
@@ -99,11 +93,11 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
     y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
     for step in range(cfg["steps"]):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         _, loss = model(x, y)
         loss.backward()
         optimizer.step()
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         stats = disk.history[-1]
@@ -112,6 +106,7 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                 "step": step + 1,
                 "loss": float(mean) / dist.get_world_size(),
                 "seconds": seconds,
+                "thread_cpu_s": cpu,
                 "bytes_read": stats.bytes_read,
                 "bytes_written": stats.bytes_written,
                 "read_wait_s": stats.read_wait_s,
@@ -128,7 +123,79 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     out["disk_after"] = _measure_disk(disk, cfg)
     disk.close()
     dist.barrier()
+    if cfg.get("floor"):
+        out["memory_floor"] = [
+            {"n_layer": n, "step_s": _memory_step_s(cfg, n, x, y)} for n in _floor_layers(cfg)
+        ]
     return out
+
+
+def _adamw(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The AdamW settings of the run (torch's fused CPU kernel with ``--fused``)."""
+    return {**ADAMW, "lr": cfg["lr"], **({"fused": True} if cfg.get("fused") else {})}
+
+
+def _gpt_config(cfg: dict[str, Any], n_layer: int) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=cfg["vocab"],
+        block_size=cfg["seq"],
+        n_layer=n_layer,
+        n_head=cfg["n_head"],
+        n_embd=cfg["n_embd"],
+    )
+
+
+def _floor_layers(cfg: dict[str, Any]) -> list[int]:
+    """The depths the in-memory floor is measured at: the run's own when its model state
+    fits in a third of the RAM, else the two deepest that fit (half and all of it),
+    from which :func:`memory_floor` extrapolates linearly in the number of layers."""
+    block = 12 * cfg["n_embd"] ** 2 + 13 * cfg["n_embd"]
+    fits = max(2, int(_mem_total() / 3 / (16 * block)))
+    if cfg["n_layer"] <= fits:
+        return [cfg["n_layer"]]
+    return [max(1, fits // 2), fits]
+
+
+def _memory_step_s(cfg: dict[str, Any], n_layer: int, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The same training step with the model state in memory (FSDP, the same units and
+    AdamW, no disk tier): median seconds of steps 2-3, the slowest rank's."""
+    with torch.device("meta"):
+        gpt = GPT(_gpt_config(cfg, n_layer))
+    options: dict[str, Any] = {"param_init_fn": _init}
+    with enable_wrap(wrapper_cls=FSDP, **options):
+        model = FSDP(auto_wrap(gpt, transformer_auto_wrap_policy({Block})), **options)
+    optimizer = torch.optim.AdamW(model.parameters(), **_adamw(cfg))
+    times = []
+    for _ in range(3):
+        dist.barrier()
+        start = time.perf_counter()
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        times.append(float(seconds))
+    del model, optimizer
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def memory_floor(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The in-memory step time of the run's GPT (measured, or extrapolated linearly in
+    the layer count from two smaller depths when its state does not fit in RAM); None
+    without ``--floor``. Not a lower bound of the disk tier's step: the tier steps each
+    unit inside backward, in-memory FSDP steps the whole shard after it."""
+    floor = ranks[0].get("memory_floor")
+    if not floor:
+        return None
+    if len(floor) == 1:
+        return {"memory_step_s": floor[0]["step_s"], "extrapolated_from": None}
+    (n1, t1), (n2, t2) = ((f["n_layer"], f["step_s"]) for f in floor)
+    per_layer = (t2 - t1) / (n2 - n1)
+    return {
+        "memory_step_s": t2 + per_layer * (cfg["n_layer"] - n2),
+        "extrapolated_from": {str(n1): t1, str(n2): t2},
+    }
 
 
 class _DiskSampler:
@@ -181,7 +248,12 @@ def bandwidth(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     reads and writes, ``(R / disk_read + W / disk_write) / step_s``; 1.0 is a step that
     keeps the disk busy at its own speed from start to end. ``io_fraction``: the same
     over the seconds the tier's I/O ran (``io_s``, the slowest rank's): how close to the
-    disk's speed the tier's reads and writes go while they run, whatever the compute."""
+    disk's speed the tier's reads and writes go while they run, whatever the compute.
+    ``disk_fraction_ceiling``: ``disk_time_s`` (the disk alone, ``R / disk_read + W /
+    disk_write``) over the longer of it and ``thread_cpu_s``, the CPU seconds of the
+    slowest rank's training thread in the step (``time.thread_time``: its compute,
+    optimizer steps, copies and page faults, not its waits): a step is at least as long
+    as either, so no tier can keep the disk busier than this on this CPU."""
     probes = [r[k] for r in ranks for k in ("disk_before", "disk_after") if r.get(k)]
     disk_read = max(p["read_bytes_per_s"] for p in probes)
     disk_write = max(p["write_bytes_per_s"] for p in probes)
@@ -192,9 +264,11 @@ def bandwidth(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         written = sum(r["steps"][i]["bytes_written"] for r in ranks)
         seconds = max(r["steps"][i]["seconds"] for r in ranks)
         io_s = max(r["steps"][i].get("io_s", seconds) for r in ranks)
-        per_step.append((read / seconds, written / seconds, read, written, seconds, io_s))
+        cpu = max(r["steps"][i].get("thread_cpu_s", 0.0) for r in ranks)
+        per_step.append((read / seconds, written / seconds, read, written, seconds, io_s, cpu))
     per_step.sort(key=lambda t: t[4])
-    tier_read, tier_write, read, written, seconds, io_s = per_step[len(per_step) // 2]
+    tier_read, tier_write, read, written, seconds, io_s, cpu = per_step[len(per_step) // 2]
+    disk_s = read / disk_read + written / disk_write
     return {
         "disk_read_bytes_per_s": disk_read,
         "disk_write_bytes_per_s": disk_write,
@@ -205,6 +279,9 @@ def bandwidth(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "disk_fraction": (read / disk_read + written / disk_write) / seconds,
         "io_s": io_s,
         "io_fraction": (read / disk_read + written / disk_write) / io_s,
+        "disk_time_s": disk_s,
+        "thread_cpu_s": cpu,
+        "disk_fraction_ceiling": disk_s / max(disk_s, cpu, 1e-9),
     }
 
 
@@ -213,6 +290,7 @@ def report(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
     params = ranks[0]["params"]
     state = 16 * params
     bw = bandwidth(ranks)
+    floor = memory_floor(cfg, ranks)
     lines = [
         f"# FSDP disk tier: GPT {cfg['n_layer']} x {cfg['n_embd']} on {cfg['world']} ranks",
         "",
@@ -233,6 +311,7 @@ def report(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
         f"sampled every 0.5 s): peak {ranks[0].get('peak_disk_bytes', 0) / GIB:.1f} GiB",
         "- build (meta -> generation 0 on disk): "
         + ", ".join(f"rank {r['rank']} {r['build_s']:.0f} s" for r in ranks),
+        *_floor_lines(bw, floor),
         "",
         "| step | loss | rank | step s | read GiB | written GiB | read wait s | RSS MiB | peak RSS MiB |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -246,6 +325,32 @@ def report(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
                 f"{s['read_wait_s']:.1f} | {s['rss'] / 2**20:.0f} | {s['hwm'] / 2**20:.0f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _floor_lines(bw: dict[str, Any], floor: dict[str, Any] | None) -> list[str]:
+    """The report's lines on what bounds the step: the disk alone and the training
+    thread's CPU seconds; and the same step in memory (with ``--floor``)."""
+    disk_s, cpu = bw["disk_time_s"], bw["thread_cpu_s"]
+    lines = [
+        f"- bound: the disk alone needs {disk_s:.2f} s for the step's bytes; the slowest "
+        f"rank's training thread ran {cpu:.2f} s on its core (compute, optimizer, copies, "
+        f"page faults; not its waits): a step is at least as long as either, so at most "
+        f"{bw['disk_fraction_ceiling']:.0%} of the disk's bandwidth over a step on this CPU "
+        f"(reached: {bw['disk_fraction']:.0%})"
+    ]
+    if floor is not None:
+        memory = floor["memory_step_s"]
+        how = (
+            "measured"
+            if floor["extrapolated_from"] is None
+            else "extrapolated from "
+            + ", ".join(f"{n} layers {t:.2f} s" for n, t in floor["extrapolated_from"].items())
+        )
+        lines.append(
+            f"- the same step in memory (FSDP, AdamW after backward, no disk tier; {how}): "
+            f"{memory:.2f} s; disk-tier step / in-memory step {bw['step_s'] / memory:.2f}"
+        )
+    return lines
 
 
 def _mem_total() -> int:
@@ -277,6 +382,13 @@ def main(argv: list[str] | None = None) -> None:
         default="step",
         help="DiskOffload(generations=): 'unit' keeps one generation on disk (default step)",
     )
+    add("--fused", action="store_true", help="AdamW(fused=True): torch's vectorised CPU kernel")
+    add(
+        "--floor",
+        action="store_true",
+        help="also time the same step with the model state in memory (FSDP without the "
+        "tier; extrapolated from two smaller depths when it does not fit)",
+    )
     add("--quick", action="store_true", help="GPT 2 x 128, 2 steps: a smoke run")
     args = parser.parse_args(argv)
     if args.quick:
@@ -298,7 +410,15 @@ def main(argv: list[str] | None = None) -> None:
         stem = RESULTS / f"bench_fsdp_disk-{time.strftime('%Y%m%d-%H%M%S')}"
         stem.with_suffix(".md").write_text(text)
         stem.with_suffix(".json").write_text(
-            json.dumps({"config": cfg, **bandwidth(ranks), "ranks": ranks}, indent=1)
+            json.dumps(
+                {
+                    "config": cfg,
+                    **bandwidth(ranks),
+                    "memory_floor": memory_floor(cfg, ranks),
+                    "ranks": ranks,
+                },
+                indent=1,
+            )
         )
         print(f"wrote {stem}.md / .json")
 

@@ -175,6 +175,7 @@ def _bandwidth(
         "tier_write_bytes_per_s": written / seconds,
         "tier_bytes_per_step": [read, written],
         "disk_fraction": (read / disk_read + written / disk_write) / seconds,
+        "disk_time_s": read / disk_read + written / disk_write,
     }
 
 
@@ -254,18 +255,38 @@ def _table(runs: list[dict[str, Any]]) -> str:
     lines += [
         "",
         "| disk tier | disk read GB/s | disk write GB/s | tier read GB/s | "
-        "tier write GB/s | fraction of the disk |",
-        "|---|---|---|---|---|---|",
+        "tier write GB/s | fraction of the disk | disk alone s | in memory s | at best |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rs in by_name.items():
         for r in (r for r in rs if "disk_fraction" in r):
+            memory = _memory_step_s(by_name, r)
+            best = (
+                "" if memory is None else f"{r['disk_time_s'] / max(memory, r['disk_time_s']):.0%}"
+            )
             lines.append(
                 f"| {name} | {r['disk_read_bytes_per_s'] / 1e9:.2f} | "
                 f"{r['disk_write_bytes_per_s'] / 1e9:.2f} | "
                 f"{r['tier_read_bytes_per_s'] / 1e9:.2f} | "
-                f"{r['tier_write_bytes_per_s'] / 1e9:.2f} | {r['disk_fraction']:.0%} |"
+                f"{r['tier_write_bytes_per_s'] / 1e9:.2f} | {r['disk_fraction']:.0%} | "
+                f"{r['disk_time_s']:.2f} | {'' if memory is None else f'{memory:.2f}'} | {best} |"
             )
+    lines += [
+        "",
+        "disk alone: the seconds the disk needs for the step's bytes at its own speed; in "
+        "memory: the median step of the cpu tier with as many slices (the same slicing and "
+        "checkpointing, nothing moved); at best: the fraction of the disk's bandwidth a step "
+        "could reach, disk alone / the longer of the two (--disk-only runs no cpu tier)",
+    ]
     return "\n".join(lines)
+
+
+def _memory_step_s(
+    by_name: dict[str, list[dict[str, Any]]], disk_run: dict[str, Any]
+) -> float | None:
+    """The median step of the cpu tier with ``disk_run``'s slices (None if not run)."""
+    cpu = by_name.get(f"cpu n={disk_run['slices']}")
+    return statistics.median(t for r in cpu for t in r["times"]) if cpu else None
 
 
 def _disk_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -283,7 +304,16 @@ def _disk_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "tier_write_bytes_per_s",
         "disk_fraction",
     )
-    return {k: chosen[len(chosen) // 2][k] for k in keys}
+    summary = {k: chosen[len(chosen) // 2][k] for k in keys}
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by_name.setdefault(_name(r), []).append(r)
+    memory = _memory_step_s(by_name, chosen[0])
+    if memory is not None:
+        disk_s = statistics.median(r["disk_time_s"] for r in chosen)
+        summary["memory_step_s"] = memory
+        summary["disk_fraction_ceiling"] = disk_s / max(memory, disk_s)
+    return summary
 
 
 def _largest(args: argparse.Namespace) -> dict[str, Any]:

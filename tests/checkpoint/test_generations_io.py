@@ -154,3 +154,65 @@ def test_buffer_pool_reuses_a_buffer_only_once_nothing_views_it() -> None:
     assert pool.take(PAGE).data_ptr() == address  # free: warm memory reused
     unpooled = AlignedBufferPool(limit_bytes=0)
     assert unpooled.take(PAGE).data_ptr() % PAGE == 0 and not unpooled._buffers
+
+
+def test_background_entry_commits_in_order_then_a_full_commit(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """[Note: background commits]: per-entry commits of (slow) writes; once flushed the manifest names every entry's newest file and the previous
+    generation's files are gone; a full commit after them is the last word."""
+    store = _store(tmp_path, write_behind_bytes=2**20)
+    for i in range(3):
+        store.write(f"e{i}", "params", 0, _bytes(100, i))
+    store.commit(0)
+    _slow_writes(monkeypatch, 0.05)
+    for i in range(3):
+        store.write_async(f"e{i}", "params", 1, [_bytes(100, 10 + i)])
+        store.commit(0, entries=[f"e{i}"], background=True, step=i)
+    store.flush()
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    assert manifest["step"] == 2
+    assert manifest["files"] == {f"e{i}": {"params": f"e{i}.params.g1"} for i in range(3)}
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [MANIFEST, *(f"e{i}.params.g1" for i in range(3))]
+    )
+    for i in range(3):
+        got = torch.empty(100, dtype=torch.uint8)
+        store.read(f"e{i}", "params", got)
+        assert torch.equal(got, _bytes(100, 10 + i))
+    store.write_async("e0", "params", 2, [_bytes(100, 20)])
+    store.commit(1, entries=["e0"], background=True)
+    store.commit(2)
+    assert json.loads((tmp_path / MANIFEST).read_text())["generation"] == 2
+    store.close()
+
+
+def test_a_failed_background_commit_commits_nothing_after_it(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A write that fails under a background commit: that commit and every later
+    background commit leave the manifest as it was (a later manifest would name the
+    lost file); the error is raised once, by the next call."""
+    store = _store(tmp_path, write_behind_bytes=2**20)
+    for i in range(2):
+        store.write(f"e{i}", "params", 0, _bytes(100, i))
+    store.commit(0)
+    before = (tmp_path / MANIFEST).read_text()
+    real = direct_io.write_payload
+
+    def fail(fd: int, segments: Any, size: int, *, aligned: bool) -> None:
+        time.sleep(0.05)
+        real(fd, segments, size // 2, aligned=aligned)
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(direct_io, "write_payload", fail)
+    store.write_async("e0", "params", 1, [_bytes(100, 5)])
+    store.commit(0, entries=["e0"], background=True)
+    monkeypatch.setattr(direct_io, "write_payload", real)
+    store.write_async("e1", "params", 1, [_bytes(100, 6)])
+    store.commit(0, entries=["e1"], background=True)  # waits for the failed one
+    with pytest.raises(OSError, match="simulated"):
+        store.flush()
+    assert (tmp_path / MANIFEST).read_text() == before
+    assert {"e0.params.g0", "e1.params.g0"} <= set(os.listdir(tmp_path))
+    store.close()

@@ -34,12 +34,14 @@ With ``generations="step"`` (the default) the files of generation g + 1 are writ
 beside those of g and the step commits them all at once: the disk holds two
 generations, ``2 x (4 + optimizer state bytes per element) x psi / N`` per rank. A model
 whose state fills the disk cannot afford that, so ``generations="unit"`` commits each
-unit as soon as its shard and optimizer state are written (the training thread, at the
-next unit's prefetch: :meth:`GenerationStore.commit` with ``entries``, see [Note:
-per-entry commits] in :mod:`shardkit.checkpoint.generations`) and deletes its previous
-files then. Backward visits each unit once, after its forward read, so no later read
-of the step needs them. The disk holds one generation plus the units written and not
-yet committed (about one) and the writes in flight (``write_behind_bytes``).
+unit as soon as its shard and optimizer state are written (the training thread asks at
+the next unit's prefetch; :meth:`GenerationStore.commit` with ``entries`` does it on a
+background thread, see [Note: per-entry commits] and [Note: background commits] in
+:mod:`shardkit.checkpoint.generations`) and deletes its previous files then. Backward
+visits each unit once, after its forward read, so no later read of the step needs
+them. The disk holds one generation plus the units written and not yet committed
+(about one), the previous files of the unit whose commit is in flight, and the writes
+in flight (``write_behind_bytes``).
 What a crash leaves: every file the manifest names is whole (written, ``fsync``-ed and
 renamed before the manifest names it). Between the step's first unit commit and its
 final commit the manifest records the step as ``unfinished`` with the units already
@@ -312,6 +314,7 @@ class DiskOffload:
             self.store.commit(
                 self.generation,
                 entries=[u.entry for u in units],
+                background=True,
                 units=self._records,
                 optimizer_class=self.optimizer_class,
                 unfinished={"generation": self.generation + 1, "units": ahead},
