@@ -78,6 +78,7 @@ class _Copy:
         self.slots = (2 * replica + rank,) if size == 2 else (2 * replica, 2 * replica + 1)
 
     def manager(self, store: dist.Store, replica: int, **kwargs: Any) -> FaultTolerantReplicas:
+        """This copy's manager, its layout given (``gradient_pieces``)."""
         plain = self.kind == "plain"
 
         def state() -> dict[str, Any]:
@@ -182,6 +183,47 @@ def _joiner(port: int, prefix: str, fsdp_serves: bool) -> dict[str, Any]:
     return {"healed": healed, "serves": serves, "model": rep.full_model(), "step": ft.step}
 
 
+def _slots(replica: int) -> tuple[int, ...]:
+    return (2 * replica, 2 * replica + 1)
+
+
+def _slow(port: int, prefix: str, slow: int, steps: int) -> dict[str, Any]:
+    """FSDP over {0, 1} (replica 0) and the plain model on rank 2 and on rank 3
+    (replicas 1, 2); replica ``slow`` misses step 1's reduction: the others redo it
+    (across layouts, or on the fast path when the survivors share a layout), it is
+    dropped, rebuilt with other weights, heals and rejoins."""
+    me = dist.get_rank()
+    pair, singles = dist.new_group([0, 1]), [dist.new_group([r]) for r in range(4)]
+    replica, group, kind = (0, pair, "fsdp") if me < 2 else (me - 1, singles[me], "plain")
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+
+    def build(seed: int) -> tuple[_Copy, FaultTolerantReplicas]:
+        rep = _Copy(kind, group, replica, seed)
+        return rep, rep.manager(
+            store, replica, timeout_s=_FAILURE_T, initial_replicas=3, prefix=prefix
+        )
+
+    rep, ft = build(0)
+    commits: list[tuple[int, tuple[int, ...]]] = []
+    slow_at = 1 if replica == slow else None
+    while ft.step < steps or ft.num_members < 3:
+        ft.start_step()
+        rep.optimizer.zero_grad()
+        _loss(rep.model, ft.step, rep.slots).backward()
+        if slow_at == ft.step:  # the whole replica wakes after the others gave up
+            slow_at = None
+            assert ft.quorum is not None
+            store.wait([f"{prefix}/round/{ft.quorum.round}/verdict"])
+        step = ft.step
+        if ft.average_gradients(rep.model.parameters()):
+            rep.optimizer.step()
+            assert ft.quorum is not None
+            commits.append((step, ft.quorum.members))
+        else:
+            rep, ft = build(100 + step)
+    return {"commits": commits, "model": rep.full_model(), "step": ft.step}
+
+
 def _scenarios(port: int) -> dict[str, Any]:
     """Every scenario in one spawned group (the same on every rank)."""
     out = {
@@ -190,6 +232,7 @@ def _scenarios(port: int) -> dict[str, Any]:
         "fsdp-fsdp": _together(port, "fsdp-fsdp", ("fsdp", "fsdp"), 1),
         "join-fsdp-serves": _joiner(port, "join-a", fsdp_serves=True),
         "join-plain-serves": _joiner(port, "join-b", fsdp_serves=False),
+        "slow-plain": _slow(port, "slow-plain", 2, 3),
     }
     return out
 
@@ -226,3 +269,17 @@ def test_replicas_of_different_layouts_train_together_and_a_joiner_heals_into_lo
             assert _equal(g["healed"]["model"], source["healed"]["model"]), name
             assert torch.equal(g["healed"]["momentum"], source["healed"]["momentum"]), name
             assert _close(g["model"], reference), name
+    # a member failing during the reduction: the survivors redo it without it (across
+    # layouts, or on the fast path when they share one), it heals and rejoins
+    for name, slow in (("slow-plain", 2),):
+        runs = [results[rank][name] for rank in range(4)]
+        job = {step: members for r in runs for step, members in r["commits"]}
+        assert all(job[s] == m for r in runs for s, m in r["commits"]), name
+        history = sorted(job.items())
+        assert [s for s, _ in history] == list(range(len(history))), (name, history)
+        assert slow not in history[1][1] and history[-1][1] == (0, 1, 2), (name, history)
+        slots = [tuple(x for r in members for x in _slots(r)) for _, members in history]
+        reference = _reference(slots)
+        for rank in range(4):
+            assert runs[rank]["step"] == len(history), (name, rank)
+            assert _close(runs[rank]["model"], reference), (name, rank)
