@@ -232,6 +232,7 @@ def _scenarios(port: int) -> dict[str, Any]:
         "fsdp-fsdp": _together(port, "fsdp-fsdp", ("fsdp", "fsdp"), 1),
         "join-fsdp-serves": _joiner(port, "join-a", fsdp_serves=True),
         "join-plain-serves": _joiner(port, "join-b", fsdp_serves=False),
+        "slow-fsdp": _slow(port, "slow-fsdp", 0, 3),
         "slow-plain": _slow(port, "slow-plain", 2, 3),
     }
     return out
@@ -270,8 +271,8 @@ def test_replicas_of_different_layouts_train_together_and_a_joiner_heals_into_lo
             assert torch.equal(g["healed"]["momentum"], source["healed"]["momentum"]), name
             assert _close(g["model"], reference), name
     # a member failing during the reduction: the survivors redo it without it (across
-    # layouts, or on the fast path when they share one), it heals and rejoins
-    for name, slow in (("slow-plain", 2),):
+    # layouts; on the fast path when FSDP is the one missing), it heals and rejoins
+    for name, slow in (("slow-fsdp", 0), ("slow-plain", 2)):
         runs = [results[rank][name] for rank in range(4)]
         job = {step: members for r in runs for step, members in r["commits"]}
         assert all(job[s] == m for r in runs for s, m in r["commits"]), name
