@@ -25,8 +25,8 @@ default ``--batch-size x M x W``: replicas of different sizes need the same
 ``--global-batch`` (a joiner whose ``G`` differs from its source's stops with an
 error). Validation scores every
 window on each replica. Each committed step appends a line to ``--out-dir``'s
-``ft_steps.jsonl`` (step, members, unix time, loss, healed bytes; the replica's rank
-0 writes it).
+``ft_steps.jsonl`` (step, members, unix time, the replica's loss on its rows, healed
+bytes; the replica's rank 0 writes it).
 
 Checkpoints: every ``--save-every`` steps (and at the last step) the lowest replica
 of the step's quorum writes the universal checkpoint into ``--checkpoint-dir`` (one
@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gpt_data import eval_windows
+from gpt_dist import mean_over_ranks
 
 from shardkit.checkpoint.universal import gradient_pieces, load_universal_states, universal_state
 from shardkit.distributed.fault_tolerance import FaultTolerantReplicas, connect_store, host_store
@@ -176,7 +177,8 @@ def _steps(
         x, y = (t.to(run.env.device) for t in run.sampler.next_batch())
         t0 = time.perf_counter()
         strategy.optimizer.zero_grad(set_to_none=True)
-        loss = strategy.accumulate(x, y, run.plan.accumulation).item()
+        # the replica's loss on its rows: the mean over its ranks (a collective over them)
+        loss = mean_over_ranks(strategy.accumulate(x, y, run.plan.accumulation))
         if not ft.average_gradients(averaged_parameters(strategy.optimizer)):
             say(run, f"replica {ft.replica_id}: dropped from step {ft.step + 1}; rejoining")
             continue
