@@ -19,8 +19,8 @@ the state in every replica, so the cross-replica reduction is one group per loca
 rank: rank ``j`` of every member, keyed ``group/<j>`` under the round's prefix (the fast
 path). Otherwise the members reduce in the plain model's index space over one group of
 every rank of every member, keyed ``layout-group`` (see [Note: the reduction in the
-plain model's index space] in :mod:`.layouts`). The replica's rank 0 alone speaks for it on the store (arrival, vote) and hands each decision to
-the other ranks with a broadcast over the replica's group; whether the replica's
+plain model's index space] in :mod:`.layouts`). The replica's rank 0 alone speaks for
+it on the store (arrival, vote) and hands each decision to the other ranks with a broadcast over the replica's group; whether the replica's
 reduction or healing succeeded is the minimum over its ranks (an all-reduce), so the
 ranks of a replica always take the same branch. A rank of the replica that dies
 breaks the replica's own collectives: the whole replica fails and restarts (its
@@ -424,6 +424,31 @@ class FaultTolerantReplicas:
             return None
         return flat
 
+    def _reduce_round(
+        self, quorum: Quorum, params: list[torch.Tensor], local: torch.Tensor | None
+    ) -> tuple[bool, Callable[[], None]]:
+        """One reduction over ``quorum``'s members, on the fast path or across layouts:
+        (whether it succeeded here, what puts the average into the gradients).
+
+        Raises:
+            ValueError: the members cannot reduce together (see
+                :meth:`average_gradients`) and this replica healed in ``quorum`` (or
+                none did); the others report a failure, and the redo leaves it out.
+        """
+        if quorum.same_layout:
+            result = None if local is None else self._reduce(quorum, local)
+            return local is None or result is not None, lambda: _copy_flat(params, result)
+        error = self._layouts.mismatch(quorum, self._sizes)
+        if error is not None:
+            if not quorum.heal or self.replica_id in dict(quorum.heal):
+                raise ValueError(f"replica {self.replica_id}: {error}")
+            return False, lambda: None
+        assert self._layout is not None  # its digest named a published layout
+        pieces = trainable(self._layout())
+        flat = self._reduce_across_layouts(quorum, pieces)
+        space = self._layouts.space(quorum.layouts[0])
+        return flat is not None, lambda: None if flat is None else space.gather(flat, pieces)
+
     def _reduce(self, quorum: Quorum, local: torch.Tensor) -> torch.Tensor | None:
         """The average of the members' ``local`` (summed after dividing each by the
         member count, as DDP does), or None when the reduction failed here."""
@@ -475,26 +500,10 @@ class FaultTolerantReplicas:
         quorum = self.quorum
         while True:
             # A FAILED member takes part (its peers need not time out) but votes no.
-            error = None if quorum.same_layout else self._layouts.mismatch(quorum, self._sizes)
-            if error is not None and (not quorum.heal or self.replica_id in dict(quorum.heal)):
-                raise ValueError(f"replica {self.replica_id}: {error}")
-            pieces: list[LayoutPiece] = []
-            if quorum.same_layout:
-                result = None if local is None else self._reduce(quorum, local)
-                ok = local is None or result is not None
-            elif error is None:
-                assert self._layout is not None  # its digest named a published layout
-                pieces = trainable(self._layout())
-                result = self._reduce_across_layouts(quorum, pieces)
-                ok = result is not None
-            else:  # a joiner that cannot reduce: vote no, the redo drops it
-                result, ok = None, False
+            ok, apply = self._reduce_round(quorum, params, local)
             verdict = self._vote(quorum, self._all_ok(ok and self.state is ReplicaState.MEMBER))
             if verdict.commit:
-                if quorum.same_layout:
-                    _copy_flat(params, result)
-                elif result is not None:
-                    self._layouts.space(quorum.layouts[0]).gather(result, pieces)
+                apply()
                 self.step += 1
                 self.stats.contributors.append(len(quorum.members))
                 return True
