@@ -6,20 +6,27 @@ Each replica (``--replica-id i`` of ``--max-replicas M``) is one ``torchrun`` ag
 replica's own world (hsdp: fully sharded over the replica's ranks). The replicas meet
 only at a quorum store (``--fault-tolerant HOST:PORT``, served by ``python
 examples/gpt_fault_tolerant.py serve --port PORT``). Every step the live replicas
-agree on a quorum, average their gradients over it (rank ``j`` of each replica with
-rank ``j`` of the others: :class:`shardkit.distributed.fault_tolerance.
-FaultTolerantReplicas` with the replica's group), and step; a replica that dies or
-stalls is dropped for that step, and a restarted one receives the model, optimizer,
-LR schedule, history and step count from a live replica, as the parts of a universal
-checkpoint held in memory (``shardkit.checkpoint.universal.universal_state``), each of
-its ranks loading the pieces its layout needs.
+agree on a quorum, average their gradients over it
+(:class:`shardkit.distributed.fault_tolerance.FaultTolerantReplicas` with the
+replica's group and its layout, ``shardkit.checkpoint.universal.gradient_pieces``:
+rank ``j`` of each replica with rank ``j`` of the others when every member runs the
+same strategy on as many ranks, else in the plain GPT's index space), and step; a
+replica that dies or stalls is dropped for that step, and a restarted one (of any
+size and strategy) receives the model, optimizer, LR schedule, history and step count
+from a live replica, as the parts of a universal checkpoint held in memory
+(``shardkit.checkpoint.universal.universal_state``), each of its ranks loading the
+pieces its layout needs.
 
 Data: rank ``r`` of replica ``i`` is data-parallel rank ``i W + r`` of ``M W``: it
-takes its rows of step ``s``'s global batch ``G`` (the main job's sampler); with a
-replica missing, the step trains on the survivors' rows only. Validation scores every
+takes its rows of step ``s``'s global batch ``G`` (the main job's sampler), so replica
+``i`` trains on rows ``[i G / M, (i + 1) G / M)`` whatever its ``W``; with a replica
+missing, the step trains on the survivors' rows only. ``G`` is ``--global-batch``, by
+default ``--batch-size x M x W``: replicas of different sizes need the same
+``--global-batch`` (a joiner whose ``G`` differs from its source's stops with an
+error). Validation scores every
 window on each replica. Each committed step appends a line to ``--out-dir``'s
-``ft_steps.jsonl`` (step, members, unix time, loss, healed bytes; the replica's rank
-0 writes it).
+``ft_steps.jsonl`` (step, members, unix time, the replica's loss on its rows, healed
+bytes; the replica's rank 0 writes it).
 
 Checkpoints: every ``--save-every`` steps (and at the last step) the lowest replica
 of the step's quorum writes the universal checkpoint into ``--checkpoint-dir`` (one
@@ -32,6 +39,7 @@ is behind and heals from the others at the first quorum.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -42,8 +50,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gpt_data import eval_windows
+from gpt_dist import mean_over_ranks
 
-from shardkit.checkpoint.universal import load_universal_states, universal_state
+from shardkit.checkpoint.universal import gradient_pieces, load_universal_states, universal_state
 from shardkit.distributed.fault_tolerance import FaultTolerantReplicas, connect_store, host_store
 from shardkit.optim import OSS
 
@@ -84,6 +93,11 @@ def flag_error(config: Any, world_size: int) -> str | None:
             f"--fault-tolerant: a replica is data parallel only (got --tp {opt.tp} --cp "
             f"{opt.cp} --moe-experts {opt.moe_experts}); drop --tp, --cp and --moe-experts"
         )
+    if min(config.ft_timeout, config.ft_quorum_timeout) <= 0:
+        return (
+            f"--ft-timeout {config.ft_timeout} and --ft-quorum-timeout "
+            f"{config.ft_quorum_timeout}: give seconds > 0"
+        )
     if not 0 <= replica_id < max_replicas:
         return f"--replica-id {replica_id} is not in [0, --max-replicas {max_replicas})"
     if config.stop_after is not None or config.async_checkpoint:
@@ -111,26 +125,36 @@ def train_loop(
 
     def state_dict() -> dict[str, Any]:  # this rank's part of a universal checkpoint
         extra = {"scheduler": run.scheduler.state_dict(), "history": asdict(run.history)}
+        extra["global_batch"] = run.plan.global_batch
         module, optimizer = strategy.checkpoint_module(), strategy.optimizer
         return universal_state(module, optimizer, step=ft.step, extra=extra)
 
     def load_state_dict(parts: list[Any]) -> None:  # resharded into this replica's layout
         module, optimizer = strategy.checkpoint_module(), strategy.optimizer
         extra = load_universal_states(parts, module, optimizer).extra(0) or {}
+        if extra.get("global_batch", run.plan.global_batch) != run.plan.global_batch:
+            raise ValueError(
+                f"replica {config.replica_id} trains a global batch of "
+                f"{run.plan.global_batch} sequences, its source {extra['global_batch']}: "
+                "replicas of different sizes need the same --global-batch"
+            )
         run.scheduler.load_state_dict(extra["scheduler"])
         for name, values in extra["history"].items():
             setattr(run.history, name, values)
 
+    module, optimizer = strategy.checkpoint_module(), strategy.optimizer
     ft = FaultTolerantReplicas(
         connect_store(config.fault_tolerant),
         config.replica_id,
         state_dict=state_dict,
         load_state_dict=load_state_dict,
         timeout_s=config.ft_timeout,
+        quorum_timeout_s=config.ft_quorum_timeout,
         initial_replicas=config.max_replicas,
         prefix=f"gpt-ft-{config.seed}",
         group=dist.group.WORLD if run.env.world_size > 1 else None,
         step=run.step,
+        layout=functools.partial(gradient_pieces, module, optimizer),
     )
     log = (out_dir / "ft_steps.jsonl").open("a") if run.env.rank == 0 else None
     try:
@@ -153,7 +177,8 @@ def _steps(
         x, y = (t.to(run.env.device) for t in run.sampler.next_batch())
         t0 = time.perf_counter()
         strategy.optimizer.zero_grad(set_to_none=True)
-        loss = strategy.accumulate(x, y, run.plan.accumulation).item()
+        # the replica's loss on its rows: the mean over its ranks (a collective over them)
+        loss = mean_over_ranks(strategy.accumulate(x, y, run.plan.accumulation))
         if not ft.average_gradients(averaged_parameters(strategy.optimizer)):
             say(run, f"replica {ft.replica_id}: dropped from step {ft.step + 1}; rejoining")
             continue

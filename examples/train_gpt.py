@@ -130,7 +130,9 @@ class JobConfig:
             (``trace-rank<r>.json`` in ``out_dir``); None: no profiling.
         fault_tolerant: ``HOST:PORT`` of the quorum store: this process is replica
             ``replica_id`` of ``max_replicas`` (``examples/gpt_fault_tolerant.py``);
-            ``ft_timeout`` seconds drop a silent replica. None: off.
+            ``ft_timeout`` seconds drop a silent replica; the first quorum waits
+            ``ft_quorum_timeout`` seconds for ``max_replicas`` replicas (then closes
+            with those that came). None: off.
         compile: ``torch.compile`` each block before wrapping (``gpt_compile``).
         sample_bytes: bytes of text sampled after the last step (``sample.txt``); 0:
             no sample.
@@ -160,6 +162,7 @@ class JobConfig:
     replica_id: int = 0
     max_replicas: int = 1
     ft_timeout: float = 10.0
+    ft_quorum_timeout: float = 300.0
     compile: bool = False
     sample_bytes: int = 120
 
@@ -255,6 +258,9 @@ def parse_args(argv: list[str] | None) -> JobConfig:
     add("--replica-id", type=_non_negative, default=0, help="--fault-tolerant: this replica")
     add("--max-replicas", type=_positive, default=1, help="--fault-tolerant: replica ids")
     add("--ft-timeout", type=float, default=job.ft_timeout, help="seconds: drop a replica")
+    add(
+        "--ft-quorum-timeout", type=float, default=job.ft_quorum_timeout, help="seconds: 1st quorum"
+    )
     add("--compile", action="store_true", help="torch.compile each Block before wrapping")
     add("--optimizer", default=opt.optimizer, choices=list(OPTIMIZERS), help="default adamw")
     add("--sample-bytes", type=_non_negative, default=job.sample_bytes, help="0: no sample")

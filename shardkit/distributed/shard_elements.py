@@ -77,7 +77,8 @@ def run_length(view: TensorView) -> int:
 
 def local_rows(global_flat: torch.Tensor, view: TensorView) -> torch.Tensor:
     """The local tensor of ``view`` as a ``(R, K)`` strided view of ``global_flat``
-    (the global tensor flattened, 1-D); writing into it writes the global tensor. A view
+    (the global tensor flattened, 1-D; a slice of a larger buffer too); writing into it
+    writes the global tensor. A view
     of several splits: a strided view with two dimensions per split dimension (see
     ``[Note: a view of several splits as a strided view]``)."""
     if view.inner_splits:
@@ -86,7 +87,8 @@ def local_rows(global_flat: torch.Tensor, view: TensorView) -> torch.Tensor:
     rows = view.local_numel // k
     if view.split_dim is None or rows == 0:
         return global_flat[: rows * k].view(rows, k)
-    return global_flat.as_strided((rows, k), (view.parts * k, 1), view.part * k)
+    offset = global_flat.storage_offset() + view.part * k  # as_strided's is absolute
+    return global_flat.as_strided((rows, k), (view.parts * k, 1), offset)
 
 
 def _several_splits(global_flat: torch.Tensor, view: TensorView) -> torch.Tensor:

@@ -29,6 +29,7 @@ def test_flag_combinations_are_checked() -> None:
         (["--fault-tolerant", "nohost", "--save-every", "0"], "expected HOST:PORT of the quorum"),
         ([*_FT, "--stop-after", "3"], "drop --stop-after and --async-checkpoint"),
         ([*_FT[:-1], "5", "--async-checkpoint"], "drop --stop-after and --async-checkpoint"),
+        ([*_FT, "--ft-quorum-timeout", "0"], "--ft-quorum-timeout 0.0: give seconds > 0"),
     ]
     for argv, message in cases:
         got = _error(argv)

@@ -23,7 +23,8 @@ shard file and its index), :mod:`.optim_state`, :mod:`.meta` (the manifest layou
 :mod:`.staging` and :mod:`.asynchronous` (``AsyncCheckpointer``: the same save, copied
 to host memory at the step boundary and committed by a background thread),
 :mod:`.peer` (``universal_state`` / ``load_universal_states``: a checkpoint held in
-memory, sent by live ranks to ranks of another layout).
+memory, sent by live ranks to ranks of another layout; ``gradient_pieces``: the pieces
+replicas of different layouts average gradients over).
 Wrapper adapters live with their wrappers and call :func:`register_layout` at import.
 Every piece is described by its shard descriptor,
 :class:`shardkit.distributed.shard_descriptor.TensorView` (re-exported here), with its
@@ -42,7 +43,11 @@ from shardkit.checkpoint.universal.layout import (
 )
 from shardkit.checkpoint.universal.loader import LoadedCheckpoint, load_universal
 from shardkit.checkpoint.universal.meta import FORMAT
-from shardkit.checkpoint.universal.peer import load_universal_states, universal_state
+from shardkit.checkpoint.universal.peer import (
+    gradient_pieces,
+    load_universal_states,
+    universal_state,
+)
 from shardkit.checkpoint.universal.writer import save_universal
 from shardkit.distributed.shard_descriptor import TensorView
 
@@ -57,6 +62,7 @@ __all__ = [
     "PlainLayout",
     "Purpose",
     "TensorView",
+    "gradient_pieces",
     "layout_of",
     "load_universal",
     "load_universal_states",

@@ -24,11 +24,16 @@ So there is one format and one resharding implementation; the memory cost on the
 joiner is the live replica's whole state once per rank (in RAM or ``directory``'s
 file system: ``/dev/shm`` by default when it exists), as when every rank reads a
 whole checkpoint.
+
+The same pieces tell replicas of different layouts which gradients each rank holds:
+:func:`gradient_pieces` lists them for ``FaultTolerantReplicas(layout=...)``, which
+averages them in the plain model's index space.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -45,11 +50,14 @@ from shardkit.checkpoint.manifest import (
     _write_files,
     checkpoint_name,
 )
+from shardkit.checkpoint.universal.adapters import layout_of
+from shardkit.checkpoint.universal.layout import ParamEntry, session_of
 from shardkit.checkpoint.universal.loader import LoadedCheckpoint, load_universal
+from shardkit.checkpoint.universal.optim_state import entry_offset
 from shardkit.checkpoint.universal.shardfile import ShardFile
 from shardkit.checkpoint.universal.writer import prepare_save
 
-__all__ = ["load_universal_states", "universal_state"]
+__all__ = ["gradient_pieces", "load_universal_states", "universal_state"]
 
 _SHM = Path("/dev/shm")
 
@@ -97,6 +105,39 @@ def universal_state(
         files = {name: _file_bytes(obj) for name, obj in prepared.files.items()}
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     return {"step": step, "layout": prepared.layout, "rank": rank, "files": files}
+
+
+def gradient_pieces(
+    model: Any, optimizer: Any = None, *, group: dist.ProcessGroup | None = None
+) -> list[ParamEntry]:
+    """This rank's pieces of ``model``'s parameters as the universal checkpoint lists
+    them (``layout_of(model, optimizer, group=group).entries()``), each with its
+    ``param_offset`` resolved: what ``FaultTolerantReplicas(layout=...)`` reads to
+    average gradients between replicas of different layouts. No collective.
+
+    Args:
+        model: the model as the training loop holds it (as for ``save_universal``).
+        optimizer: the optimizer stepping it (OSS: it decides which rank holds which
+            gradient; FSDP: its flat shards), or None (a plain model or DDP: every
+            parameter).
+        group: the replica's process group for a plain module (its ranks split the
+            pieces between them); default None: the world group. Wrappers use their own.
+
+    Returns:
+        The pieces, in the adapter's order (buffers and parameters this rank does not
+        step have ``param`` None). Element ranges, in elements of the local tensor.
+
+    Raises:
+        TypeError: no layout is registered for ``model`` (as ``layout_of``).
+        ValueError: a piece's offset in its parameter cannot be derived.
+    """
+    adapter = layout_of(model, optimizer, group=group)
+    with session_of(adapter, "save"):
+        entries = list(adapter.entries())
+    return [
+        dataclasses.replace(e, param_offset=entry_offset(e)) if e.param is not None else e
+        for e in entries
+    ]
 
 
 def _commit_parts(root: Path, parts: Sequence[Mapping[str, Any]]) -> Path:

@@ -7,6 +7,9 @@
   :func:`connect_store`, the quorum store's server and clients.
 - :mod:`~shardkit.distributed.fault_tolerance.replicas`: :class:`FaultTolerantReplicas`,
   one replica's side (quorum, healing, gradient averaging with redo).
+- :mod:`~shardkit.distributed.fault_tolerance.layouts`: a replica's layout fingerprint,
+  and the reduction in the plain model's index space between replicas of different
+  layouts.
 - :mod:`~shardkit.distributed.fault_tolerance.sampler`: :class:`ReplicaSampler`, the
   samples of a replica at a step.
 
@@ -14,8 +17,8 @@
 Replicas (replica ids 0, 1, ...) share a ``TCPStore`` and nothing else: no default
 process group, no world size. Each step:
 
-1. **Quorum.** Every live replica appends ``(replica id, committed step)`` to the
-   round's arrivals. The round closes when every replica the previous round kept has
+1. **Quorum.** Every live replica appends ``(replica id, committed step, layout
+   fingerprint)`` to the round's arrivals. The round closes when every replica the previous round kept has
    arrived (at least ``min_replicas``), or ``join_timeout_s`` after a replica's own
    arrival; the first replica to see it closed writes the decision with
    ``compare_set`` and every replica reads that one. Members behind the highest step
@@ -27,7 +30,8 @@ process group, no world size. Each step:
    collective timeout; otherwise the group of the round that created it is reused.
    The survivors never restart; a group that is dropped closes its connections.
 3. **Reduction.** Each member divides its flattened gradients by the member count and
-   all-reduces them (sum): the average over the replicas that contributed.
+   all-reduces them (sum): the average over the replicas that contributed. Members of
+   different layouts do it in the plain model's index space (:mod:`.layouts`).
 4. **Verdict.** Each member appends whether its reduction succeeded. When all did,
    the verdict is *commit*: every member applies the average and advances its step.
    When one failed, or a member did not report within ``timeout_s`` (dead, or slow),

@@ -4,7 +4,7 @@ Every key lives under one prefix of a ``torch.distributed.Store`` (a ``TCPStore`
 replicas reach over the network). Rounds are numbered 0, 1, 2, ... and decided in
 order; a replica takes part in one round per step, plus one per redone reduction::
 
-    round/<r>/arrivals   appended "replica,step,redo;" by each replica that arrives
+    round/<r>/arrivals   appended "replica,step,redo,layout;" by each replica that arrives
     round/<r>/decision   the Quorum (JSON), written once with compare_set
     round/<r>/votes      appended "replica,ok;" after the reduction
     round/<r>/verdict    the Verdict (JSON), written once with compare_set
@@ -43,11 +43,14 @@ class Arrival:
         step: the replica's committed step count when it arrived.
         redo: True when it arrives to redo the reduction of ``step`` (it holds that
             step's local gradients); False at the start of a step.
+        layout: the fingerprint of the replica's layout (a digest: no ``,`` or ``;``);
+            default ``""``: not given.
     """
 
     replica: int
     step: int
     redo: bool
+    layout: str = ""
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class Quorum:
         group_round: the round whose store prefix names the cross-replica group: this
             round's when the members changed (or the last reduction failed), else the
             round that created the group still in use.
+        layouts: the members' layout fingerprints (:attr:`Arrival.layout`), in the
+            order of ``members``; default ``()``: none recorded.
     """
 
     round: int
@@ -71,6 +76,13 @@ class Quorum:
     members: tuple[int, ...]
     heal: tuple[tuple[int, int], ...]
     group_round: int
+    layouts: tuple[str, ...] = ()
+
+    @property
+    def same_layout(self) -> bool:
+        """Whether every member published the same layout fingerprint (then rank ``j``
+        of each member holds the same pieces)."""
+        return len(set(self.layouts)) <= 1
 
     def rank_of(self, replica: int) -> int:
         """The replica's rank in the cross-replica group (its index in ``members``)."""
@@ -121,8 +133,8 @@ def _arrivals(store: Store, prefix: str, round_: int) -> dict[int, Arrival]:
     text = _read(store, _key(prefix, round_, "arrivals")) or ""
     found: dict[int, Arrival] = {}
     for item in filter(None, text.split(";")):
-        replica, step, redo = (int(v) for v in item.split(","))
-        found[replica] = Arrival(replica, step, bool(redo))
+        replica, step, redo, *layout = item.split(",")
+        found[int(replica)] = Arrival(int(replica), int(step), bool(int(redo)), *layout)
     return found
 
 
@@ -154,6 +166,7 @@ def _decode_quorum(text: str) -> Quorum:
         tuple(data["members"]),
         tuple((h, s) for h, s in data["heal"]),
         data["group_round"],
+        tuple(data.get("layouts", ())),
     )
 
 
@@ -167,6 +180,7 @@ def _encode_quorum(quorum: Quorum, by: int) -> str:
             "members": list(quorum.members),
             "heal": [list(pair) for pair in quorum.heal],
             "group_round": quorum.group_round,
+            "layouts": list(quorum.layouts),
         }
     )
 
@@ -193,9 +207,15 @@ def admit(round_: int, arrivals: dict[int, Arrival], previous: Quorum | None) ->
         sources = [r for r in members if arrivals[r].step == step]
         behind = [r for r in members if arrivals[r].step < step]
         heal = tuple((r, sources[i % len(sources)]) for i, r in enumerate(behind))
-    reuse = previous is not None and previous.members == members and not heal
+    layouts = tuple(arrivals[r].layout for r in members)
+    layouts = layouts if any(layouts) else ()  # none given: none recorded
+    reuse = (
+        previous is not None
+        and (previous.members, previous.layouts) == (members, layouts)
+        and not heal
+    )
     group_round = previous.group_round if reuse and previous is not None else round_
-    return Quorum(round_, step, members, heal, group_round)
+    return Quorum(round_, step, members, heal, group_round, layouts)
 
 
 @dataclass(frozen=True)
@@ -265,7 +285,8 @@ def join_round(
             ``min_replicas`` replicas arrived).
     """
     start = time.monotonic()
-    _append(store, _key(prefix, round_, "arrivals"), f"{me.replica},{me.step},{int(me.redo)};")
+    arrival = f"{me.replica},{me.step},{int(me.redo)},{me.layout};"
+    _append(store, _key(prefix, round_, "arrivals"), arrival)
     expectation = _expected(store, prefix, round_, start + quorum_timeout_s)
     expected = expectation.members
     # Round 0 with a known size waits for it up to quorum_timeout_s.

@@ -8,13 +8,19 @@ quorum's members with :meth:`FaultTolerantReplicas.average_gradients`, which red
 the reduction with the survivors when a member fails, so every survivor applies the
 same average.
 
+Why this module is long: one class, one replica's side of the per-step protocol
+(arrival, healing, reduction on either path, vote, redo), whose phases share its
+state; the layouts' arithmetic is in :mod:`.layouts`, the quorum's in :mod:`.quorum`.
+
 [Note: a replica of several ranks]
-Rank ``j`` of a replica holds the same piece of the state in every replica (the same
-wrapper over the same number of ranks), so the cross-replica reduction is one group
-per local rank: rank ``j`` of every member, keyed ``group/<j>`` under the round's
-prefix. The replica's
-rank 0 alone speaks for it on the store (arrival, vote) and hands each decision to
-the other ranks with a broadcast over the replica's group; whether the replica's
+When every member published the same layout fingerprint (:mod:`.layouts`; the same
+wrapper over the same number of ranks), rank ``j`` of a replica holds the same piece of
+the state in every replica, so the cross-replica reduction is one group per local
+rank: rank ``j`` of every member, keyed ``group/<j>`` under the round's prefix (the fast
+path). Otherwise the members reduce in the plain model's index space over one group of
+every rank of every member, keyed ``layout-group`` (see [Note: the reduction in the
+plain model's index space] in :mod:`.layouts`). The replica's rank 0 alone speaks for
+it on the store (arrival, vote) and hands each decision to the other ranks with a broadcast over the replica's group; whether the replica's
 reduction or healing succeeded is the minimum over its ranks (an all-reduce), so the
 ranks of a replica always take the same branch. A rank of the replica that dies
 breaks the replica's own collectives: the whole replica fails and restarts (its
@@ -28,7 +34,8 @@ its copy in another layout: with parts of a universal checkpoint
 (``shardkit.checkpoint.universal.universal_state`` /
 ``load_universal_states``), each healer rank reads the pieces its layout needs by
 their shard descriptors. Each healer rank receives the whole state (the source's parts),
-as when every rank reads a whole checkpoint.
+as when every rank reads a whole checkpoint. With ``layout=`` given on every replica, the
+healer then trains in lockstep with its source through the cross-layout reduction.
 """
 
 from __future__ import annotations
@@ -44,6 +51,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardkit.distributed.fault_tolerance.layouts import (
+    LayoutFn,
+    LayoutPiece,
+    PublishedLayouts,
+    fingerprint,
+    trainable,
+)
 from shardkit.distributed.fault_tolerance.quorum import (
     Arrival,
     Quorum,
@@ -146,10 +160,18 @@ class FaultTolerantReplicas:
             soon as this many arrived; default None (after ``join_timeout_s``).
         prefix: the store prefix of this job's keys; default ``"shardkit-ft"``.
         group: the process group of this replica's ranks, which hold one model copy
-            between them (e.g. the world of the replica's own ``torchrun``); every
-            replica has the same number of ranks, and every rank of the replica
-            builds its manager and calls its methods. Default None: a replica of one
-            process (no collectives inside it). See [Note: a replica of several ranks].
+            between them (e.g. the world of the replica's own ``torchrun``); every rank
+            of the replica builds its manager and calls its methods. Default None: a
+            replica of one process (no collectives inside it). See [Note: a replica of
+            several ranks].
+        layout: returns this rank's pieces of the trainable parameters as the universal
+            checkpoint lists them
+            (``functools.partial(shardkit.checkpoint.universal.gradient_pieces, model,
+            optimizer, group=group)``); called here (a collective over ``group``) and at
+            each reduction between replicas of different layouts. With it, replicas of
+            another strategy or number of ranks train together. Default None: the
+            layout is known by its number of ranks only, and replicas train together
+            only with as many ranks each (the same flags).
         step: the committed step count this replica starts from: the step of the
             checkpoint it resumed (:meth:`checkpoint`), ``>= 0``; default 0. A replica
             behind the others heals from them at its first quorum; one ahead serves
@@ -179,6 +201,7 @@ class FaultTolerantReplicas:
         prefix: str = "shardkit-ft",
         group: dist.ProcessGroup | None = None,
         step: int = 0,
+        layout: LayoutFn | None = None,
     ) -> None:
         join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
         if replica_id < 0 or min_replicas < 1 or step < 0:
@@ -203,9 +226,24 @@ class FaultTolerantReplicas:
         self._group: tuple[int, GlooGroup] | None = None
         self.replica_group = group
         self.local_rank = 0 if group is None else dist.get_rank(group)
+        self._layout = layout
+        self._layouts = PublishedLayouts(store, prefix)
+        self.layout_digest = self._publish_layout()
+
+    def _publish_layout(self) -> str:
+        """Publish this replica's size and layout fingerprint (its rank 0 writes them);
+        return the fingerprint's digest (``n<size>`` without ``layout``)."""
+        size = 1 if self.replica_group is None else dist.get_world_size(self.replica_group)
         if self.local_rank == 0:
-            size = 1 if group is None else dist.get_world_size(group)
-            store.set(self._size_key(replica_id), str(size))
+            self.store.set(self._size_key(self.replica_id), str(size))
+        if self._layout is None:
+            return f"n{size}"
+        mine = fingerprint(trainable(self._layout()))
+        ranks: list[Any] = [mine]
+        if self.replica_group is not None:
+            ranks = [None] * size
+            dist.all_gather_object(ranks, mine, group=self.replica_group)
+        return self._layouts.publish(ranks, write=self.local_rank == 0)
 
     # the replica's own ranks -------------------------------------------------------
     def _share(self, make: Callable[[], Any]) -> Any:
@@ -265,7 +303,7 @@ class FaultTolerantReplicas:
             self.store,
             self.prefix,
             round_,
-            Arrival(self.replica_id, self.step, redo),
+            Arrival(self.replica_id, self.step, redo, self.layout_digest),
             min_replicas=self.min_replicas,
             join_timeout_s=self.join_timeout_s,
             quorum_timeout_s=self.quorum_timeout_s,
@@ -279,6 +317,9 @@ class FaultTolerantReplicas:
     def _replica_size(self, replica: int) -> int:
         """The number of ranks of ``replica`` (each replica's rank 0 publishes it)."""
         return int(self.store.get(self._size_key(replica)).decode())
+
+    def _sizes(self, replicas: Iterable[int]) -> dict[int, int]:
+        return {r: self._replica_size(r) for r in replicas}
 
     def _heal_group(self, quorum: Quorum, healer: int, src: int, dst: int, me: int) -> GlooGroup:
         """The two-member group from the source's rank ``src`` (group rank 0) to the
@@ -348,6 +389,66 @@ class FaultTolerantReplicas:
             self._group = (quorum.group_round, group)
         return self._group[1]
 
+    def _layout_group(self, quorum: Quorum) -> GlooGroup:
+        """One group of every rank of every member (members in id order, each one's
+        ranks in its rank order), for the reduction across layouts."""
+        if self._group is None or self._group[0] != quorum.group_round:
+            self._group = None
+            sizes = [self._replica_size(r) for r in quorum.members]
+            rank = sum(sizes[: quorum.rank_of(self.replica_id)]) + self.local_rank
+            prefix = f"{self.prefix}/round/{quorum.group_round}/layout-group"
+            group = gloo_group(self.store, prefix, rank, sum(sizes), self.timeout_s)
+            self._group = (quorum.group_round, group)
+        return self._group[1]
+
+    def _reduce_across_layouts(
+        self, quorum: Quorum, pieces: list[LayoutPiece]
+    ) -> torch.Tensor | None:
+        """The members' average in the plain model's index space (see [Note: the
+        reduction in the plain model's index space] in :mod:`.layouts`), or None when
+        the reduction failed here."""
+        space = self._layouts.space(quorum.layouts[0])
+        wide = any(p.param is not None and p.param.dtype == torch.float64 for p in pieces)
+        flat = space.scatter(pieces, torch.float64 if wide else torch.float32)
+        flat /= len(quorum.members)
+        try:
+            self._layout_group(quorum).allreduce([flat]).wait()
+        except RuntimeError as err:
+            _LOG.warning(
+                "replica %d: reduction across layouts in round %d failed: %s",
+                self.replica_id,
+                quorum.round,
+                err,
+            )
+            self._group = None
+            return None
+        return flat
+
+    def _reduce_round(
+        self, quorum: Quorum, params: list[torch.Tensor], local: torch.Tensor | None
+    ) -> tuple[bool, Callable[[], None]]:
+        """One reduction over ``quorum``'s members, on the fast path or across layouts:
+        (whether it succeeded here, what puts the average into the gradients).
+
+        Raises:
+            ValueError: the members cannot reduce together (see
+                :meth:`average_gradients`) and this replica healed in ``quorum`` (or
+                none did); the others report a failure, and the redo leaves it out.
+        """
+        if quorum.same_layout:
+            result = None if local is None else self._reduce(quorum, local)
+            return local is None or result is not None, lambda: _copy_flat(params, result)
+        error = self._layouts.mismatch(quorum, self._sizes)
+        if error is not None:
+            if not quorum.heal or self.replica_id in dict(quorum.heal):
+                raise ValueError(f"replica {self.replica_id}: {error}")
+            return False, lambda: None
+        assert self._layout is not None  # its digest named a published layout
+        pieces = trainable(self._layout())
+        flat = self._reduce_across_layouts(quorum, pieces)
+        space = self._layouts.space(quorum.layouts[0])
+        return flat is not None, lambda: None if flat is None else space.gather(flat, pieces)
+
     def _reduce(self, quorum: Quorum, local: torch.Tensor) -> torch.Tensor | None:
         """The average of the members' ``local`` (summed after dividing each by the
         member count, as DDP does), or None when the reduction failed here."""
@@ -373,7 +474,9 @@ class FaultTolerantReplicas:
         under DDP, its shard otherwise (``OSS.local_params()`` under OSS and
         ShardedDataParallel, FSDP's ``parameters()``). When a member fails or times out, the members
         that reported in time redo the reduction among themselves, from their own
-        gradients, until one succeeds on all of them.
+        gradients, until one succeeds on all of them. Members of different layouts
+        (``layout=``) average the pieces their layouts list instead, in the plain
+        model's index space (see [Note: a replica of several ranks]).
 
         Returns:
             True: the parameters' ``.grad`` hold the average over
@@ -383,32 +486,26 @@ class FaultTolerantReplicas:
 
         Raises:
             RuntimeError: called before :meth:`start_step`.
-            ValueError: this replica healed from a replica with another number of
-                ranks: it holds the state, but the reduction pairs rank ``j`` with rank
-                ``j`` (the others go on without it).
+            ValueError: the members hold different layouts and one of them gave no
+                ``layout=`` (or they hold different models): raised on the members that
+                healed in this step's quorum (the others go on without them), on every
+                member when none healed.
         """
         if self.quorum is None or self.state is ReplicaState.JOINING:
             raise RuntimeError(
                 "FaultTolerantReplicas.average_gradients: call start_step() first, once per step"
-            )
-        source = self.quorum.source_of(self.replica_id)
-        if source is not None and self._replica_size(source) != self._replica_size(self.replica_id):
-            raise ValueError(
-                f"replica {self.replica_id} has {self._replica_size(self.replica_id)} rank(s), "
-                f"replica {source} (its source) {self._replica_size(source)}: replicas reduce "
-                "rank j with rank j, so every replica needs the same number of ranks; "
-                "restart this replica with as many ranks as the others"
             )
         params = [p for p in parameters if p.requires_grad]
         local = torch.cat([_grad_or_zeros(p).reshape(-1) for p in params]) if params else None
         quorum = self.quorum
         while True:
             # A FAILED member takes part (its peers need not time out) but votes no.
-            result = None if local is None else self._reduce(quorum, local)
-            ok = self.state is ReplicaState.MEMBER and (local is None or result is not None)
-            verdict = self._vote(quorum, self._all_ok(ok))
+            ok, apply = self._reduce_round(quorum, params, local)
+            verdict = self._vote(quorum, self._all_ok(ok and self.state is ReplicaState.MEMBER))
             if verdict.commit:
-                self._commit(params, result, quorum)
+                apply()
+                self.step += 1
+                self.stats.contributors.append(len(quorum.members))
                 return True
             if self.state is ReplicaState.FAILED or self.replica_id not in verdict.voters:
                 return self._drop()
@@ -457,24 +554,22 @@ class FaultTolerantReplicas:
         )
         return verdict
 
-    def _commit(
-        self, params: list[torch.Tensor], averaged: torch.Tensor | None, quorum: Quorum
-    ) -> None:
-        offset = 0
-        for p in params:
-            n = p.numel()
-            if averaged is not None:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad.copy_(averaged[offset : offset + n].view_as(p))
-            offset += n
-        self.step += 1
-        self.stats.contributors.append(len(quorum.members))
-
     def _drop(self) -> bool:
         self.state, self.quorum, self._group = ReplicaState.JOINING, None, None
         self.stats.dropped_steps += 1
         return False
+
+
+def _copy_flat(params: list[torch.Tensor], averaged: torch.Tensor | None) -> None:
+    """Copy the flat ``averaged`` back into the ``.grad`` of ``params`` (in order)."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        if averaged is not None:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(averaged[offset : offset + n].view_as(p))
+        offset += n
 
 
 def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
