@@ -45,6 +45,12 @@ def test_parity_and_byte_counters(rank_pool: Any, world_size: int, tmp_path: Pat
             # state read from step 2 on; shard and state written once
             assert result["stats"] == result["expected"], cfg
             assert result["resident_after_step"] == [0, 0, 0], cfg  # nothing left in memory
+            # [Note: two units ahead]: once the order is known, when a unit starts the
+            # next one's all-gather is issued and the one after it is being read
+            ahead = result["ahead"]
+            assert len({k for k, _, _ in ahead}) == result["units"], (cfg, ahead)
+            want = cfg.get("prefetch", True)
+            assert all(g == want and r == want for k, g, r in ahead if k + 2 < result["units"])
             # one generation on disk between steps: shard + state per unit, the manifest
             units = result["units"]
             assert len(result["files"]) == 2 * units + 1, result["files"]
