@@ -584,20 +584,25 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         Each element is counted once over the root's ranks (its shard group and, under
         hybrid sharding, its replica group): hybrid units on replica rank 0 only, nested
         units over another group (an MoE's experts over the expert-data-parallel group)
-        by their shard descriptors (see :mod:`.norm_shards`).
+        by their shard descriptors (see :mod:`.norm_shards`). A tensor-parallel model
+        wrapped over the data-parallel group is summed over its tensor-parallel group
+        too (the group its layers hold), its replicated parameters (LayerNorms,
+        row-parallel biases) counted on tensor-parallel rank 0 only: the norm of the
+        whole model, the same on every rank.
 
         Raises:
             RuntimeError: the model is on a disk tier (its units step inside backward).
             ValueError: a nested unit's shards have copies the norm cannot tell apart
-                (a unit over a subgroup, neither expert parts nor hybrid).
+                (a unit over a subgroup, neither expert parts nor hybrid); parameters
+                split over ranks outside the root's in more than one way, or over ranks
+                no module holds a process group of.
         """
         units = units_in(self)
         refuse_on_disk(units, "clip_grad_norm_")
-        counted, copies = counted_shards(units, self._process_group, self._replicate_group)
-        groups = [self._process_group]
-        if self._replicate_group is not None:
-            groups.append(self._replicate_group)
-        return clip_grad_norm_sharded(counted, max_norm, norm_type, groups, copies=copies)
+        shards = counted_shards(units, self._process_group, self._replicate_group, self.modules())
+        return clip_grad_norm_sharded(
+            shards.counted, max_norm, norm_type, shards.groups, copies=shards.copies
+        )
 
     # state dicts ---------------------------------------------------------------
     def state_dict(  # type: ignore[override]

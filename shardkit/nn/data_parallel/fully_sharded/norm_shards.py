@@ -12,20 +12,57 @@ replicas (hybrid sharding) is counted on replica rank 0 only; a unit without cop
 counted everywhere. Counting over the root's shard group alone (the earlier rule) missed
 the expert shards held by the other replicas (4.09 instead of 6.09 for an MoE under
 hybrid sharding with ``ep = dp_shard``).
+
+[Note: parts and copies outside the root's ranks]
+A tensor-parallel model wrapped over the data-parallel group holds, on each rank of
+``W``, one tensor-parallel rank's view of the model: a split parameter's part (its
+descriptor's split group lies outside ``W``, meeting it in this rank alone) and the
+copies the producer made (a LayerNorm weight, a row-parallel bias: the descriptor's
+replica group, the tensor-parallel ranks). The sum over ``W`` is then this
+tensor-parallel rank's norm, not the model's: each tensor-parallel rank clipped by its
+own factor. So the norm is also summed over that outside group ``M`` (the split
+group, found once among the process groups the modules hold: the tensor-parallel
+layers keep theirs), and a producer's copy is counted only by the ``W`` that holds the
+lowest rank of its replica group (tensor-parallel rank 0's, as Megatron-LM's
+``param_is_not_tensor_parallel_duplicate``); the other ranks clip it uncounted. Every
+element is then counted once over ``W x M``. The decision is per original parameter:
+a unit's shard can mix parts and copies.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from shardkit.distributed.collectives import group_rank, group_ranks, group_size
-from shardkit.distributed.shard_descriptor import TensorView
+from shardkit.distributed.shard_descriptor import Ranks, TensorView, writes_replica
 from shardkit.nn.data_parallel.fully_sharded.unit import UnitRuntime
 
-__all__ = ["counted_shards"]
+__all__ = ["NormShards", "counted_shards"]
+
+
+@dataclass
+class NormShards:
+    """This rank's part of the global norm (see :func:`counted_shards`).
+
+    Attributes:
+        counted: the sharded parameters whose gradients this rank counts.
+        copies: the sharded parameters clipped by the same factor but counted by
+            another rank.
+        groups: the process groups the partial sum is reduced over, in turn (the
+            root's shard group, its replica group under hybrid sharding, the
+            tensor-parallel group of ``[Note: parts and copies outside the root's
+            ranks]``).
+    """
+
+    counted: list[torch.Tensor]
+    copies: list[torch.Tensor]
+    groups: list[dist.ProcessGroup | None]
 
 
 def _parts_inside(view: TensorView | None, world: set[int]) -> int:
@@ -50,22 +87,84 @@ def _root_ranks(
     return set(every.tolist())
 
 
+def _outside_ranks(units: list[UnitRuntime], world: set[int]) -> set[Ranks]:
+    """The groups of ranks outside ``world`` holding other parts (split groups) or
+    copies (replica groups meeting ``world`` in this rank alone) of the units'
+    parameters (see ``[Note: parts and copies outside the root's ranks]``)."""
+    me = dist.get_rank() if dist.is_initialized() else 0
+    found: set[Ranks] = set()
+    for view in (i.view for u in units for i in u.handle.infos if i.view is not None):
+        found.update(
+            s.group for s in view.splits if s.group is not None and not set(s.group) <= world
+        )
+        copies = view.replicate_group
+        if copies and not set(copies) <= world and set(copies) & world == {me}:
+            found.add(copies)
+    return found
+
+
+def _outside_group(
+    units: list[UnitRuntime], world: set[int], modules: Iterable[nn.Module]
+) -> dist.ProcessGroup | None:
+    """The process group ``M`` of ``[Note: parts and copies outside the root's ranks]``
+    (None: every part and copy is inside ``world``), taken from the groups ``modules``
+    hold as attributes (a tensor-parallel layer's ``process_group``, an expert's
+    ``tp_group``)."""
+    found = _outside_ranks(units, world)
+    if not found:
+        return None
+    if len(found) > 1 or len(set(next(iter(found))) & world) != 1:
+        raise ValueError(
+            f"clip_grad_norm_: the parameters are split or copied over ranks outside the "
+            f"root's data-parallel ranks {sorted(world)} in several ways "
+            f"({sorted(list(r) for r in found)}): the norm can sum over one such group "
+            "(the tensor-parallel group, meeting the data-parallel group in one rank); "
+            "wrap the model over the data-parallel group of a process mesh"
+        )
+    ranks = next(iter(found))
+    for module in modules:
+        for value in vars(module).values():
+            if isinstance(value, dist.ProcessGroup) and tuple(sorted(group_ranks(value))) == ranks:
+                return value
+    raise ValueError(
+        f"clip_grad_norm_: parameters are split over (or copied on) ranks {list(ranks)} "
+        f"outside the root's data-parallel ranks {sorted(world)}, but no module of the "
+        "model holds a process group of those ranks to sum the norm over; build the "
+        "tensor-parallel layers with their group (shardkit.nn.tensor_parallel keeps it "
+        "as `process_group`)"
+    )
+
+
 def counted_shards(
     units: list[UnitRuntime],
     shard_group: dist.ProcessGroup | None,
     replicate_group: dist.ProcessGroup | None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """This rank's sharded parameters split into (counted, copies) for the global norm
-    over the root's ``shard_group`` x ``replicate_group`` (see ``[Note: counting every
-    element once]``). A collective over ``replicate_group`` when given.
+    modules: Iterable[nn.Module] = (),
+) -> NormShards:
+    """This rank's sharded parameters split into counted and copies, and the groups to
+    reduce over, for the global norm over the root's ``shard_group`` x
+    ``replicate_group`` and the tensor-parallel group when the parameters are split
+    over one (see ``[Note: counting every element once]`` and ``[Note: parts and
+    copies outside the root's ranks]``). A collective over ``replicate_group`` when
+    given.
+
+    Args:
+        units: every unit under the root.
+        shard_group: the root's shard group (None: the world).
+        replicate_group: the root's replica group under hybrid sharding, or None.
+        modules: the modules whose process-group attributes may be the tensor-parallel
+            group (the root's ``modules()``). Default none.
 
     Raises:
         ValueError: a unit's shard has copies on ranks that are not its replica group
             (a unit over a subgroup of the root's ranks that is neither sharded over
             expert parts nor hybrid): the norm would count them several times. The
-            message names the unit, the sizes and the fix.
+            message names the unit, the sizes and the fix. Also: the parameters are
+            split over ranks outside the root's in more than one way, or over ranks
+            no module holds a process group of (the ranks named).
     """
     world = _root_ranks(shard_group, replicate_group)
+    outside = _outside_group(units, world, modules)
     counted: list[torch.Tensor] = []
     copies: list[torch.Tensor] = []
     for unit in units:
@@ -82,5 +181,8 @@ def counted_shards(
                 "'HYBRID_SHARD')"
             )
         first = unit.replicate_group is None or group_rank(unit.replicate_group) == 0
-        (counted if first else copies).extend(unit.handle.sharded_params)
-    return counted, copies
+        for info, param in zip(unit.handle.infos, unit.handle.sharded_params, strict=True):
+            own = info.view is None or writes_replica(info.view, world)
+            (counted if first and own else copies).append(param)
+    groups = [shard_group] if replicate_group is None else [shard_group, replicate_group]
+    return NormShards(counted, copies, groups if outside is None else [*groups, outside])
