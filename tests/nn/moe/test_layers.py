@@ -204,6 +204,24 @@ def test_losses_follow_switch_and_st_moe() -> None:
     assert TopKGate.route(gate, torch.zeros(6, 3)).aux_loss.item() == pytest.approx(1.0)
 
 
+def test_no_tokens_give_zero_losses_not_nan() -> None:
+    """Regression: a rank routing no token (an empty batch) got ``l_aux`` NaN (the mean
+    over zero tokens) from both gates; its losses are now 0 and its gradients 0."""
+    torch.manual_seed(0)
+    moe = MoE(hidden_size=8, ffn_hidden_size=16, num_experts=4, k=2, z_loss_coef=0.1)
+    out, l_aux, counts = moe(torch.randn(0, 3, 8, requires_grad=True))
+    assert out.shape == (0, 3, 8) and counts.tolist() == [0, 0, 0, 0]
+    assert l_aux.item() == 0.0
+    (out.sum() + l_aux).backward()
+    assert moe.gate.wg.weight.grad is not None
+    assert moe.gate.wg.weight.grad.abs().sum().item() == 0.0
+    routing = moe.gate(torch.randn(0, 8))
+    assert (routing.aux_loss.item(), routing.z_loss.item()) == (0.0, 0.0)
+    layer, _ = _moe_layer(4, 5)
+    layer(torch.randn(0, 4, 5))
+    assert layer.l_aux is not None and layer.l_aux.item() == 0.0
+
+
 @pytest.mark.parametrize(
     ("k", "drop", "factor", "shared"),
     [
