@@ -307,3 +307,37 @@ def test_noise_policies_only_in_training() -> None:
         plain.load_state_dict(moe.state_dict())
         plain.eval()
         torch.testing.assert_close(moe(x)[0], plain(x)[0], atol=0, rtol=0)
+
+
+def test_ddp_check_is_not_skipped_for_a_new_ddp_at_a_freed_ones_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: the expert-parallel MoE remembered the last DDP module it checked by
+    ``id``, so a new DDP module built where a freed one was (the same id, as CPython
+    reuses addresses) went unchecked. Stand-ins for DDP and its check, in one process."""
+    import copy
+
+    from shardkit.nn.moe import layer as moe_layer
+
+    class FakeDDP:
+        pass
+
+    checked: list[int] = []
+    active: list[FakeDDP] = []
+    monkeypatch.setattr(
+        moe_layer.DistributedDataParallel, "_get_active_ddp_module", lambda: active[-1]
+    )
+    monkeypatch.setattr(moe_layer, "check_ddp_leaves_experts", lambda d, e: checked.append(id(d)))
+    moe = MoE(hidden_size=8, ffn_hidden_size=16, num_experts=4)
+    moe.ep_size = 2  # as if expert parallel: the check runs
+    active.append(FakeDDP())
+    moe._check_data_parallel()
+    moe._check_data_parallel()  # the same DDP: checked once
+    freed = id(active.pop())  # the only reference: freed here
+    active.append(FakeDDP())  # CPython hands the freed address out again, usually
+    moe._check_data_parallel()
+    same = id(active[-1]) == freed
+    assert len(checked) == 2, f"the new DDP module (at the freed one's id: {same}) unchecked"
+    copied = copy.deepcopy(moe)  # a copy is checked again under each DDP
+    copied._check_data_parallel()
+    assert len(checked) == 3
