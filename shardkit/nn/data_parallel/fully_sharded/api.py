@@ -58,7 +58,11 @@ from shardkit.nn.data_parallel.fully_sharded.materialize import (
     has_meta,
     materialize_unit,
 )
-from shardkit.nn.data_parallel.fully_sharded.norm_shards import counted_shards
+from shardkit.nn.data_parallel.fully_sharded.norm_shards import (
+    NormScope,
+    counted_shards,
+    norm_scope,
+)
 from shardkit.nn.data_parallel.fully_sharded.optim_state import gather_full, shard_full
 from shardkit.nn.data_parallel.fully_sharded.placement import (
     Placement,
@@ -306,6 +310,7 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         self._secondary_group = secondary
         self._param_init_fn = param_init_fn
         self._disk_offload = disk_offload
+        self._norm_scope: NormScope | None = None  # clip_grad_norm_'s, found at its first call
         self._fsdp_wrapped_module = module
         self._unit = self._build_unit(module)
         self._register_state_dict_hooks(module)
@@ -588,7 +593,9 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         wrapped over the data-parallel group is summed over its tensor-parallel group
         too (the group its layers hold), its replicated parameters (LayerNorms,
         row-parallel biases) counted on tensor-parallel rank 0 only: the norm of the
-        whole model, the same on every rank.
+        whole model, the same on every rank. Where to sum is found at the first call
+        (under hybrid sharding, one all-gather of the shard group's ranks) and kept on
+        this module; every call then costs one all-reduce of one element per group.
 
         Raises:
             RuntimeError: the model is on a disk tier (its units step inside backward).
@@ -599,10 +606,13 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         """
         units = units_in(self)
         refuse_on_disk(units, "clip_grad_norm_")
-        shards = counted_shards(units, self._process_group, self._replicate_group, self.modules())
-        return clip_grad_norm_sharded(
-            shards.counted, max_norm, norm_type, shards.groups, copies=shards.copies
-        )
+        if self._norm_scope is None:  # groups and units are fixed: found once
+            self._norm_scope = norm_scope(
+                units, self._process_group, self._replicate_group, self.modules()
+            )
+        counted, copies = counted_shards(units, self._norm_scope)
+        groups = list(self._norm_scope.groups)
+        return clip_grad_norm_sharded(counted, max_norm, norm_type, groups, copies=copies)
 
     # state dicts ---------------------------------------------------------------
     def state_dict(  # type: ignore[override]

@@ -43,29 +43,29 @@ from shardkit.distributed.collectives import group_rank, group_ranks, group_size
 from shardkit.distributed.shard_descriptor import Ranks, TensorView, writes_replica
 from shardkit.nn.data_parallel.fully_sharded.unit import UnitRuntime
 
-__all__ = ["NormShards", "counted_shards"]
+__all__ = ["NormScope", "counted_shards", "norm_scope"]
 
 
-@dataclass
-class NormShards:
-    """This rank's part of the global norm (see :func:`counted_shards`).
+@dataclass(frozen=True)
+class NormScope:
+    """Where a root's global norm is summed. Its groups and units are fixed at
+    construction, so the scope is found once (:func:`norm_scope`, a collective under
+    hybrid sharding) and kept by the root.
 
     Attributes:
-        counted: the sharded parameters whose gradients this rank counts.
-        copies: the sharded parameters clipped by the same factor but counted by
-            another rank.
-        groups: the process groups the partial sum is reduced over, in turn (the
-            root's shard group, its replica group under hybrid sharding, the
+        world: the global ranks ``W`` of the root's data-parallel ranks (its shard
+            group's, over every replica).
+        groups: the process groups the partial sum is reduced over, in turn: the
+            root's shard group, its replica group under hybrid sharding, and the
             tensor-parallel group of ``[Note: parts and copies outside the root's
-            ranks]``).
+            ranks]`` when the parameters are split over one.
     """
 
-    counted: list[torch.Tensor]
-    copies: list[torch.Tensor]
-    groups: list[dist.ProcessGroup | None]
+    world: frozenset[int]
+    groups: tuple[dist.ProcessGroup | None, ...]
 
 
-def _parts_inside(view: TensorView | None, world: set[int]) -> int:
+def _parts_inside(view: TensorView | None, world: frozenset[int]) -> int:
     """Distinct parts of a parameter held inside ``world`` (its splits over groups of
     ``world``'s ranks; splits over other ranks, or not recorded, count 1)."""
     if view is None or view.split_dim is None:
@@ -76,18 +76,18 @@ def _parts_inside(view: TensorView | None, world: set[int]) -> int:
 
 def _root_ranks(
     shard_group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None
-) -> set[int]:
+) -> frozenset[int]:
     """The global ranks of every shard group of the root's replicas (an all-gather of
     the shard group's ranks over the replica group under hybrid sharding)."""
     mine = torch.tensor(group_ranks(shard_group), dtype=torch.int64)
     if replicate_group is None or group_size(replicate_group) == 1:
-        return set(mine.tolist())
+        return frozenset(mine.tolist())
     every = torch.empty(group_size(replicate_group) * mine.numel(), dtype=torch.int64)
     dist.all_gather_into_tensor(every, mine, group=replicate_group)
-    return set(every.tolist())
+    return frozenset(every.tolist())
 
 
-def _outside_ranks(units: list[UnitRuntime], world: set[int]) -> set[Ranks]:
+def _outside_ranks(units: list[UnitRuntime], world: frozenset[int]) -> set[Ranks]:
     """The groups of ranks outside ``world`` holding other parts (split groups) or
     copies (replica groups meeting ``world`` in this rank alone) of the units'
     parameters (see ``[Note: parts and copies outside the root's ranks]``)."""
@@ -104,7 +104,7 @@ def _outside_ranks(units: list[UnitRuntime], world: set[int]) -> set[Ranks]:
 
 
 def _outside_group(
-    units: list[UnitRuntime], world: set[int], modules: Iterable[nn.Module]
+    units: list[UnitRuntime], world: frozenset[int], modules: Iterable[nn.Module]
 ) -> dist.ProcessGroup | None:
     """The process group ``M`` of ``[Note: parts and copies outside the root's ranks]``
     (None: every part and copy is inside ``world``), taken from the groups ``modules``
@@ -135,18 +135,16 @@ def _outside_group(
     )
 
 
-def counted_shards(
+def norm_scope(
     units: list[UnitRuntime],
     shard_group: dist.ProcessGroup | None,
     replicate_group: dist.ProcessGroup | None,
     modules: Iterable[nn.Module] = (),
-) -> NormShards:
-    """This rank's sharded parameters split into counted and copies, and the groups to
-    reduce over, for the global norm over the root's ``shard_group`` x
-    ``replicate_group`` and the tensor-parallel group when the parameters are split
-    over one (see ``[Note: counting every element once]`` and ``[Note: parts and
-    copies outside the root's ranks]``). A collective over ``replicate_group`` when
-    given.
+) -> NormScope:
+    """The scope of a root's global norm over its ``shard_group`` x ``replicate_group``,
+    and the tensor-parallel group when the parameters are split over one (see ``[Note:
+    counting every element once]`` and ``[Note: parts and copies outside the root's
+    ranks]``). A collective over ``replicate_group`` when given (one all-gather).
 
     Args:
         units: every unit under the root.
@@ -156,15 +154,31 @@ def counted_shards(
             group (the root's ``modules()``). Default none.
 
     Raises:
-        ValueError: a unit's shard has copies on ranks that are not its replica group
-            (a unit over a subgroup of the root's ranks that is neither sharded over
-            expert parts nor hybrid): the norm would count them several times. The
-            message names the unit, the sizes and the fix. Also: the parameters are
-            split over ranks outside the root's in more than one way, or over ranks
-            no module holds a process group of (the ranks named).
+        ValueError: the parameters are split over ranks outside the root's in more
+            than one way, or over ranks no module holds a process group of (the ranks
+            named).
     """
     world = _root_ranks(shard_group, replicate_group)
     outside = _outside_group(units, world, modules)
+    groups = (shard_group,) if replicate_group is None else (shard_group, replicate_group)
+    return NormScope(world, groups if outside is None else (*groups, outside))
+
+
+def counted_shards(
+    units: list[UnitRuntime], scope: NormScope
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """This rank's sharded parameters split into (counted, copies) for the global norm
+    over ``scope`` (see ``[Note: counting every element once]`` and ``[Note: parts and
+    copies outside the root's ranks]``): the copies are clipped by the same factor but
+    counted by another rank. No collective.
+
+    Raises:
+        ValueError: a unit's shard has copies on ranks that are not its replica group
+            (a unit over a subgroup of the root's ranks that is neither sharded over
+            expert parts nor hybrid): the norm would count them several times. The
+            message names the unit, the sizes and the fix.
+    """
+    world = scope.world
     counted: list[torch.Tensor] = []
     copies: list[torch.Tensor] = []
     for unit in units:
@@ -184,5 +198,4 @@ def counted_shards(
         for info, param in zip(unit.handle.infos, unit.handle.sharded_params, strict=True):
             own = info.view is None or writes_replica(info.view, world)
             (counted if first and own else copies).append(param)
-    groups = [shard_group] if replicate_group is None else [shard_group, replicate_group]
-    return NormShards(counted, copies, groups if outside is None else [*groups, outside])
+    return counted, copies
