@@ -35,6 +35,7 @@ JOBS: dict[str, tuple[str, dict[str, Any]]] = {
         "tp_with_data_parallel",
         {"tp": 2, "dp_replicate": 2, "wrapper": "hsdp", "nested": True, "clip": 0.5},
     ),
+    "oss-clip": ("oss_clip_refused", {"tp": 2}),
     "clip-2": ("clip_parity", {"tp": 2}),
     "clip-4": ("clip_parity", {"tp": 4}),
 }
@@ -66,6 +67,16 @@ def test_tp_times_data_parallel_equals_plain(results: Any, key: str) -> None:
                 assert abs(got - want) < 1e-5 * want, (
                     f"rank {rank} step {step}: norm {got} != plain model's {want}"
                 )
+
+
+def test_oss_clip_grad_norm_refuses_tensor_parallel_parts(results: Any) -> None:
+    """Regression: ``OSS.clip_grad_norm`` over the data-parallel group of a
+    tensor-parallel model returned its tensor-parallel rank's norm; it now refuses on
+    every rank (before any collective) and names ``tp.clip_grad_norm_``."""
+    for rank, r in enumerate(results["oss-clip"]):
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+        assert "outside the optimizer's group" in r["result"], f"rank {rank}: {r['result']}"
+        assert "shardkit.nn.tensor_parallel.clip_grad_norm_" in r["result"]
 
 
 @pytest.mark.parametrize("t", [2, 4])

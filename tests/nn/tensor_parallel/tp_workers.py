@@ -421,6 +421,22 @@ def tp_with_data_parallel(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def oss_clip_refused(cfg: dict[str, Any]) -> dict[str, str]:
+    """OSS over the data-parallel group of a tensor-parallel GPT: ``clip_grad_norm``
+    would sum its group's part only; the error message (or the norm it returned)."""
+    from shardkit.optim import OSS
+
+    mesh = mesh_of(tp=cfg["tp"])
+    model = tp.parallelize(GPT(GPTConfig(**TINY)), tp.gpt_plan(), mesh.group("tp"))
+    opt = OSS(model.parameters(), torch.optim.SGD, process_group=mesh.group("dp"), lr=LR)
+    idx, tgt = _batches()
+    model(idx[0], tgt[0])[1].backward()
+    try:
+        return {"result": f"norm {float(opt.clip_grad_norm(0.5))}"}
+    except ValueError as err:
+        return {"result": str(err)}
+
+
 def clip_parity(cfg: dict[str, Any]) -> dict[str, Any]:
     """tp.clip_grad_norm_ against torch's on the plain GPT: total norm, clipped grads."""
     mesh = mesh_of(tp=cfg["tp"])

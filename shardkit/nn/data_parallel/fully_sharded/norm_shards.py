@@ -40,7 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.distributed.collectives import group_rank, group_ranks, group_size
-from shardkit.distributed.shard_descriptor import Ranks, TensorView, writes_replica
+from shardkit.distributed.grad_norm import held_outside
+from shardkit.distributed.shard_descriptor import TensorView, writes_replica
 from shardkit.nn.data_parallel.fully_sharded.unit import UnitRuntime
 
 __all__ = ["NormScope", "counted_shards", "norm_scope"]
@@ -87,22 +88,6 @@ def _root_ranks(
     return frozenset(every.tolist())
 
 
-def _outside_ranks(units: list[UnitRuntime], world: frozenset[int]) -> set[Ranks]:
-    """The groups of ranks outside ``world`` holding other parts (split groups) or
-    copies (replica groups meeting ``world`` in this rank alone) of the units'
-    parameters (see ``[Note: parts and copies outside the root's ranks]``)."""
-    me = dist.get_rank() if dist.is_initialized() else 0
-    found: set[Ranks] = set()
-    for view in (i.view for u in units for i in u.handle.infos if i.view is not None):
-        found.update(
-            s.group for s in view.splits if s.group is not None and not set(s.group) <= world
-        )
-        copies = view.replicate_group
-        if copies and not set(copies) <= world and set(copies) & world == {me}:
-            found.add(copies)
-    return found
-
-
 def _outside_group(
     units: list[UnitRuntime], world: frozenset[int], modules: Iterable[nn.Module]
 ) -> dist.ProcessGroup | None:
@@ -110,7 +95,7 @@ def _outside_group(
     (None: every part and copy is inside ``world``), taken from the groups ``modules``
     hold as attributes (a tensor-parallel layer's ``process_group``, an expert's
     ``tp_group``)."""
-    found = _outside_ranks(units, world)
+    found = held_outside((i.view for u in units for i in u.handle.infos if i.view), world)
     if not found:
         return None
     if len(found) > 1 or len(set(next(iter(found))) & world) != 1:
