@@ -100,11 +100,11 @@ def _outside_group(
         return None
     if len(found) > 1 or len(set(next(iter(found))) & world) != 1:
         raise ValueError(
-            f"clip_grad_norm_: the parameters are split or copied over ranks outside the "
-            f"root's data-parallel ranks {sorted(world)} in several ways "
-            f"({sorted(list(r) for r in found)}): the norm can sum over one such group "
-            "(the tensor-parallel group, meeting the data-parallel group in one rank); "
-            "wrap the model over the data-parallel group of a process mesh"
+            f"clip_grad_norm_: the parameters are split or copied over the groups of ranks "
+            f"{sorted(list(r) for r in found)}, outside the root's data-parallel ranks "
+            f"{sorted(world)}: the norm sums over one such group, meeting the "
+            "data-parallel ranks in this rank alone (the tensor-parallel group); wrap "
+            "the model over the data-parallel group of the mesh its layers were split on"
         )
     ranks = next(iter(found))
     for module in modules:
