@@ -10,12 +10,39 @@ for ``p = inf`` (maximum across ranks), so the result equals
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["clip_grad_norm_sharded"]
+from shardkit.distributed.shard_descriptor import Ranks, TensorView
+
+__all__ = ["clip_grad_norm_sharded", "held_outside"]
+
+
+def held_outside(views: Iterable[TensorView], world: Collection[int]) -> set[Ranks]:
+    """The groups of ranks outside ``world`` that hold other parts or copies of the
+    tensors ``views`` describe: a split's group not inside ``world`` (a tensor-parallel
+    part), and a replica group meeting ``world`` in this rank alone (a tensor-parallel
+    copy). A norm summed over ``world`` alone misses (or repeats) them: each such group
+    must be summed over too, each copy counted once. Empty for tensors held whole, or
+    split and copied inside ``world`` only. No collective.
+
+    Args:
+        views: the tensors' shard descriptors.
+        world: the global ranks the caller sums the norm over.
+    """
+    me = dist.get_rank() if dist.is_initialized() else 0
+    inside = set(world)
+    found: set[Ranks] = set()
+    for view in views:
+        found.update(
+            s.group for s in view.splits if s.group is not None and not set(s.group) <= inside
+        )
+        copies = view.replicate_group
+        if copies and not set(copies) <= inside and set(copies) & inside == {me}:
+            found.add(copies)
+    return found
 
 
 def _local_partial(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:

@@ -62,7 +62,8 @@ from shardkit.distributed.consistency import (
     verify_consistent,
 )
 from shardkit.distributed.failures import collective_context
-from shardkit.distributed.grad_norm import clip_grad_norm_sharded
+from shardkit.distributed.grad_norm import clip_grad_norm_sharded, held_outside
+from shardkit.distributed.shard_descriptor import view_of
 from shardkit.distributed.validation import parameter_problem
 from shardkit.optim.partition import partition_sizes
 
@@ -459,12 +460,42 @@ class OSS(Optimizer):
 
         Returns:
             The total norm before clipping (a 0-d fp32 tensor).
+
+        Raises:
+            ValueError: parameters split over (or copied on) ranks outside the group
+                (a tensor-parallel model, experts split over ``ep``): the norm over the
+                group alone would be each tensor-parallel rank's own, a different
+                clipping factor on each. The message names the ranks and the fix
+                (``shardkit.nn.tensor_parallel.clip_grad_norm_`` with ``shard_group``;
+                ``shardkit.nn.moe.clip_grad_norm_``). Checked on every rank, from every
+                parameter's shard descriptor, before any collective.
         """
+        self._refuse_parts_outside_the_group()
         local = self.local_params()
         if filter_params_fn is not None:
             local = filter_params_fn(local)
         with record_function("OSS::clip_grad_norm"):
             return clip_grad_norm_sharded(local, max_norm, norm_type, self.group)
+
+    def _refuse_parts_outside_the_group(self) -> None:
+        """The ValueError of :meth:`clip_grad_norm` for parameters held in parts or
+        copies outside the group (read from every parameter's shard descriptor, so
+        every rank decides alike)."""
+        if not dist.is_initialized():
+            return
+        views = (view_of(p) for p in self._all_params())
+        outside = held_outside(views, group_ranks(self.group))
+        if outside:
+            raise ValueError(
+                f"OSS.clip_grad_norm: parameters are split over (or copied on) ranks "
+                f"{sorted(list(r) for r in outside)} outside the optimizer's group "
+                f"{group_ranks(self.group)} (tensor- or expert-parallel parts): the norm "
+                "over the group would miss the other parts. Tensor parallel: use "
+                "shardkit.nn.tensor_parallel.clip_grad_norm_(optimizer.local_params(), "
+                "max_norm, norm_type, process_group=<tp group>, shard_group=optimizer.group); "
+                "experts split over ep (gradients whole on each rank): "
+                "shardkit.nn.moe.clip_grad_norm_(model, max_norm, ep_group=<ep group>)"
+            )
 
     # state dicts -------------------------------------------------------------------
     def sharded_state_dict(self) -> StateDict:

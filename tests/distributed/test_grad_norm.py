@@ -18,7 +18,8 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardkit.distributed.grad_norm import clip_grad_norm_sharded
+from shardkit.distributed.grad_norm import clip_grad_norm_sharded, held_outside
+from shardkit.distributed.shard_descriptor import Split, TensorView
 
 NORM_TYPES = [1.0, 2.0, 3.5, math.inf]
 
@@ -143,3 +144,18 @@ def test_sharded_pieces_match_torch_on_every_rank(rank_pool: Any, world_size: in
             )
             assert want > case["max_norm"], f"{where}: clipping inactive, the case tests nothing"
             assert case["grad_err"] <= 1e-6, f"{where}: clipped grads off by {case['grad_err']}"
+
+
+def test_held_outside_names_the_groups_a_norm_over_world_misses() -> None:
+    """Rank 0 (one process) of a 2 x 2 mesh summing over its data-parallel ranks
+    {0, 2}: a tensor-parallel part (split over (0, 1)) and a copy on (0, 1) are held
+    outside; a split or copies inside {0, 2}, or a whole tensor, are not."""
+    world = {0, 2}
+    part = TensorView((4, 4), 0, 0, 2, split_group=(0, 1))
+    copy = TensorView((4,), replicate_group=(0, 1))
+    inside = TensorView.of_splits((4, 4), (Split(0, 0, 2, group=(0, 2)),), (0, 2))
+    assert held_outside([part], world) == {(0, 1)}
+    assert held_outside([copy, TensorView((3,))], world) == {(0, 1)}
+    assert held_outside([inside, TensorView((3,))], world) == set()
+    # a replica group spanning the whole mesh is not a group to sum over
+    assert held_outside([TensorView((4,), replicate_group=(0, 1, 2, 3))], world) == set()

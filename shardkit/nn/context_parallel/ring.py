@@ -289,9 +289,14 @@ def _block_grads(
     return dkv
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, tile: int) -> None:
+def _check_tile(tile: int) -> None:
+    """Refuse a ``query_tile`` below 1 (the ValueError names the argument and value)."""
     if tile < 1:
         raise ValueError(f"query_tile must be a positive number of query rows; got {tile}")
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, tile: int) -> None:
+    _check_tile(tile)
     if not (q.shape == k.shape == v.shape):
         raise ValueError(
             f"ring attention needs q, k and v of one shape (batch, heads, seq, head_dim); "
@@ -360,6 +365,10 @@ class RingAttention(nn.Module):
             Default True.
         scale: the softmax scale; default None (``1 / sqrt(head_dim)``).
         query_tile: query rows attended at a time, default 64 (see :func:`ring_attention`).
+
+    Raises:
+        ValueError: ``query_tile < 1``, at construction (the value named); the inputs'
+            checks of :func:`ring_attention` run at each forward.
     """
 
     def __init__(
@@ -370,6 +379,7 @@ class RingAttention(nn.Module):
         scale: float | None = None,
         query_tile: int = 64,
     ) -> None:
+        _check_tile(query_tile)
         super().__init__()
         self.group, self.causal, self.scale, self.query_tile = group, causal, scale, query_tile
 

@@ -75,6 +75,18 @@ class Routing:
     capacity: int | None
 
 
+def token_mean(values: torch.Tensor) -> torch.Tensor:
+    """The mean of ``values`` ``(T, ...)`` over its tokens (dim 0), 0 for no tokens.
+
+    A rank whose batch routes no token (an empty micro-batch, a sequence chunk of
+    length 0) then adds nothing to the auxiliary losses, as its tokens add nothing to
+    the task loss, instead of a NaN (torch's mean over zero elements) that would spoil
+    the summed loss and the logs; the graph stays connected (the zeros' gradient is
+    0). Shapes: ``(T, ...)`` -> ``(...)``.
+    """
+    return values.mean(dim=0) if values.shape[0] else values.sum(dim=0)
+
+
 def capacity(tokens: int, num_experts: int, k: int, factor: float, min_capacity: int) -> int:
     """``max(min_capacity, ceil(k * tokens * factor / num_experts))`` (see ``[Note:
     capacity and the order of positions]``)."""
@@ -97,7 +109,8 @@ class TopKGate(nn.Module):
       choices that went to expert ``e`` (before dropping), ``P_e`` the mean of ``p[:, e]``
       over the tokens. It is 1 for a perfectly balanced router;
     - router z-loss (Zoph et al. 2022, ST-MoE, section 3, eq. 5):
-      ``z = mean_t (logsumexp(h_t))^2``;
+      ``z = mean_t (logsumexp(h_t))^2``; both losses are 0 for ``T = 0`` (a rank
+      routing no token: see :func:`token_mean`);
     - with ``bias_update_speed > 0``: the choices are the ``k`` largest of the scores
       above plus ``expert_bias`` (DeepSeek-V3's auxiliary-loss-free balancing; see
       ``[Note: the auxiliary-loss-free expert bias]``); weights and losses unchanged.
@@ -212,8 +225,8 @@ class TopKGate(nn.Module):
             kept = position < cap
         weights = chosen * kept
         share = one_hot.sum(dim=0).float() / max(1, num_tokens * self.k)
-        aux = self.num_experts * (share * probs.mean(dim=0)).sum()
-        z = torch.logsumexp(logits.float(), dim=-1).square().mean()
+        aux = self.num_experts * (share * token_mean(probs)).sum()
+        z = token_mean(torch.logsumexp(logits.float(), dim=-1).square())
         counts = torch.bincount(experts[kept], minlength=self.num_experts)
         if self.expert_load is not None and self.training:
             self.expert_load += one_hot.sum(dim=0).to(self.expert_load.dtype)

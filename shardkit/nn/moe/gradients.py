@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.distributed.collectives import group_rank, group_ranks
-from shardkit.distributed.grad_norm import clip_grad_norm_sharded
+from shardkit.distributed.grad_norm import clip_grad_norm_sharded, held_outside
 from shardkit.distributed.shard_descriptor import ranks_of, view_of
 from shardkit.distributed.validation import parameter_problem
 from shardkit.nn.moe.experts import GroupedExperts
@@ -103,6 +103,7 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     ep_group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip the gradients of an expert-parallel model under data parallelism (DDP
     layout: dense parameters whole on every rank, experts split over ``ep_group``) by
@@ -120,6 +121,12 @@ def clip_grad_norm_(
         clip_grad_norm_(model, 1.0, ep_group=mesh.group("ep"))
         optimizer.step()
 
+    With tensor parallel inside each expert (``MoE(..., tp_group=...)``) or a
+    tensor-parallel model around the layers, pass ``tp_group`` too: a parameter split
+    over it counts on every tensor-parallel rank, one held whole (the gate, a
+    replicated LayerNorm) on its rank 0 only, and the sum runs over ``ep_group`` then
+    ``tp_group`` (one more all-reduce of one element).
+
     Under FSDP use the root's ``FullyShardedDataParallel.clip_grad_norm_`` instead (it
     counts the expert units over the expert-data-parallel group itself).
 
@@ -128,6 +135,8 @@ def clip_grad_norm_(
         max_norm: the largest allowed total norm.
         norm_type: ``p`` of the p-norm; ``float("inf")`` for the max norm. Default 2.
         ep_group: the expert-parallel group (``mesh.group("ep")``); None: the world.
+        tp_group: the tensor-parallel group (``mesh.group("tp")``) when parameters are
+            split over it; default None (no tensor parallelism).
 
     Returns:
         The total norm (0-d fp32) before clipping, the same on every rank, equal to
@@ -139,16 +148,56 @@ def clip_grad_norm_(
             built with ``ep_group=None``, whole on every rank: any group of more than
             one rank); the norm would count experts several times. Checked before any
             gradient is touched; :class:`~shardkit.nn.moe.MOELayer`'s experts record
-            no group and are not checked.
+            no group and are not checked. Also: parameters split over (or copied on)
+            ranks outside ``ep_group`` that are not ``tp_group``'s (``tp_group`` None
+            with tensor-parallel parameters: each tensor-parallel rank would clip by
+            its own part's norm), or a ``tp_group`` meeting ``ep_group`` in more than
+            this rank.
     """
     _check_ep_group(module, ep_group)
+    _check_tp_group(module, ep_group, tp_group)
     experts = expert_parameters(module)
     ids = {id(p) for p in experts.values()}
     dense = [p for p in module.parameters() if id(p) not in ids]
     first = group_rank(ep_group) == 0
-    counted = [*experts.values(), *(dense if first else [])]
-    copies = [] if first else dense
-    return clip_grad_norm_sharded(counted, max_norm, norm_type, ep_group, copies=copies)
+    tp_ranks = None if tp_group is None else ranks_of(tp_group)
+    tp_first = tp_group is None or group_rank(tp_group) == 0
+
+    def counts_over_tp(p: torch.Tensor) -> bool:
+        return tp_first or any(s.group == tp_ranks for s in view_of(p).splits)
+
+    counted = [p for p in [*experts.values(), *(dense if first else [])] if counts_over_tp(p)]
+    kept = {id(p) for p in counted}
+    copies = [p for p in module.parameters() if id(p) not in kept]
+    groups = [ep_group] if tp_group is None else [ep_group, tp_group]
+    return clip_grad_norm_sharded(counted, max_norm, norm_type, groups, copies=copies)
+
+
+def _check_tp_group(
+    module: nn.Module, ep_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None
+) -> None:
+    """Refuse parameters held outside ``ep_group`` other than over ``tp_group`` (see
+    :func:`clip_grad_norm_`)."""
+    world = ranks_of(ep_group)
+    if world is None:  # one process: nothing split
+        return
+    outside = held_outside((view_of(p) for p in module.parameters()), world)
+    tp = None if tp_group is None else ranks_of(tp_group)
+    if tp is not None and len(set(tp) & set(world)) != 1:
+        raise ValueError(
+            f"clip_grad_norm_: tp_group holds ranks {list(tp)}, which meet ep_group's "
+            f"{list(world)} in more than this rank: the norm would count parameters "
+            "several times; pass mesh.group('tp') and mesh.group('ep') of one mesh"
+        )
+    extra = sorted(list(r) for r in outside if r != tp)
+    if extra:
+        fix = "pass tp_group=mesh.group('tp')" if tp is None else "pass the tp_group they use"
+        raise ValueError(
+            f"clip_grad_norm_: parameters are split over (or copied on) ranks {extra} "
+            f"outside ep_group's {list(world)}"
+            + ("" if tp is None else f" and tp_group's {list(tp)}")
+            + f": the norm would be this rank's part only; {fix}"
+        )
 
 
 def _check_ep_group(module: nn.Module, ep_group: dist.ProcessGroup | None) -> None:

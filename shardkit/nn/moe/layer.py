@@ -28,7 +28,9 @@ handed to ``all_to_all_single``). Unlike GShard's ``(E, C, M)`` buffer
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -168,7 +170,21 @@ class MoE(nn.Module):
             )
         self.last_routing: Routing | None = None
         self.last_all_to_all_bytes = {"counts": 0, "dispatch": 0, "combine": 0}
-        self._checked_ddp: int | None = None  # id of the DDP module last checked
+        # the DDP modules already checked: weak, so that a new DDP module at a freed
+        # one's address (id) is checked too; not pickled or copied (see __getstate__)
+        self._checked_ddp: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The module's state for ``pickle`` and ``copy.deepcopy``, less the set of DDP
+        modules checked (weak references: a copy is checked again under each DDP)."""
+        state = dict(super().__getstate__())
+        state["_checked_ddp"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a state of :meth:`__getstate__`, with an empty set of checked DDPs."""
+        super().__setstate__(state)
+        self._checked_ddp = weakref.WeakSet()
 
     def forward(
         self, hidden_states: torch.Tensor
@@ -209,10 +225,10 @@ class MoE(nn.Module):
         experts over ranks holding others (``shardkit.nn.moe.gradients``' ``[Note:
         refusing DDP across experts]``)."""
         ddp = DistributedDataParallel._get_active_ddp_module()
-        if self.ep_size == 1 or ddp is None or id(ddp) == self._checked_ddp:
+        if self.ep_size == 1 or ddp is None or ddp in self._checked_ddp:
             return
         check_ddp_leaves_experts(ddp, self.experts)
-        self._checked_ddp = id(ddp)
+        self._checked_ddp.add(ddp)
 
     def _run_experts(self, sorted_tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Kept tokens sorted by global expert (``counts[e]`` each) through their experts

@@ -117,7 +117,8 @@ class MOELayer(nn.Module):
         if self.world_size > 1:
             expert_output = all_to_all(expert_output, self.group)
         expert_output = expert_output.reshape(num_experts * capacity, d_model)
-        weights = combine_weights.reshape(len(tokens), -1)[token, slot].to(expert_output.dtype)
+        slots = combine_weights.reshape(len(tokens), num_experts * capacity)  # 0 tokens too
+        weights = slots[token, slot].to(expert_output.dtype)
         outputs = expert_output.index_select(0, slot) * weights.unsqueeze(1)
         combined = expert_output.new_zeros(len(tokens), d_model).index_add(0, token, outputs)
         return combined.reshape(x.shape)

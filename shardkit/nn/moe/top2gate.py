@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.nn.moe.gate import token_mean
+
 __all__ = ["Top2Gate", "top2gating"]
 
 
@@ -31,7 +33,7 @@ def top2gating(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
       is dropped.
     - ``l_aux = mean_e(me_e * ce_e)``: ``me`` the mean gate of expert ``e`` over the
       tokens, ``ce`` the share of tokens whose first choice is ``e`` (before dropping).
-      This is Switch's loss divided by ``E^2``.
+      This is Switch's loss divided by ``E^2``; 0 for no tokens (``S = 0``).
     - Combine weights of a token: its two gates divided by their sum over the *kept*
       choices (a token whose second choice is dropped gets weight 1 on the first).
 
@@ -62,7 +64,7 @@ def top2gating(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     mask2 = _one_hot(second, num_experts)
     locations1 = torch.cumsum(mask1, dim=0) - 1
     locations2 = torch.cumsum(mask2, dim=0) - 1 + mask1.sum(dim=0, keepdim=True)
-    l_aux = torch.mean(gates.mean(dim=0) * mask1.float().mean(dim=0))
+    l_aux = torch.mean(token_mean(gates) * token_mean(mask1.float()))
     mask1 = mask1 * (locations1 < capacity)
     mask2 = mask2 * (locations2 < capacity)
     gates1 = (gates * mask1).sum(dim=1)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardkit.nn.context_parallel import ring_attention
+from shardkit.nn.context_parallel import RingAttention, ring_attention
 from tests.nn.context_parallel.cp_workers import (
     run_attention_parity,
     run_bad_inputs,
@@ -89,3 +89,12 @@ def test_ring_query_tile_must_be_positive() -> None:
     x = torch.randn(2, 4, 4, 8)
     with pytest.raises(ValueError, match="query_tile must be a positive number .* got 0"):
         ring_attention(x, x, x, None, query_tile=0)  # type: ignore[arg-type]  # checked first
+
+
+@pytest.mark.parametrize("tile", [0, -3])
+def test_ring_attention_module_refuses_query_tile_at_construction(tile: int) -> None:
+    """Regression: ``RingAttention(query_tile=0)`` was accepted and failed only at the
+    first forward; the module refuses it when built (no group needed to see it)."""
+    with pytest.raises(ValueError, match=f"query_tile must be a positive .* got {tile}"):
+        RingAttention(None, query_tile=tile)  # type: ignore[arg-type]  # checked first
+    assert RingAttention(None, query_tile=1).query_tile == 1  # type: ignore[arg-type]

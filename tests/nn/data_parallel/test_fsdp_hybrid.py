@@ -167,6 +167,24 @@ def _step_while_deferred() -> str:
     return message
 
 
+def _clip_gathers_once() -> dict[str, Any]:
+    """Hybrid 2 x 2: two ``clip_grad_norm_`` calls (max norm too large to clip) give
+    the plain model's norm; the root's ranks are all-gathered at the first only."""
+    ref, model = tiny_gpt(), _wrapped("HYBRID_SHARD", 2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = global_batch(0, world)
+    ref(x, y)[1].backward()
+    model(local_part(x, rank), local_part(y, rank))[1].backward()
+    norms: list[float] = []
+
+    def clip() -> None:
+        norms.append(float(model.clip_grad_norm_(1e9)))
+
+    gathers = [count_calls(dist, "all_gather_into_tensor", clip) for _ in range(2)]
+    want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+    return {"gathers": gathers, "norms": norms, "want": want}
+
+
 def _errors() -> dict[str, str]:
     out = {"step-while-deferred": _step_while_deferred()}
     for key, make in {
@@ -205,7 +223,18 @@ def _all() -> dict[str, Any]:
         "reshape": _reshape_cases(),
         "errors": _errors(),
         "hpz": _hpz(),
+        "clip": _clip_gathers_once(),
     }
+
+
+def test_clip_grad_norm_gathers_the_root_ranks_once(results: list[Any]) -> None:
+    """Regression: every hybrid ``clip_grad_norm_`` all-gathered the root's shard-group
+    ranks; they are fixed at construction, so only the first call gathers them."""
+    for rank, per_rank in enumerate(results):
+        got = per_rank["clip"]
+        assert got["gathers"] == [1, 0], f"rank {rank}: all-gathers per call {got['gathers']}"
+        for norm in got["norms"]:
+            assert abs(norm - got["want"]) < 1e-5 * got["want"], (rank, got)
 
 
 @pytest.mark.parametrize(

@@ -173,6 +173,50 @@ def run_ddp(cfg: dict[str, Any]) -> dict[str, Any]:
     return res | {"norm": float(norm), "want_norm": want_norm}
 
 
+def run_oss(cfg: dict[str, Any]) -> dict[str, Any]:
+    """OSS over edp (every parameter; ranks holding the same experts), the gate's
+    gradient averaged over dp by hand, the experts' over edp, the gradients clipped by
+    ``shardkit.nn.moe.clip_grad_norm_`` to ``MAX_NORM``, one SGD step (lr 1): the norm
+    and the stepped parameters against the single-process layer's clipped step; and
+    ``OSS.clip_grad_norm``, which sums over edp only, refused."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = ProcessMesh(ParallelDims(world_size=world, ep=cfg["ep"]))
+    block = _Block(_moe(cfg, mesh.group("ep")))
+    opt = OSS(block.parameters(), torch.optim.SGD, process_group=mesh.group("edp"), lr=1.0)
+    ref = _moe(cfg, None)
+    _, ref_grads = _reference_grads(ref, world)
+    x, target = _tokens(rank)
+    (block(x) * target).sum().backward()
+    gate = block.moe.gate.wg.weight.grad
+    assert gate is not None
+    dist.all_reduce(gate, group=mesh.group("dp"))
+    gate /= mesh.size("dp")
+    all_reduce_expert_gradients(block, mesh.group("edp"))
+    try:
+        opt.clip_grad_norm(MAX_NORM)
+        refused = "no error"
+    except ValueError as err:
+        refused = str(err)
+    norm = clip_grad_norm_(block, MAX_NORM, ep_group=mesh.group("ep"))
+    opt.step()
+    mean = [sum(g[i] for g in ref_grads) / world for i in range(3)]
+    want_norm, coef = _clipped(mean)
+    lo = block.moe.experts.first_expert
+    hi = lo + block.moe.experts.num_local_experts
+    ref_params = [p.detach() for p in (ref.gate.wg.weight, ref.experts.w1, ref.experts.w2)]
+    want = [p - coef * m for p, m in zip(ref_params, mean, strict=True)]
+    errors = [
+        _err(block.moe.gate.wg.weight.detach(), want[0]),
+        _err(block.moe.experts.w1.detach(), want[1][lo:hi]),
+        _err(block.moe.experts.w2.detach(), want[2][lo:hi]),
+    ]
+    moved = float((want[1] - ref_params[1]).abs().max())
+    mesh.destroy()
+    return {"norm": float(norm), "want_norm": want_norm, "errors": errors, "moved": moved} | {
+        "refused": refused
+    }
+
+
 def run_moelayer(ep: int) -> dict[str, Any]:
     """FairScale's MOELayer over an ep group against the same layer in one process."""
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,6 +1,7 @@
 """Expert parallelism on 4 spawned gloo ranks: MoE at ep = 1, 2, 4 against the
 single-process layer (outputs, gate and expert gradients, the edp reduction), the
-all-to-all bytes against the formula, DDP with experts over edp, FairScale's MOELayer
+all-to-all bytes against the formula, DDP with experts over edp, clipping with OSS over
+edp, FairScale's MOELayer
 over an ep group, and a universal checkpoint of 8 experts across ep degrees."""
 
 from __future__ import annotations
@@ -55,6 +56,19 @@ def test_ddp_dense_over_dp_experts_over_edp(rank_pool: Any) -> None:
         assert abs(res["norm"] - res["want_norm"]) < ATOL, res
         assert len(res["refused"]) == 2, res["refused"]  # world and edp: not the ep group
         assert all("split over ranks" in m and "mesh.group('ep')" in m for m in res["refused"])
+
+
+def test_clip_under_oss_over_edp_equals_the_plain_clipped_step(rank_pool: Any) -> None:
+    """``shardkit.nn.moe.clip_grad_norm_`` with OSS (over edp) stepping: the norm and
+    the clipped SGD step equal the single-process layer's; OSS's own clip_grad_norm,
+    which would sum over edp only, is refused."""
+    cfg = {"ep": 2, "k": 2, "drop": True, "factor": 1.0}
+    for rank, res in enumerate(rank_pool(WORLD).run(w.run_oss, cfg, timeout_s=120)):
+        assert res["want_norm"] > 2 * w.MAX_NORM  # clipping binds
+        assert abs(res["norm"] - res["want_norm"]) < ATOL * res["want_norm"], (rank, res)
+        assert max(res["errors"]) < ATOL, (rank, res["errors"])
+        assert res["moved"] > 1e-3, res  # the step is not a no-op
+        assert "outside the optimizer's group" in res["refused"], res["refused"]
 
 
 def test_moelayer_over_an_ep_group(rank_pool: Any) -> None:

@@ -204,6 +204,24 @@ def test_losses_follow_switch_and_st_moe() -> None:
     assert TopKGate.route(gate, torch.zeros(6, 3)).aux_loss.item() == pytest.approx(1.0)
 
 
+def test_no_tokens_give_zero_losses_not_nan() -> None:
+    """Regression: a rank routing no token (an empty batch) got ``l_aux`` NaN (the mean
+    over zero tokens) from both gates; its losses are now 0 and its gradients 0."""
+    torch.manual_seed(0)
+    moe = MoE(hidden_size=8, ffn_hidden_size=16, num_experts=4, k=2, z_loss_coef=0.1)
+    out, l_aux, counts = moe(torch.randn(0, 3, 8, requires_grad=True))
+    assert out.shape == (0, 3, 8) and counts.tolist() == [0, 0, 0, 0]
+    assert l_aux.item() == 0.0
+    (out.sum() + l_aux).backward()
+    assert moe.gate.wg.weight.grad is not None
+    assert moe.gate.wg.weight.grad.abs().sum().item() == 0.0
+    routing = moe.gate(torch.randn(0, 8))
+    assert (routing.aux_loss.item(), routing.z_loss.item()) == (0.0, 0.0)
+    layer, _ = _moe_layer(4, 5)
+    layer(torch.randn(0, 4, 5))
+    assert layer.l_aux is not None and layer.l_aux.item() == 0.0
+
+
 @pytest.mark.parametrize(
     ("k", "drop", "factor", "shared"),
     [
@@ -289,3 +307,37 @@ def test_noise_policies_only_in_training() -> None:
         plain.load_state_dict(moe.state_dict())
         plain.eval()
         torch.testing.assert_close(moe(x)[0], plain(x)[0], atol=0, rtol=0)
+
+
+def test_ddp_check_is_not_skipped_for_a_new_ddp_at_a_freed_ones_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: the expert-parallel MoE remembered the last DDP module it checked by
+    ``id``, so a new DDP module built where a freed one was (the same id, as CPython
+    reuses addresses) went unchecked. Stand-ins for DDP and its check, in one process."""
+    import copy
+
+    from shardkit.nn.moe import layer as moe_layer
+
+    class FakeDDP:
+        pass
+
+    checked: list[int] = []
+    active: list[FakeDDP] = []
+    monkeypatch.setattr(
+        moe_layer.DistributedDataParallel, "_get_active_ddp_module", lambda: active[-1]
+    )
+    monkeypatch.setattr(moe_layer, "check_ddp_leaves_experts", lambda d, e: checked.append(id(d)))
+    moe = MoE(hidden_size=8, ffn_hidden_size=16, num_experts=4)
+    moe.ep_size = 2  # as if expert parallel: the check runs
+    active.append(FakeDDP())
+    moe._check_data_parallel()
+    moe._check_data_parallel()  # the same DDP: checked once
+    freed = id(active.pop())  # the only reference: freed here
+    active.append(FakeDDP())  # CPython hands the freed address out again, usually
+    moe._check_data_parallel()
+    same = id(active[-1]) == freed
+    assert len(checked) == 2, f"the new DDP module (at the freed one's id: {same}) unchecked"
+    copied = copy.deepcopy(moe)  # a copy is checked again under each DDP
+    copied._check_data_parallel()
+    assert len(checked) == 3

@@ -1,6 +1,8 @@
 """Tensor parallel inside each expert: ``MoE(..., tp_group=...)`` on 4 spawned ranks
 (ep 2 x tp 2, and tp 2 with ep 1) and on 2 (tp 2 alone) against the single-process
-layer of the same weights (outputs, input and parameter gradients, one SGD step);
+layer of the same weights (outputs, input and parameter gradients, one SGD step;
+clipped by ``shardkit.nn.moe.clip_grad_norm_`` with ``tp_group``: the norm and the step
+equal the plain layer's);
 ``parallelize_model`` over ep x tp; a universal checkpoint saved at (ep 2, tp 2) loaded
 at (ep 1, tp 2), (ep 2, tp 1) and into the plain layer."""
 
@@ -18,9 +20,9 @@ from tests.nn.moe.moe_workers import F_HIDDEN, E, M, _Block, _tokens
 ATOL = 1e-5
 
 WORLD4 = [
-    {"ep": 2, "tp": 2, "k": 2, "drop": True, "factor": 0.75},
+    {"ep": 2, "tp": 2, "k": 2, "drop": True, "factor": 0.75, "clip": True},
     {"ep": 2, "tp": 2, "k": 1, "drop": False, "factor": 1.0},
-    {"ep": 1, "tp": 2, "k": 2, "drop": True, "factor": 0.75},
+    {"ep": 1, "tp": 2, "k": 2, "drop": True, "factor": 0.75, "clip": True},
 ]
 WORLD2 = [
     {"ep": 1, "tp": 2, "k": 2, "drop": False, "factor": 1.0},
@@ -41,6 +43,11 @@ def _check_parity(configs: list[dict[str, Any]], per_rank: list[list[dict[str, A
             assert sent == formula > 0, (cfg, rank, sent, formula)
             for key in ("init", "out", "x", "gate", "w1", "w2", "step_w1", "step_out"):
                 assert res[key] < ATOL, (cfg, rank, key, res[key])
+            if cfg.get("clip"):  # the clipped step is checked by step_w1 / step_out
+                # regression: without tp_group the norm summed over ep only (each tp
+                # rank its own part); now refused, and right with tp_group
+                assert res["clip"]["norm"] < 1e-5, (cfg, rank, res["clip"])
+                assert "pass tp_group=mesh.group('tp')" in res["clip"]["refused"], res["clip"]
 
 
 def test_experts_split_over_ep_and_tp_equal_the_plain_layer(rank_pool: Any) -> None:

@@ -14,7 +14,7 @@ from shardkit.checkpoint.universal import load_universal, save_universal
 from shardkit.compose import parallelize_model
 from shardkit.distributed.mesh import ParallelDims, ProcessMesh
 from shardkit.nn import FullyShardedDataParallel as FSDP
-from shardkit.nn.moe import MoE, all_reduce_expert_gradients
+from shardkit.nn.moe import MoE, all_reduce_expert_gradients, clip_grad_norm_
 from tests.nn.moe import moe_workers
 from tests.nn.moe.moe_workers import F_HIDDEN, M, _Block, _err, _tokens
 
@@ -59,12 +59,34 @@ class _Slices:
         return full[self.experts, self.hidden, :]
 
 
-def _sgd_with_mean(ref: MoE, per_rank: list[dict[str, torch.Tensor]]) -> None:
-    """One SGD step (lr 1) of the reference on the mean gradient over the dp ranks."""
+def _mean_grads(per_rank: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """The reference's ``[gate, w1, w2]`` gradients averaged over the dp ranks."""
+    return [sum(r["grads"][i] for r in per_rank) / len(per_rank) for i in range(3)]
+
+
+def _sgd_with_mean(ref: MoE, per_rank: list[dict[str, Any]], coef: float = 1.0) -> None:
+    """One SGD step (lr 1) of the reference on the mean gradient over the dp ranks,
+    clipped by ``coef``."""
     with torch.no_grad():
         params = (ref.gate.wg.weight, ref.experts.w1, ref.experts.w2)
-        for i, p in enumerate(params):
-            p -= sum(r["grads"][i] for r in per_rank) / len(per_rank)
+        for p, g in zip(params, _mean_grads(per_rank), strict=True):
+            p -= coef * g
+
+
+def _clip(moe: MoE, mesh: ProcessMesh, want: list[dict[str, Any]]) -> tuple[dict[str, Any], float]:
+    """``clip_grad_norm_`` of the split layer (to half the reference's norm) against
+    the single-process norm of the mean gradients, and without ``tp_group`` (refused);
+    returns the results and the reference's clipping coefficient."""
+    ref_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in _mean_grads(want)])))
+    ep, tp = mesh.group("ep"), mesh.group("tp")
+    try:
+        clip_grad_norm_(moe, 0.5 * ref_norm, ep_group=ep)
+        refused = "no error"
+    except ValueError as err:
+        refused = str(err)
+    norm = float(clip_grad_norm_(moe, 0.5 * ref_norm, ep_group=ep, tp_group=tp))
+    coef = 0.5 * ref_norm / (ref_norm + 1e-6)
+    return {"norm": abs(norm - ref_norm) / ref_norm, "refused": refused}, coef
 
 
 def run_tp_parity(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -111,10 +133,13 @@ def run_tp_parity(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         gate_grad = moe.gate.wg.weight.grad
         dist.all_reduce(gate_grad, group=mesh.group("dp"))  # type: ignore[arg-type]
         gate_grad /= len(dp_ranks)  # type: ignore[operator]
+        coef = 1.0
+        if cfg.get("clip"):
+            res["clip"], coef = _clip(moe, mesh, want)
         with torch.no_grad():
             for p in (moe.gate.wg.weight, moe.experts.w1, moe.experts.w2):
                 p -= p.grad  # type: ignore[operator]
-        _sgd_with_mean(ref, want)
+        _sgd_with_mean(ref, want, coef)
         x2, _ = _tokens(10 + me)
         with torch.no_grad():
             out2, want2 = moe(x2)[0], ref(x2)[0]

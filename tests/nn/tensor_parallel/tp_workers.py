@@ -321,7 +321,11 @@ def _batches() -> tuple[torch.Tensor, torch.Tensor]:
     return idx, tgt
 
 
-def _train_reference(ref: nn.Module, clip: float | None = None) -> list[float]:
+def _train_reference(
+    ref: nn.Module, clip: float | None = None, norms: list[float] | None = None
+) -> list[float]:
+    """The plain model's losses over STEPS SGD steps; with ``clip``, the gradient norm
+    of each step before clipping is appended to ``norms``."""
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
     idx, tgt = _batches()
     losses = []
@@ -329,7 +333,9 @@ def _train_reference(ref: nn.Module, clip: float | None = None) -> list[float]:
         _, loss = ref(idx[s], tgt[s])
         loss.backward()
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
@@ -361,7 +367,8 @@ def tp_with_data_parallel(cfg: dict[str, Any]) -> dict[str, Any]:
         for n, p in model.named_parameters(remove_duplicate=False)
         if tp.is_tensor_parallel(p)
     }
-    ref_losses = _train_reference(ref, cfg.get("clip"))
+    ref_norms: list[float] = []
+    ref_losses = _train_reference(ref, cfg.get("clip"), ref_norms)
     wrapped: nn.Module
     if cfg["wrapper"] in ("fsdp", "hsdp"):
         from shardkit.models.gpt import Block
@@ -387,7 +394,9 @@ def tp_with_data_parallel(cfg: dict[str, Any]) -> dict[str, Any]:
     for s in range(STEPS):
         _, loss = wrapped(idx[s, rows], tgt[s, rows])
         loss.backward()
-        if cfg.get("clip") is not None:  # each dp rank clips the gradients it owns
+        if cfg.get("clip") is not None and isinstance(wrapped, FullyShardedDataParallel):
+            norms.append(float(wrapped.clip_grad_norm_(cfg["clip"])))  # the root's
+        elif cfg.get("clip") is not None:  # each dp rank clips the gradients it owns
             assert isinstance(opt, OSS)
             norm = tp.clip_grad_norm_(opt.local_params(), cfg["clip"], 2.0, tpg, shard_group=dpg)
             norms.append(float(norm))
@@ -408,7 +417,24 @@ def tp_with_data_parallel(cfg: dict[str, Any]) -> dict[str, Any]:
         "ref_losses": ref_losses,
         "params": {n: diff(full[n], ref_state[n]) for n in ref_state},
         "norms": norms,
+        "ref_norms": ref_norms,
     }
+
+
+def oss_clip_refused(cfg: dict[str, Any]) -> dict[str, str]:
+    """OSS over the data-parallel group of a tensor-parallel GPT: ``clip_grad_norm``
+    would sum its group's part only; the error message (or the norm it returned)."""
+    from shardkit.optim import OSS
+
+    mesh = mesh_of(tp=cfg["tp"])
+    model = tp.parallelize(GPT(GPTConfig(**TINY)), tp.gpt_plan(), mesh.group("tp"))
+    opt = OSS(model.parameters(), torch.optim.SGD, process_group=mesh.group("dp"), lr=LR)
+    idx, tgt = _batches()
+    model(idx[0], tgt[0])[1].backward()
+    try:
+        return {"result": f"norm {float(opt.clip_grad_norm(0.5))}"}
+    except ValueError as err:
+        return {"result": str(err)}
 
 
 def clip_parity(cfg: dict[str, Any]) -> dict[str, Any]:

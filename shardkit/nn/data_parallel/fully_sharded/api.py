@@ -58,7 +58,11 @@ from shardkit.nn.data_parallel.fully_sharded.materialize import (
     has_meta,
     materialize_unit,
 )
-from shardkit.nn.data_parallel.fully_sharded.norm_shards import counted_shards
+from shardkit.nn.data_parallel.fully_sharded.norm_shards import (
+    NormScope,
+    counted_shards,
+    norm_scope,
+)
 from shardkit.nn.data_parallel.fully_sharded.optim_state import gather_full, shard_full
 from shardkit.nn.data_parallel.fully_sharded.placement import (
     Placement,
@@ -306,6 +310,7 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         self._secondary_group = secondary
         self._param_init_fn = param_init_fn
         self._disk_offload = disk_offload
+        self._norm_scope: NormScope | None = None  # clip_grad_norm_'s, found at its first call
         self._fsdp_wrapped_module = module
         self._unit = self._build_unit(module)
         self._register_state_dict_hooks(module)
@@ -584,19 +589,29 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         Each element is counted once over the root's ranks (its shard group and, under
         hybrid sharding, its replica group): hybrid units on replica rank 0 only, nested
         units over another group (an MoE's experts over the expert-data-parallel group)
-        by their shard descriptors (see :mod:`.norm_shards`).
+        by their shard descriptors (see :mod:`.norm_shards`). A tensor-parallel model
+        wrapped over the data-parallel group is summed over its tensor-parallel group
+        too (the group its layers hold), its replicated parameters (LayerNorms,
+        row-parallel biases) counted on tensor-parallel rank 0 only: the norm of the
+        whole model, the same on every rank. Where to sum is found at the first call
+        (under hybrid sharding, one all-gather of the shard group's ranks) and kept on
+        this module; every call then costs one all-reduce of one element per group.
 
         Raises:
             RuntimeError: the model is on a disk tier (its units step inside backward).
             ValueError: a nested unit's shards have copies the norm cannot tell apart
-                (a unit over a subgroup, neither expert parts nor hybrid).
+                (a unit over a subgroup, neither expert parts nor hybrid); parameters
+                split over ranks outside the root's in more than one way, or over ranks
+                no module holds a process group of.
         """
         units = units_in(self)
         refuse_on_disk(units, "clip_grad_norm_")
-        counted, copies = counted_shards(units, self._process_group, self._replicate_group)
-        groups = [self._process_group]
-        if self._replicate_group is not None:
-            groups.append(self._replicate_group)
+        if self._norm_scope is None:  # groups and units are fixed: found once
+            self._norm_scope = norm_scope(
+                units, self._process_group, self._replicate_group, self.modules()
+            )
+        counted, copies = counted_shards(units, self._norm_scope)
+        groups = list(self._norm_scope.groups)
         return clip_grad_norm_sharded(counted, max_norm, norm_type, groups, copies=copies)
 
     # state dicts ---------------------------------------------------------------
