@@ -515,11 +515,14 @@ class GenerationStore:
             self._write_manifest(generation, files, extra)
             self.remove_unreferenced(keep or set())
             return
+        # a background commit leaves the writes in the table, so that a read of the
+        # entry waits for its write (flush clears the table)
+        take = self._pending.get if background else self._pending.pop
         writes = [
             pending
             for entry in entries
             for name in self.files.get(entry, {}).values()
-            if name is not None and (pending := self._pending.pop(name, None))
+            if name is not None and (pending := take(name, None))
         ]
         self._raise_failed()
         files = {entry: dict(kinds) for entry, kinds in self.committed.items()}

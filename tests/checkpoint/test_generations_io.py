@@ -216,3 +216,20 @@ def test_a_failed_background_commit_commits_nothing_after_it(
     assert (tmp_path / MANIFEST).read_text() == before
     assert {"e0.params.g0", "e1.params.g0"} <= set(os.listdir(tmp_path))
     store.close()
+
+
+def test_a_read_after_a_background_commit_waits_for_the_write(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Regression: a background commit took the entry's write out of the table of
+    writes in flight, so a read right after it read the file before the write ended."""
+    store = _store(tmp_path, write_behind_bytes=2**20)
+    store.write("e0", "params", 0, _bytes(100, 0))
+    store.commit(0)
+    _slow_writes(monkeypatch, 0.2)
+    store.write_async("e0", "params", 1, [_bytes(100, 1)])
+    store.commit(0, entries=["e0"], background=True)
+    got = torch.empty(100, dtype=torch.uint8)
+    store.read("e0", "params", got)
+    assert torch.equal(got, _bytes(100, 1))
+    store.close()
