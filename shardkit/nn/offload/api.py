@@ -219,8 +219,9 @@ class OffloadModel(nn.Module):
             for s in self.slices
             if not s.pinned
         ]
-        for before, after in zip(self.runners, self.runners[1:]):
-            before.next_forward, after.next_backward = after.slice, before.slice
+        for i, runner in enumerate(self.runners):  # two ahead, nearest first
+            runner.forward_ahead = [r.slice for r in self.runners[i + 1 : i + 3]]
+            runner.backward_ahead = [r.slice for r in self.runners[max(i - 2, 0) : i][::-1]]
         self._dummy = torch.empty(0, requires_grad=True)
 
     # -- construction ------------------------------------------------------------------
