@@ -101,8 +101,8 @@ class SliceRunner:
                 saved.outputs.append(y)
                 outputs.append(y.detach())
         finally:
-            last = not self.forward_ahead and any(needs_grad)  # backward starts here
-            self.tier.offload(self.slice, loaded_next=last)
+            # backward starts with the last slice (with integer inputs too: the dummy)
+            self.tier.offload(self.slice, loaded_next=not self.forward_ahead)
         return saved, outputs
 
     def backward(self, saved: _Saved, grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
