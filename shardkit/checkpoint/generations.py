@@ -33,7 +33,17 @@ waits for that write, so it sees the new bytes. Crash safety is unchanged:
 one) before the directory's ``fsync`` and the manifest's rename, so a crash while
 writes are in flight leaves the committed generation and, at worst, unreferenced
 files of the next one. Reads may run ahead on background threads too
-(:meth:`GenerationStore.read_async`).
+(:meth:`GenerationStore.read_async`); such a read of a file whose write is in flight
+waits for the write on the background thread, not on the caller's.
+
+[Note: scratch files]
+``write_async(..., scratch=True)`` writes ``<entry>.<kind>`` (no generation) the same
+way (write-behind, direct I/O, ``write_behind_bytes`` counted) for data that is not
+part of any generation, such as gradients accumulated between optimizer steps: its
+name is current at once (:meth:`GenerationStore.path`, the reads find it) but no
+manifest names it, so a crash leaves it unreferenced and a reopen deletes it; the
+caller keeps it with ``keep`` at each commit and deletes it with
+:meth:`GenerationStore.remove_scratch`.
 
 [Note: per-entry commits]
 Two generations of every file need twice the disk. ``commit(..., entries=[...])``
@@ -190,6 +200,8 @@ class GenerationStore:
 
     Attributes:
         generation: the committed generation (0 until the first commit).
+        scratch: entry -> kind -> file name of the scratch files written (see [Note:
+            scratch files]); never in a manifest.
         files: entry -> kind -> file name of the current (committed or being written)
             generation; None for a kind not written yet.
         bytes_read / bytes_written: counters of payload bytes moved through this store.
@@ -230,6 +242,7 @@ class GenerationStore:
         self.generation = 0
         self.files: dict[str, dict[str, str | None]] = {}
         self.committed: dict[str, dict[str, str | None]] = {}
+        self.scratch: dict[str, dict[str, str]] = {}
         self.bytes_read = 0
         self.bytes_written = 0
         self.write_behind_bytes = write_behind_bytes
@@ -279,8 +292,9 @@ class GenerationStore:
         return manifest
 
     def path(self, entry: str, kind: str) -> Path | None:
-        """The current file of ``entry``'s ``kind``, or None if never written."""
-        name = self.files.get(entry, {}).get(kind)
+        """The current file of ``entry``'s ``kind`` (a generation's or a scratch file),
+        or None if never written."""
+        name = self.files.get(entry, {}).get(kind) or self.scratch.get(entry, {}).get(kind)
         return None if name is None else self.directory / name
 
     def write(self, entry: str, kind: str, generation: int, flat: torch.Tensor) -> int:
@@ -311,6 +325,8 @@ class GenerationStore:
         generation: int,
         tensors: list[torch.Tensor],
         segments: tuple[list[Segment], int] | None = None,
+        *,
+        scratch: bool = False,
     ) -> Future[int]:
         """Start writing ``tensors`` (contiguous; packed at :func:`packed_offsets`) as
         generation ``generation`` of ``entry``'s ``kind`` on a background thread; the
@@ -322,6 +338,8 @@ class GenerationStore:
             tensors: its contents (device tensors are copied to the CPU first).
             segments: ``(segments, size)`` of the file instead of packing ``tensors``
                 (then ``tensors`` only keeps their memory alive).
+            scratch: write the scratch file ``<entry>.<kind>`` instead (``generation``
+                ignored; see [Note: scratch files]). Default False.
 
         Returns:
             a future of the file's size in bytes.
@@ -331,7 +349,7 @@ class GenerationStore:
                 by :meth:`flush`).
         """
         self._raise_failed()
-        name = f"{entry}.{kind}.g{generation}"
+        name = f"{entry}.{kind}" if scratch else f"{entry}.{kind}.g{generation}"
         held = [t if t.device.type == "cpu" else t.cpu() for t in tensors]
         if segments is None:
             offsets, total = packed_offsets([t.numel() * t.element_size() for t in held])
@@ -348,7 +366,7 @@ class GenerationStore:
             previous.result()  # the same file rewritten: in order
         future = self._pool("write").submit(self._write_file, name, runs, total, held)
         self._pending[name] = future
-        self.files.setdefault(entry, {})[kind] = name
+        (self.scratch if scratch else self.files).setdefault(entry, {})[kind] = name
         self.bytes_written += total
         return future
 
@@ -452,11 +470,16 @@ class GenerationStore:
         Raises:
             KeyError: nothing was written for it.
         """
-        path = self._readable(entry, kind)
+        path = self.path(entry, kind)
+        if path is None:
+            raise KeyError(f"{self.directory}: no {kind} file for {entry}")
+        pending = self._pending.get(path.name)  # waited for on the reading thread
         nbytes = flat.numel() * flat.element_size()
         self.bytes_read += nbytes
 
         def job() -> int:
+            if pending is not None:
+                pending.result()
             self._read_file(path, flat)
             if then is not None:
                 then()
@@ -473,6 +496,22 @@ class GenerationStore:
         if pending is not None:
             pending.result()
         return path
+
+    def remove_scratch(self, entry: str, kind: str) -> None:
+        """Delete the scratch file of ``entry``'s ``kind`` (after its write, if one is in
+        flight; see [Note: scratch files]); nothing if there is none.
+
+        Raises:
+            OSError: its write failed (the error raised here, once).
+        """
+        name = self.scratch.get(entry, {}).pop(kind, None)
+        if name is None:
+            return
+        pending = self._pending.pop(name, None)
+        if pending is not None:
+            self._wait(pending)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.directory / name)
 
     def written(self, entry: str) -> bool:
         """No write of ``entry``'s current files is in flight (a finished one's error is
@@ -601,11 +640,13 @@ class GenerationStore:
         self.committed = files
 
     def remove_unreferenced(self, keep: set[str]) -> None:
-        """Delete owned files that the current files, the committed ones and ``keep``
-        do not name."""
+        """Delete owned files that the current files, the committed ones, the scratch
+        files and ``keep`` do not name."""
         wanted = {MANIFEST, *keep}
         for kinds in [*self.files.values(), *self.committed.values()]:
             wanted.update(f for f in kinds.values() if f is not None)
+        for scratch in self.scratch.values():
+            wanted.update(scratch.values())
         for entry in os.listdir(self.directory):
             temporary = entry.endswith(".tmp") and (
                 entry.startswith(f".{MANIFEST}.") or bool(self.owned.match(entry[1:]))

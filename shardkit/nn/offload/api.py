@@ -140,10 +140,11 @@ class OffloadModel(nn.Module):
             (the model gives only the architecture) instead of starting a new one.
         disk_io_bytes: disk tier only: memory ``optimizer.step()``, forward and
             backward may use beyond one slice to keep the disk busy (see [Note: the step
-            at the disk's speed] in :mod:`shardkit.nn.offload.disk`): at most this many
-            bytes of writes in flight, and the next slice read ahead when its parameters
-            (and in the step its optimizer state) fit in it. Default 0: one slice at a
-            time, each written before the next is read.
+            at the disk's speed] in :mod:`shardkit.nn.offload.disk`), in bytes: at most
+            this many of writes in flight and this many held ahead (the next two
+            slices' parameters, and in the step their gradients and optimizer state,
+            each part while it fits), so at most one slice plus ``2 * disk_io_bytes``.
+            Default 0: one slice at a time, each written before the next is read.
         param_init_fn: disk tier only, for a model on ``meta``: called on each slice
             (an ``nn.Sequential``) once its parameters are allocated, to initialise
             them in place; default: ``reset_parameters()`` of every submodule having one.
@@ -219,8 +220,9 @@ class OffloadModel(nn.Module):
             for s in self.slices
             if not s.pinned
         ]
-        for before, after in zip(self.runners, self.runners[1:]):
-            before.next_forward, after.next_backward = after.slice, before.slice
+        for i, runner in enumerate(self.runners):  # two ahead, nearest first
+            runner.forward_ahead = [r.slice for r in self.runners[i + 1 : i + 3]]
+            runner.backward_ahead = [r.slice for r in self.runners[max(i - 2, 0) : i][::-1]]
         self._dummy = torch.empty(0, requires_grad=True)
 
     # -- construction ------------------------------------------------------------------

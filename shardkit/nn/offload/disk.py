@@ -19,23 +19,31 @@ unreferenced generation ``g + 1`` files and the scratch gradient files.
 
 [Note: what is resident]
 Parameters are read into the slice's compute buffer (direct I/O where the file system
-allows, no page-cache copy) and the buffer is freed after use; gradients are added into
-``<name>.grad`` through a shared memory map, which is unmapped right away. Forward and
-backward hold one slice at a time, plus the pinned ``shared`` group.
+allows, no page-cache copy) and the buffer is freed after use. Forward and backward
+hold one slice at a time, plus the pinned ``shared`` group, plus what ``disk_io_bytes``
+allows (below).
 
 [Note: the step at the disk's speed]
 ``optimizer.step()`` keeps the disk busy (ZeRO-Infinity's overlap of the optimizer with
-NVMe I/O, section 6.2): while slice k steps, slice k + 1's parameters and optimizer
-state are read ahead (:meth:`DiskTier.read_ahead`) and slice k - 1's are written
-behind (the store's write-behind; a slice's compute buffer is freed once written),
-within the memory ``OffloadModel(disk_io_bytes=...)`` allows beyond one slice: at most
-that many bytes of writes in flight, and a slice read ahead only when its parameters
-and optimizer state fit in it. Forward and backward read ahead the same way: while
-slice k computes, the parameters of the slice that runs next (k + 1 in forward, k - 1
-in backward) are read, when they fit in ``disk_io_bytes``. With the default 0 the step
-holds one slice, each written before the next is read, as forward and backward do.
-The commit waits for every write (see [Note: write-behind] in
-:mod:`shardkit.checkpoint.generations`).
+NVMe I/O, section 6.2): while slice k steps, the parameters, gradients and optimizer
+state of slices k + 1 and k + 2 are read ahead (:meth:`DiskTier.read_ahead`) and slice
+k - 1's are written behind (the store's write-behind; a slice's compute buffer is
+freed once written). Forward and backward read ahead the same way: while slice k
+computes, the parameters of the two slices that run next are read. The slices that
+run next across phases are read ahead too: forward's last slice keeps its compute
+buffer for backward, backward's last keeps it (and its gradients, above) for the step
+and starts reading its optimizer state (see [Note: gradient files] in
+:mod:`shardkit.nn.offload.grad_files`), and the step's end starts reading the first
+two slices of the next forward (a slice whose buffer is still being written is not
+read: the buffer holds its new parameters).
+
+Memory bound: beyond the resident slice (its parameters, gradients and optimizer
+state) and the pinned group, at most ``disk_io_bytes`` of writes in flight plus at
+most ``disk_io_bytes`` held ahead (read-ahead parts, kept buffers, held gradients;
+each part is taken only while it fits), so at most one slice plus ``2 *
+disk_io_bytes``. With the default 0 nothing is read ahead and each slice is written
+before the next is read. The commit waits for every write (see [Note: write-behind]
+in :mod:`shardkit.checkpoint.generations`).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from torch import nn
 from shardkit.checkpoint.atomic import atomic_save
 from shardkit.checkpoint.generations import MANIFEST, GenerationStore, check_writable
 from shardkit.nn.offload.flat import LayoutEntry, SliceLayout
+from shardkit.nn.offload.grad_files import GradientFiles
 from shardkit.nn.offload.slices import Slice, SliceState
 from shardkit.nn.offload.tiers import Tier
 from shardkit.optim.file_backed import (
@@ -119,10 +128,11 @@ class DiskTier(Tier):
         self.optimizer_class: str | None = None
         self.optim_layouts: dict[str, StateLayout | None] = {}  # slice -> its state file's
         self.buffers: dict[str, torch.Tensor] = {}
-        self.grads_present: dict[str, set[int]] = {}
+        self.grads = GradientFiles(self.store, device, background=io_bytes > 0)
         self._init_fn: Callable[[nn.Module], None] | None = None
         self._reading: dict[str, Future[int]] = {}  # slice -> its parameters read ahead
         self._state_ahead: dict[str, StateRead] = {}  # slice -> its optimizer state
+        self._ahead_bytes: dict[tuple[str, str], int] = {}  # (slice, part) -> bytes held ahead
         self._writing: dict[str, tuple[Slice, Future[int]]] = {}  # buffers being written
 
     @property
@@ -205,6 +215,7 @@ class DiskTier(Tier):
     def _load(self, s: Slice) -> None:
         assert s.compute is not None
         reading = self._reading.pop(s.name, None)
+        self._release_ahead(s, "params", "held")  # now the resident slice's
         if reading is not None:
             reading.result()
         else:
@@ -212,28 +223,94 @@ class DiskTier(Tier):
             s.compute.allocate()
             self.store.read(s.name, "params", s.compute.tensor)
         s.point_at(s.compute_views)
+        self.grads.restore(s)  # a backward adds to them, the step uses them
 
     def read_ahead(self, s: Slice, optim_state: bool = True) -> None:
         """Start reading offloaded ``s``'s parameters into its compute buffer and (with
-        ``optim_state``, for the step) its optimizer state on the store's background
-        threads (see [Note: the step at the disk's speed]); :meth:`load` and
-        :meth:`load_optim_state` then wait for them. A no-op unless what is read fits
-        in ``io_bytes``."""
-        if s.pinned or s.state is not SliceState.OFFLOADED or s.name in self._reading:
-            return
-        if (3 if optim_state else 1) * s.layout.nbytes > self.io_bytes:  # AdamW: 2 moments
+        ``optim_state``, for the step) its gradients and optimizer state on the store's
+        background threads (see [Note: the step at the disk's speed]); :meth:`load`,
+        :meth:`open_grads` and :meth:`load_optim_state` then wait for them. Each part
+        is read only while everything read ahead and not yet loaded fits in
+        ``io_bytes``; a part already read ahead is not read again."""
+        if s.pinned or s.state is not SliceState.OFFLOADED:
             return
         assert s.compute is not None
-        self._reap(s)
-        s.compute.allocate()
-        self._reading[s.name] = self.store.read_async(s.name, "params", s.compute.tensor)
+        if s.name not in self._reading and self._reserve(s, "params", s.layout.nbytes):
+            self._start_params(s)
+        if not optim_state:
+            return
+        if self.grads.needs_read(s) and self._reserve(s, "grads", s.layout.nbytes):
+            self.grads.read_ahead(s)
         layout = self.optim_layouts.get(s.name)
-        if optim_state and layout is not None and self.store.path(s.name, "optim") is not None:
+        if (
+            layout is not None
+            and s.name not in self._state_ahead
+            and self.store.path(s.name, "optim") is not None
+            and self._reserve(s, "state", int(layout["nbytes"]))
+        ):
             self._state_ahead[s.name] = read_state_async(self.store, s.name, layout)
 
+    def drop_read_ahead(self) -> None:
+        """Wait for every read-ahead and forget it (before the files change under it);
+        held gradients go to their files."""
+        for s in self.slices:
+            if s.name in self.grads.held:
+                self.grads.restore(s)
+                self.grads.flush(s)
+            reading = self._reading.pop(s.name, None)
+            if reading is not None:
+                reading.result()
+                self.release(s)
+            self.grads.drop_ahead(s)
+            state = self._state_ahead.pop(s.name, None)
+            if state is not None:
+                state.wait()
+        self._ahead_bytes.clear()
+
+    def _reserve(self, s: Slice, part: str, nbytes: int) -> bool:
+        """Count ``nbytes`` of ``s``'s ``part`` held ahead if they fit in ``io_bytes``."""
+        if sum(self._ahead_bytes.values()) + nbytes > self.io_bytes:
+            return False
+        self._ahead_bytes[(s.name, part)] = nbytes
+        return True
+
+    def _release_ahead(self, s: Slice, *parts: str) -> None:
+        """Stop counting ``s``'s ``parts`` held ahead (used, or dropped)."""
+        for part in parts:
+            self._ahead_bytes.pop((s.name, part), None)
+
+    def _start_params(self, s: Slice) -> None:
+        """Bring offloaded ``s``'s parameters into its compute buffer in the background
+        (none to read while the buffer is still being written: it holds them)."""
+        assert s.compute is not None
+        writing = self._writing.pop(s.name, None)
+        self._reap()
+        if writing is not None:
+            self._reading[s.name] = writing[1]
+            return
+        s.compute.allocate()
+        self._reading[s.name] = self.store.read_async(s.name, "params", s.compute.tensor)
+
     def _offload(self, s: Slice) -> None:
-        self.flush_grads(s)
+        self.grads.flush(s)
         self.release(s)
+
+    def _offload_next(self, s: Slice) -> None:
+        """Offload ``s``, which is loaded next: its compute buffer is kept as if read
+        ahead and its gradients held instead of written when its gradient file has
+        none yet (when they fit in ``io_bytes``), so that the load reads nothing (see
+        [Note: gradient files])."""
+        if not (self.grads.can_hold(s) and self._reserve(s, "held", s.layout.nbytes)):
+            self.grads.flush(s)
+        self.grads.hold(s)
+        if not self._reserve(s, "params", s.layout.nbytes):
+            self.release(s)
+            return
+        assert s.compute is not None
+        s.point_at([_placeholder(v) for v in s.compute_views])
+        done: Future[int] = Future()
+        done.set_result(s.layout.nbytes)
+        self._reading[s.name] = done
 
     def release(self, s: Slice) -> None:
         """Point the parameters of offloaded ``s`` at empty placeholders, free its buffer
@@ -257,51 +334,20 @@ class DiskTier(Tier):
 
     # -- gradients ---------------------------------------------------------------------
 
-    def _grad_path(self, s: Slice) -> Path:
-        return self.directory / f"{s.name}.grad"
-
-    def flush_grads(self, s: Slice) -> None:
-        """Add the resident gradients of ``s`` into its gradient file, then drop them."""
-        with_grad = [(i, p) for i, p in enumerate(s.parameters) if p.grad is not None]
-        if not with_grad:
-            return
-        path = self._grad_path(s)
-        if not path.exists():
-            with open(path, "wb") as handle:
-                handle.truncate(s.layout.nbytes)  # zeros, sparse until written
-        mapped = torch.from_file(str(path), shared=True, size=s.layout.nbytes, dtype=torch.uint8)
-        views = s.layout.views(mapped)
-        present = self.grads_present.setdefault(s.name, set())
-        for i, p in with_grad:
-            assert p.grad is not None
-            if i in present:
-                views[i].add_(p.grad.to(views[i].device))
-            else:  # the file holds zeros there: write the gradient, do not add to them
-                views[i].copy_(p.grad)
-            present.add(i)
-            p.grad = None
-        del views, mapped  # unmaps: the pages leave this process's resident set
-
     def open_grads(self, s: Slice) -> None:
-        """Point the gradients of resident ``s`` at its gradient file (None where absent)."""
-        present = self.grads_present.get(s.name, set())
-        if not present:
-            return
-        mapped = torch.from_file(
-            str(self._grad_path(s)), shared=False, size=s.layout.nbytes, dtype=torch.uint8
-        )
-        for i, (p, view) in enumerate(zip(s.parameters, s.layout.views(mapped), strict=True)):
-            p.grad = view.to(self.device) if i in present else None
+        """Point the gradients of resident ``s`` at its gradient file (see
+        :meth:`GradientFiles.open`)."""
+        self._release_ahead(s, "grads")
+        self.grads.open(s)
 
     def zero_grads(self) -> None:
         """Forget all gradients: delete the gradient files, drop the pinned ones."""
+        self.grads.zero(self.slices)
         for s in self.slices:
-            with contextlib.suppress(FileNotFoundError):
-                self._grad_path(s).unlink()
+            self._release_ahead(s, "held", "grads")
             if s.pinned:
                 for p in s.parameters:
                     p.grad = None
-        self.grads_present.clear()
 
     # -- generations -------------------------------------------------------------------
 
@@ -346,6 +392,7 @@ class DiskTier(Tier):
         memory map on the CPU, copied to ``device``: default the compute device), or
         None before step 1."""
         ahead = self._state_ahead.pop(s.name, None)
+        self._release_ahead(s, "state")
         layout = self.optim_layouts.get(s.name)
         if ahead is not None:
             state = ahead.wait()
@@ -370,7 +417,7 @@ class DiskTier(Tier):
         self._reap()
         self.store.commit(
             generation,
-            keep=self._scratch_files(generation),
+            keep={f"buffers.g{generation}.pt"},  # the store keeps its scratch files
             optimizer_class=self.optimizer_class,
             optim_layouts=self.optim_layouts,
             layouts={s.name: s.layout.to_json() for s in self.slices},
@@ -378,7 +425,10 @@ class DiskTier(Tier):
         )
 
     def write_params(self, s: Slice, generation: int) -> None:
-        """Write generation ``generation`` of ``s``'s parameter file (not committed)."""
+        """Write generation ``generation`` of ``s``'s parameter file (not committed); a
+        read-ahead of the older file is dropped."""
+        if s.state is SliceState.OFFLOADED:
+            self.drop_read_ahead()
         self.store.write(s.name, "params", generation, _flat_bytes(s))
 
     def _read_pinned(self, s: Slice) -> None:
@@ -398,14 +448,8 @@ class DiskTier(Tier):
         for key, value in self.buffers.items():
             value.copy_(stored[key])
 
-    def _scratch_files(self, generation: int) -> set[str]:
-        """Files kept beside the generations: generation ``generation``'s buffers, the
-        gradient files."""
-        keep = {f"buffers.g{generation}.pt"}
-        return keep | {f"{s.name}.grad" for s in self.slices if s.name in self.grads_present}
-
-    def _remove_unreferenced(self) -> None:
-        self.store.remove_unreferenced(self._scratch_files(self.generation))
+    def _remove_unreferenced(self) -> None:  # keeps the buffers (and the scratch files)
+        self.store.remove_unreferenced({f"buffers.g{self.generation}.pt"})
 
     def stored_layout(self, name: str) -> SliceLayout:
         """The layout of slice ``name`` (for tools reading the directory)."""

@@ -58,17 +58,19 @@ class SliceRunner:
         checkpoint: recompute the slice's activations in backward instead of keeping them.
         after_backward: called after the slice's backward, while it is resident (gradient
             averaging across ranks), or None.
-        next_forward / next_backward: the slice that runs after this one in forward /
-            in backward (None for the last), read ahead while this one computes
-            (:meth:`~shardkit.nn.offload.tiers.Tier.read_ahead`).
+        forward_ahead / backward_ahead: the slices that run after this one in forward /
+            in backward, nearest first (at most two; empty for the last), read ahead
+            while this one computes (:meth:`~shardkit.nn.offload.tiers.Tier.read_ahead`).
+            The last slice of forward is the first of backward, and the last of
+            backward the first of the step: each is offloaded with ``loaded_next``.
     """
 
     slice: Slice
     tier: Tier
     checkpoint: bool
     after_backward: Callable[[Slice], None] | None = None
-    next_forward: Slice | None = None
-    next_backward: Slice | None = None
+    forward_ahead: list[Slice] = field(default_factory=list)
+    backward_ahead: list[Slice] = field(default_factory=list)
 
     def run_no_grad(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         """Forward without autograd (evaluation)."""
@@ -87,8 +89,8 @@ class SliceRunner:
         assert module is not None
         saved, outputs = _Saved(), []
         self.tier.load(self.slice)
-        if self.next_forward is not None:
-            self.tier.read_ahead(self.next_forward, optim_state=False)
+        for ahead in self.forward_ahead:
+            self.tier.read_ahead(ahead, optim_state=False)
         try:
             for k, (chunk, grad) in enumerate(zip(chunks, needs_grad, strict=True)):
                 x = chunk.detach().requires_grad_(grad)
@@ -99,14 +101,15 @@ class SliceRunner:
                 saved.outputs.append(y)
                 outputs.append(y.detach())
         finally:
-            self.tier.offload(self.slice)
+            # backward starts with the last slice (with integer inputs too: the dummy)
+            self.tier.offload(self.slice, loaded_next=not self.forward_ahead)
         return saved, outputs
 
     def backward(self, saved: _Saved, grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
         """Backward of every micro-batch through the slice; returns the input gradients."""
         self.tier.load(self.slice)
-        if self.next_backward is not None:
-            self.tier.read_ahead(self.next_backward, optim_state=False)
+        for ahead in self.backward_ahead:
+            self.tier.read_ahead(ahead, optim_state=False)
         try:
             for j in reversed(range(len(saved.inputs))):
                 y = saved.outputs[j]
@@ -116,8 +119,10 @@ class SliceRunner:
                         torch.autograd.backward(y, grads[j])
             if self.after_backward is not None:
                 self.after_backward(self.slice)
-        finally:
-            self.tier.offload(self.slice)
+        finally:  # the step starts with the last slice of backward
+            self.tier.offload(self.slice, loaded_next=not self.backward_ahead)
+        if not self.backward_ahead:
+            self.tier.read_ahead(self.slice)  # its gradients and optimizer state
         return [x.grad if x.requires_grad else None for x in saved.inputs]
 
 

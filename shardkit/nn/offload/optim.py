@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.profiler import record_function
 
 from shardkit.nn.offload.slices import Slice
 from shardkit.optim.file_backed import FileBackedOptimizer
@@ -88,10 +89,13 @@ class SlicedOptimizer(FileBackedOptimizer):
         generation = self.tier.generation + 1
         order = [s for s in self.tier.slices if s.params]
         for index, s in enumerate(order):
-            if index + 1 < len(order):  # see [Note: the step at the disk's speed]
-                self.tier.read_ahead(order[index + 1])
+            for ahead in order[index + 1 : index + 3]:  # see [Note: the step at the disk's speed]
+                self.tier.read_ahead(ahead)
             self._step_slice(s, generation)
-        self.tier.commit(generation, self.class_name)
+        for s in order[:2]:  # the next forward starts with them
+            self.tier.read_ahead(s, optim_state=False)
+        with record_function("OffloadModel::step commit"):
+            self.tier.commit(generation, self.class_name)
 
     def _step_slice(self, s: Slice, generation: int) -> None:
         if not s.params:
@@ -99,9 +103,13 @@ class SlicedOptimizer(FileBackedOptimizer):
         if not s.pinned:
             self.tier.load(s)
         try:
-            self.tier.open_grads(s)
-            state = self.tier.load_optim_state(s) or {}
-            self.tier.step_slice(s, generation, self.step_piece(s.parameters, state))
+            with record_function(f"OffloadModel::step {s.name} read gradients"):
+                self.tier.open_grads(s)
+            with record_function(f"OffloadModel::step {s.name} read optimizer state"):
+                state = self.tier.load_optim_state(s) or {}
+            new_state = self.step_piece(s.parameters, state)
+            with record_function(f"OffloadModel::step {s.name} write"):
+                self.tier.step_slice(s, generation, new_state)
         finally:
             if not s.pinned:
                 for p in s.parameters:

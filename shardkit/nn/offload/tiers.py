@@ -67,14 +67,22 @@ class Tier(ABC):
         thread; other tiers: nothing to do); ``optim_state``: its optimizer state too."""
         return None
 
-    def offload(self, s: Slice) -> None:
-        """Send ``s`` and its gradients back to the tier; RESIDENT -> OFFLOADED."""
+    def offload(self, s: Slice, *, loaded_next: bool = False) -> None:
+        """Send ``s`` and its gradients back to the tier; RESIDENT -> OFFLOADED.
+
+        ``loaded_next``: ``s`` is the next slice loaded (forward's last slice is
+        backward's first; backward's last is the step's first): the tier may keep its
+        parameters at hand instead of reading them again. Default False.
+        """
         if s.pinned:
             return
         if s.state is not SliceState.RESIDENT:
             raise RuntimeError(f"{s.name} is not resident; cannot offload it")
         with record_function(f"OffloadModel::evict {s.name} to {self.kind}"):
-            self._offload(s)
+            if loaded_next:
+                self._offload_next(s)
+            else:
+                self._offload(s)
         s.state = SliceState.OFFLOADED
 
     @abstractmethod
@@ -85,6 +93,9 @@ class Tier(ABC):
 
     @abstractmethod
     def _offload(self, s: Slice) -> None: ...
+
+    def _offload_next(self, s: Slice) -> None:
+        self._offload(s)
 
 
 class ResidentTier(Tier):

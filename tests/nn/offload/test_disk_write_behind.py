@@ -16,7 +16,7 @@ import torch
 
 import shardkit.checkpoint.direct_io as direct_io
 from shardkit.testing import assert_state_dicts_close
-from tests.nn.offload.common import optimizer_for, plain_state, tiny, train, wrap
+from tests.nn.offload.common import X, Y, optimizer_for, plain_state, tiny, train, wrap
 
 IO_BYTES = 2**20  # every slice of the tiny model is read ahead; writes overlap
 
@@ -25,25 +25,58 @@ def test_parity_with_write_behind_and_read_ahead(tmp_path: Path) -> None:
     plain = tiny()
     expected = train(plain, optimizer_for(plain, "adamw"), 3)
     om, rename = wrap(tiny(), offload_device=tmp_path, num_slices=3, disk_io_bytes=IO_BYTES)
-    store, reads = om.tier.store, {"ahead": 0, "waited": 0}
+    store, reads = om.tier.store, {"ahead": 0, "waited": 0, "grad waited": 0}
     read, read_async = store.read, store.read_async
 
     def counted(key: str, real: Any) -> Any:
         def call(entry: str, kind: str, *args: Any, **kwargs: Any) -> Any:
             reads[key] += kind == "params"
+            reads["grad waited"] += kind == "grad" and key == "waited"
             return real(entry, kind, *args, **kwargs)
 
         return call
 
     store.read, store.read_async = counted("waited", read), counted("ahead", read_async)
     assert train(om, optimizer_for(om, "adamw"), 3) == expected  # bit for bit
-    # per step: the first slice of forward, of backward and of the step read while
-    # the training thread waits; the other two of each read ahead (before: forward
-    # and backward read all three while the training thread waited)
-    assert reads == {"ahead": 3 * 6, "waited": 3 * 3}, reads
+    # only the first forward's first slice is read while the training thread waits:
+    # the others are read ahead, two at a time, or kept across phases (forward's last
+    # slice for backward, backward's last for the step, the step's first two for the
+    # next forward when their buffers are still being written); no gradient file is
+    # read on the training thread (before: 3 params reads waited per step, and every
+    # gradient file was read through a memory map in the step)
+    assert reads["waited"] == 1 and reads["grad waited"] == 0, reads
+    assert 3 * 3 <= reads["ahead"] <= 3 * 6, reads
     assert_state_dicts_close(plain_state(om, rename), dict(plain.named_parameters()), atol=0)
     assert om.tier.store.inflight_bytes == 0
     assert all(s.compute is None or not s.compute.is_allocated for s in om.tier.slices)
+
+
+def test_gradient_accumulation_with_held_gradients(tmp_path: Path) -> None:
+    """Three backwards per step (an evaluation forward between two): the gradients are
+    added across them, whether held in memory (backward's last slice) or in the
+    gradient files, and zero_grad forgets both."""
+    plain = tiny()
+    om, rename = wrap(tiny(), offload_device=tmp_path, num_slices=3, disk_io_bytes=IO_BYTES)
+    for model in (plain, om):
+        opt = optimizer_for(model, "adamw")
+        for _ in range(2):
+            opt.zero_grad()
+            for k, part in enumerate((X[:2], X[2:4], X[4:])):
+                torch.nn.functional.mse_loss(model(part), Y[: len(part)]).backward()
+                if k == 1:
+                    with torch.no_grad():
+                        model(X)  # loads the slice whose gradients are held
+            opt.step()
+        opt.zero_grad()
+    assert_state_dicts_close(plain_state(om, rename), dict(plain.named_parameters()), atol=1e-6)
+    tier = om.tier
+    assert not tier.grads.held and not tier.grads.present
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".grad")]
+    om(X).sum().backward()  # backward's last slice holds its gradients, nothing ahead read
+    assert sorted(tier.grads.held) == ["slice0"], tier.grads.held
+    assert sum(tier._ahead_bytes.values()) <= IO_BYTES
+    opt.zero_grad()
+    assert not tier.grads.held and not tier._ahead_bytes.get(("slice0", "held"))
 
 
 def killed_during_write_behind(directory: str, marker: str) -> None:
