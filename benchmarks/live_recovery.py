@@ -24,9 +24,10 @@ after ``--kill-after`` committed steps, at a random point of the next step.
 
 Every job and replica runs the same global batch (:func:`global_batch`); a replica of
 ``W`` ranks runs its half as one micro-batch of ``global_batch / 2 / W`` rows per rank.
-The default ``--steps 150`` leaves the joiner time to rejoin: its start-up (``torchrun``,
-two interpreters importing torch, the heal) takes 15-40 s on the shared 2-core machine,
-while the survivor alone commits a step every 0.2 s or so; 60-80 steps ended before it.
+The default ``--steps 300`` leaves the joiner time to rejoin: its start-up (``torchrun``,
+two interpreters importing torch, the heal) takes 10-40 s on the shared 2-core machine,
+while the survivor alone commits a step every 0.1-0.2 s; 80 steps ended before it, 150
+before joiner_late's (``--late-delay`` 10 s, was 15).
 
 Each killed run is paired with an uninterrupted run of the same path and flags, and
 ``--rounds`` rounds run the two paths in ABBA order (fault-tolerant first in even
@@ -391,12 +392,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = parser.add_argument
     add("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
     add("--rounds", type=int, default=1, help="ABBA rounds of both paths (default 1)")
-    add("--steps", type=int, default=150, help="long enough for a rejoin (default 150)")
+    add("--steps", type=int, default=300, help="long enough for a rejoin (default 300)")
     add("--strategy", default="hsdp", choices=["ddp", "oss", "sdp", "hsdp"])
     add("--ranks-per-replica", type=int, default=2)
     add("--kill-after", type=int, default=14, help="committed steps before the kill")
     add("--delay", type=float, default=3.0, help="seconds before the killed replica restarts")
-    add("--late-delay", type=float, default=15.0, help="the same, joiner_late; 0: no joiner_late")
+    add("--late-delay", type=float, default=10.0, help="the same, joiner_late; 0: no joiner_late")
     add(
         "--joiner-strategy",
         default=None,

@@ -49,7 +49,7 @@ def test_a_joiner_of_another_layout_keeps_the_global_batch() -> None:
     args = parse_args(["--joiner-strategy", "ddp", "--joiner-ranks", "1"])
     assert joiner_layout(args) == ("ddp", 1)
     assert global_batch(args) == 16  # --batch-size 4 x 2 replicas x 2 ranks
-    assert args.steps == 150 and args.late_delay > 0
+    assert args.steps == 300 and args.late_delay > 0
     same = parse_args([])
     assert same.joiner_strategy is None  # no joiner_layout run
     assert joiner_layout(parse_args(["--joiner-strategy", "oss"])) == ("oss", 2)
