@@ -23,7 +23,6 @@ from shardkit.nn.data_parallel.fully_sharded import (
     save_fsdp_sharded,
 )
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
-from shardkit.nn.data_parallel.fully_sharded.state import ShardedState
 from shardkit.nn.data_parallel.fully_sharded.unit import units_in
 from shardkit.nn.data_parallel.fully_sharded.unit_buffers import SHARDS
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
@@ -107,7 +106,6 @@ def disk_parity(cfg: dict[str, Any], directory: str) -> dict[str, Any]:
     shard_bytes = sum(u.nbytes for u in disk.units)
     on_disk = _count_files_at_commits(disk)
     out: dict[str, Any] = {"losses": [], "ref_losses": [], "bounced": []}
-    out["ahead"] = _watch_two_units_ahead(model)
     for step in range(cfg.get("steps", 3)):
         with _bounced_bytes() as bounced:
             out["losses"].append(_step(model, optimizer, step))
@@ -132,33 +130,6 @@ def disk_parity(cfg: dict[str, Any], directory: str) -> dict[str, Any]:
     out["most_files"] = max(on_disk)
     disk.close()
     return out
-
-
-def _watch_two_units_ahead(model: FSDP) -> list[tuple[int, bool, bool]]:
-    """When each unit's module starts its forward (order known): (its index in the
-    forward order, whether the next unit's all-gather is issued or done, whether the
-    unit after it is being read or resident) -- [Note: two units ahead] of the disk tier."""
-    seen: list[tuple[int, bool, bool]] = []
-    units = units_in(model)
-
-    def watch(unit: Any) -> Any:
-        def pre_hook(module: Any, args: Any) -> None:
-            root = unit.root
-            if not root.order_frozen:
-                return
-            order = root.forward_order
-            k = order.index(unit)
-            following = order[k + 1] if k + 1 < len(order) else None
-            after = order[k + 2] if k + 2 < len(order) else None
-            gathering = following is None or following.sharded_state is not ShardedState.SHARDED
-            reading = after is None or after.store._reading is not None or after.store.resident
-            seen.append((k, gathering, reading))
-
-        return pre_hook
-
-    for unit in units:
-        unit.module.module.register_forward_pre_hook(watch(unit))  # inside the wrapper
-    return seen
 
 
 @contextlib.contextmanager

@@ -45,12 +45,6 @@ def test_parity_and_byte_counters(rank_pool: Any, world_size: int, tmp_path: Pat
             # state read from step 2 on; shard and state written once
             assert result["stats"] == result["expected"], cfg
             assert result["resident_after_step"] == [0, 0, 0], cfg  # nothing left in memory
-            # [Note: two units ahead]: once the order is known, when a unit starts the
-            # next one's all-gather is issued and the one after it is being read
-            ahead = result["ahead"]
-            assert len({k for k, _, _ in ahead}) == result["units"], (cfg, ahead)
-            want = cfg.get("prefetch", True)
-            assert all(g == want and r == want for k, g, r in ahead if k + 2 < result["units"])
             # one generation on disk between steps: shard + state per unit, the manifest
             units = result["units"]
             assert len(result["files"]) == 2 * units + 1, result["files"]
@@ -59,7 +53,8 @@ def test_parity_and_byte_counters(rank_pool: Any, world_size: int, tmp_path: Pat
                 # one generation, plus the new files of the unit written and not yet
                 # committed and of the one being written (write-behind off), plus the
                 # previous files of the unit whose commit is in flight (deleted by it)
-                assert units >= 5 and result["most_files"] <= 2 * units + 6, (
+                # and the temporary file of a write in flight
+                assert units >= 5 and result["most_files"] <= 2 * units + 7, (
                     result["most_files"],
                     units,
                 )

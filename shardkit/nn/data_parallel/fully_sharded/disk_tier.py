@@ -21,25 +21,13 @@ called by :class:`~.unit.UnitRuntime`)::
 
 [Note: I/O at the disk's speed]
 The step is bound by the disk, so the disk must never wait for the training thread:
-while unit k steps, units k - 1 and k - 2's shards and optimizer state are read
-(prefetched when unit k's backward starts, see [Note: two units ahead]) and unit
-k + 1's are written (write-behind, at most
+while unit k steps, unit k - 1's shard and optimizer state are read (prefetched when
+unit k's backward starts) and unit k + 1's are written (write-behind, at most
 ``write_behind_bytes`` in flight; a write's tensors are its memory: the stepped shard
 stays allocated until written), all with large aligned direct I/O that bypasses the
 page cache (:mod:`shardkit.checkpoint.direct_io`), as ZeRO-Infinity's NVMe engine
 (section 6.2). Crash safety is the store's: the commit waits for every write (see
 [Note: write-behind] in :mod:`shardkit.checkpoint.generations`).
-
-[Note: two units ahead]
-While unit k computes, unit k + 1's all-gather runs and unit k + 2's shard is read (in
-backward: k - 1 and k - 2, with their optimizer state): when unit k starts, the tier
-waits for k + 1's read (started when k - 1 started, a whole unit earlier), the unit
-runtime issues k + 1's all-gather without waiting, and k + 2's read starts. The
-all-gather of the next unit then overlaps compute as in memory, instead of running
-between two units. Whether an all-gather is issued early must not depend on whether a
-read happens to be done (ranks would issue collectives in different orders), so the
-tier always waits for the read there. The cost: one more unit's shard (and, in
-backward, its optimizer state) and the next unit's full parameters resident.
 
 [Note: per-unit generations]
 With ``generations="step"`` (the default) the files of generation g + 1 are written
@@ -83,9 +71,9 @@ While a unit is not running, its local shard's memory is given back (the handle'
 page-aligned :class:`~.unit_buffers.UnitBuffer`, released: direct I/O reads into it and
 writes from it in place, with no bounce copy) and its sharded parameters
 (``named_parameters()``) are empty placeholders, as
-OffloadModel's disk tier; at most the running unit, the two prefetched ones and the
-units whose gradient reduction is in flight hold their shard, plus the optimizer state
-of the stepping unit and of the two prefetched ones, plus the writes in flight (at most
+OffloadModel's disk tier; at most the running unit, the prefetched one and the units
+whose gradient reduction is in flight hold their shard, plus the optimizer state of
+the stepping unit and of the prefetched one, plus the writes in flight (at most
 ``write_behind_bytes``). Reads and writes bypass the page cache where the file system
 allows (no memory map, no second copy of what is read once).
 
@@ -552,31 +540,17 @@ class DiskUnit:
 
     # residency -----------------------------------------------------------------------
     def prefetch(self) -> bool:
-        """The unit runs next (see [Note: two units ahead]): make the shard resident,
-        waiting for its read-ahead (or starting the read and waiting for it), and return
-        True so that its all-gather is issued now; without ``prefetch`` on the tier,
-        False (the all-gather waits for :meth:`before_gather`)."""
+        """Start reading the shard on the background thread (no-op if resident).
+        Returns False: the all-gather waits for :meth:`before_gather`."""
         self.tier.reap()
         if not self.tier.prefetch:
             return False
-        self.read_ahead()
-        if self._reading is not None:
-            start = time.perf_counter()
-            with record_function("FSDP::disk_wait_read"):
-                self._reading.result()  # before_gather installs the views
-            self.tier.waited(time.perf_counter() - start)
-        return True
-
-    def read_ahead(self) -> None:
-        """Start reading the shard (and in backward the optimizer state) on a background
-        thread, unless resident or on the way (no-op without ``prefetch`` on the tier)."""
-        if not self.tier.prefetch:
-            return
         self._read_state_ahead()
         if self.resident:
-            return
+            return False
         self._allocate()
         self._reading = self.tier.store.read_async(self.entry, "params", self.handle.local_shard)
+        return False
 
     def _read_state_ahead(self) -> None:
         """In backward: start reading the optimizer state for this unit's step."""

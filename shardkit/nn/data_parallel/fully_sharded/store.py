@@ -11,7 +11,6 @@ In the order a step calls them::
     before_gather          SHARDED -> UNSHARDING: the local shard must be resident
     after_gather           the all-gather was waited (forward or backward)
     prefetch               the unit runs next: bring the shard in ahead of time
-    read_ahead             the unit runs after the next: start bringing it in
     check_backward_allowed an output's gradient arrived, before any state changes
     accept_grad_shard      the reduced gradient shard (S,) is complete
     end_backward           the whole backward pass ended (every reduction waited)
@@ -57,12 +56,8 @@ class ShardStore(Protocol):
 
     def prefetch(self) -> bool:
         """The unit runs next. Returns True when the caller may issue the all-gather
-        now (the shard is resident, or was brought in); False when the store started
-        bringing the shard in and the all-gather waits for ``before_gather``. The answer
-        must be the same on every rank (it decides when a collective is issued)."""
-
-    def read_ahead(self) -> None:
-        """The unit runs after the next one: start bringing its shard in (no wait)."""
+        now (the shard is resident); False when the store started bringing the shard
+        in and the all-gather waits for ``before_gather``."""
 
     def check_backward_allowed(self, label: str) -> None:
         """Called when the unit's backward starts, before any state change.
@@ -106,9 +101,6 @@ class MemoryStore:
     def prefetch(self) -> bool:
         """The shard is resident: the all-gather may be issued now (True)."""
         return True
-
-    def read_ahead(self) -> None:
-        """Nothing to do: the shard is in memory."""
 
     def check_backward_allowed(self, label: str) -> None:
         """Every backward is allowed (gradients accumulate in ``.grad``)."""

@@ -95,7 +95,7 @@ from shardkit.nn.data_parallel.fully_sharded.config import FSDPConfig
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
 from shardkit.nn.data_parallel.fully_sharded.precision import BufferCast
 from shardkit.nn.data_parallel.fully_sharded.reduction import ShardReducer
-from shardkit.nn.data_parallel.fully_sharded.root import PhaseUnit, RootState
+from shardkit.nn.data_parallel.fully_sharded.root import RootState
 from shardkit.nn.data_parallel.fully_sharded.state import ShardedState, TrainingState
 from shardkit.nn.data_parallel.fully_sharded.store import ShardStore
 
@@ -315,19 +315,11 @@ class UnitRuntime:
         if self.sharded_state is ShardedState.SHARDED:
             self._secondary = None
 
-    def prefetch(self, then: PhaseUnit | None = None) -> None:
+    def prefetch(self) -> None:
         """Issue the all-gather without waiting (a no-op unless SHARDED), unless the shard
-        store is still bringing the shard in (then the all-gather waits for ``unshard``);
-        and let ``then``, the unit after this one, start bringing its shard in."""
+        store is still bringing the shard in (then the all-gather waits for ``unshard``)."""
         if self.sharded_state is ShardedState.SHARDED and self.store.prefetch():
             self.unshard(async_op=True)
-        if then is not None:
-            then.read_ahead()
-
-    def read_ahead(self) -> None:
-        """The unit runs after the next one: its store may start bringing the shard in."""
-        if self.sharded_state is ShardedState.SHARDED:
-            self.store.read_ahead()
 
     def reshard(self) -> None:
         """Any state -> SHARDED: the sharded parameters installed, the full buffer freed
@@ -369,7 +361,7 @@ class UnitRuntime:
             root.record_forward(self)
             following = root.neighbour(self, +1)
             if following is not None:
-                following.prefetch(then=root.neighbour(following, +1))
+                following.prefetch()
 
     def post_forward(self, output: Any) -> None:
         """After the forward: reshard (unless kept) and hook the outputs for backward."""
@@ -431,7 +423,7 @@ class UnitRuntime:
             self.unshard()
             previous = root.neighbour(self, -1)
             if previous is not None:
-                previous.prefetch(then=root.neighbour(previous, -1))
+                previous.prefetch()
 
     def post_accumulate_grad(self, index: int) -> None:
         """Autograd accumulated parameter ``index``; the last trainable one ends the backward."""
