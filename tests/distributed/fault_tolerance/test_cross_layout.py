@@ -17,7 +17,6 @@ import time
 from datetime import timedelta
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -236,11 +235,6 @@ def _scenarios(port: int) -> dict[str, Any]:
         "slow-plain": _slow(port, "slow-plain", 2, 3),
     }
     return out
-
-
-@pytest.fixture
-def store() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def test_replicas_of_different_layouts_train_together_and_a_joiner_heals_into_lockstep(

@@ -270,11 +270,6 @@ def _scenarios(port: int) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture
-def store() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-
-
 def test_replicas_of_two_ranks_match_the_normal_run_and_drop_a_slow_replica(
     rank_pool: Any, store: dist.TCPStore
 ) -> None:
