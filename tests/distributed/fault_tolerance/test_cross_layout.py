@@ -13,7 +13,6 @@ on the union batch of every member's slots. The reference: that plain model, 1e-
 from __future__ import annotations
 
 import functools
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -24,7 +23,12 @@ from torch import nn
 from shardkit.checkpoint.universal import gradient_pieces, load_universal_states, universal_state
 from shardkit.distributed.fault_tolerance import FaultTolerantReplicas
 from shardkit.nn import FullyShardedDataParallel
-from tests.distributed.fault_tolerance.test_replica_groups import _model, _momentum, _sgd
+from tests.distributed.fault_tolerance.test_replica_groups import (
+    _meet_joiner,
+    _model,
+    _momentum,
+    _sgd,
+)
 from tests.distributed.fault_tolerance.test_replicas import _equal
 
 _NO_FAILURE_T = 10.0  # never reached
@@ -162,12 +166,7 @@ def _joiner(port: int, prefix: str, fsdp_serves: bool) -> dict[str, Any]:
         for _ in range(2):
             ft.start_step()
             assert rep.train_step(ft)
-        store.set(f"{prefix}/go", "1")
-        arrivals = f"{prefix}/round/2/arrivals"  # wait for the joiner: one round for both
-        while not store.check([arrivals]) or b"1," not in store.get(arrivals):
-            time.sleep(0.01)
-    else:
-        store.wait([f"{prefix}/go"])
+    _meet_joiner(store, prefix, serves)
     quorum = ft.start_step()
     assert quorum.members == (0, 1) and quorum.heal == ((1, 0),), quorum
     assert not quorum.same_layout

@@ -31,6 +31,19 @@ _NO_FAILURE_T = 10.0  # never reached
 _FAILURE_T = 1.5  # a slow replica waits past it
 
 
+def _meet_joiner(store: Any, prefix: str, serves: bool) -> None:
+    """The serving replica (after its steps alone) tells the joiner to start and waits
+    until the joiner arrived at round 2, so both arrive at one round; the joiner waits
+    for that go."""
+    if not serves:
+        store.wait([f"{prefix}/go"])
+        return
+    store.set(f"{prefix}/go", "1")
+    arrivals = f"{prefix}/round/2/arrivals"
+    while not store.check([arrivals]) or b"1," not in store.get(arrivals):
+        time.sleep(0.01)
+
+
 def _model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -234,12 +247,7 @@ def _cross_layout(port: int, prefix: str, fsdp_serves: bool) -> dict[str, Any] |
             _loss(model, ft.step, me).backward()
             assert ft.average_gradients(model.parameters())
             optimizer.step()
-        store.set(f"{prefix}/go", "1")
-        arrivals = f"{prefix}/round/2/arrivals"  # wait for the joiner: one round for both
-        while not store.check([arrivals]) or b"1," not in store.get(arrivals):
-            time.sleep(0.01)
-    else:
-        store.wait([f"{prefix}/go"])
+    _meet_joiner(store, prefix, serves)
     quorum = ft.start_step()
     assert quorum.members == (0, 1) and quorum.heal == ((1, 0),), quorum
     state = {k.removeprefix("module."): v.clone() for k, v in model.state_dict().items()}
