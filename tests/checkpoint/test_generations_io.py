@@ -200,16 +200,17 @@ def test_a_failed_background_commit_commits_nothing_after_it(
     before = (tmp_path / MANIFEST).read_text()
     real = direct_io.write_payload
 
-    def fail(fd: int, segments: Any, size: int, *, aligned: bool) -> None:
-        time.sleep(0.05)
-        real(fd, segments, size // 2, aligned=aligned)
-        raise OSError("disk full (simulated)")
+    def fail_e0(fd: int, segments: Any, size: int, *, aligned: bool) -> None:
+        if size == 100:  # e0's new file (e1's has 300 bytes), whichever thread writes it
+            time.sleep(0.05)
+            real(fd, segments, size // 2, aligned=aligned)
+            raise OSError("disk full (simulated)")
+        real(fd, segments, size, aligned=aligned)
 
-    monkeypatch.setattr(direct_io, "write_payload", fail)
+    monkeypatch.setattr(direct_io, "write_payload", fail_e0)
     store.write_async("e0", "params", 1, [_bytes(100, 5)])
     store.commit(0, entries=["e0"], background=True)
-    monkeypatch.setattr(direct_io, "write_payload", real)
-    store.write_async("e1", "params", 1, [_bytes(100, 6)])
+    store.write_async("e1", "params", 1, [_bytes(300, 6)])
     store.commit(0, entries=["e1"], background=True)  # waits for the failed one
     with pytest.raises(OSError, match="simulated"):
         store.flush()
