@@ -551,7 +551,7 @@ class GenerationStore:
             self._drain_commits()  # in order: the background commits first
             self.flush()  # every file of the generation is on the disk before the commit
             files = {entry: dict(kinds) for entry, kinds in self.files.items()}
-            self._write_manifest(generation, files, extra)
+            self._commit_text(generation, files, self._manifest_text(generation, files, extra))
             self.remove_unreferenced(keep or set())
             return
         # a background commit leaves the writes in the table, so that a read of the
@@ -605,9 +605,7 @@ class GenerationStore:
                 raise RuntimeError(f"{self.directory}: an earlier background commit failed")
             for write in writes:
                 write.result()
-            fsync_dir(self.directory)
-            with atomic_write(self.directory / MANIFEST, "w") as handle:
-                handle.write(text)
+            self._rename_manifest(text)
             for name in stale:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(self.directory / name)
@@ -627,15 +625,14 @@ class GenerationStore:
         manifest = {"format": self.fmt, "generation": generation, "files": files, **extra}
         return json.dumps(manifest, indent=1)
 
-    def _write_manifest(
-        self, generation: int, files: dict[str, Any], extra: dict[str, Any]
-    ) -> None:
-        self._commit_text(generation, files, self._manifest_text(generation, files, extra))
-
-    def _commit_text(self, generation: int, files: dict[str, Any], text: str) -> None:
-        fsync_dir(self.directory)  # the files' renames are on the disk
+    def _rename_manifest(self, text: str) -> None:
+        """The commit point: the files' renames on the disk, then ``text`` as the manifest."""
+        fsync_dir(self.directory)
         with atomic_write(self.directory / MANIFEST, "w") as handle:
             handle.write(text)
+
+    def _commit_text(self, generation: int, files: dict[str, Any], text: str) -> None:
+        self._rename_manifest(text)
         self.generation = generation
         self.committed = files
 
