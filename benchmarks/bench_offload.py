@@ -232,10 +232,16 @@ def _name(cfg: dict[str, Any]) -> str:
     return cfg["tier"] if cfg["tier"] == "plain" else f"{cfg['tier']} n={cfg['slices']}"
 
 
-def _table(runs: list[dict[str, Any]]) -> str:
+def _by_name(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The runs of each configuration (``_name``), over the rounds, in run order."""
     by_name: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
         by_name.setdefault(_name(r), []).append(r)
+    return by_name
+
+
+def _table(runs: list[dict[str, Any]]) -> str:
+    by_name = _by_name(runs)
     plain = by_name.get("plain") or next(iter(by_name.values()))
     base_time = statistics.median(t for r in plain for t in r["times"])
     base_growth = statistics.median(r["rss_peak"] - r["rss_import"] for r in plain)
@@ -313,9 +319,7 @@ def _disk_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "disk_fraction",
     )
     summary = {k: chosen[len(chosen) // 2][k] for k in keys}
-    by_name: dict[str, list[dict[str, Any]]] = {}
-    for r in runs:
-        by_name.setdefault(_name(r), []).append(r)
+    by_name = _by_name(runs)
     summary["disk_fraction_ceiling"] = chosen[len(chosen) // 2]["disk_fraction_ceiling"]
     memory = _memory_step_s(by_name, chosen[0])
     if memory is not None:
