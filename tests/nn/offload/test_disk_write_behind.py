@@ -45,7 +45,12 @@ def test_parity_with_write_behind_and_read_ahead(tmp_path: Path) -> None:
     # read on the training thread (before: 3 params reads waited per step, and every
     # gradient file was read through a memory map in the step)
     assert reads["waited"] == 1 and reads["grad waited"] == 0, reads
-    assert 3 * 3 <= reads["ahead"] <= 3 * 6, reads
+    # each step loads the 3 slices in 3 phases; forward's and backward's last are kept,
+    # so at most 7 loads a step read (20 ahead in 3 steps, the first one waited). Which
+    # of the step's first two are still being written at the next forward, and so kept
+    # rather than read, depends on the write threads' timing: 16 to 19 were seen, and a
+    # fixed upper bound below 20 failed by timing alone
+    assert 3 * 3 <= reads["ahead"] <= 3 * 7 - 1, reads
     assert_state_dicts_close(plain_state(om, rename), dict(plain.named_parameters()), atol=0)
     assert om.tier.store.inflight_bytes == 0
     assert all(s.compute is None or not s.compute.is_allocated for s in om.tier.slices)
