@@ -583,6 +583,13 @@ class GenerationStore:
             return
         self.generation, self.committed = generation, files
         self._drain_commits()  # one in flight: the disk holds one entry's stale files at most
+        # finished writes need no waiting: forget them (a caller that never flushes, the
+        # tier committing every step in the background, would keep every step's)
+        self._pending = {
+            name: write
+            for name, write in self._pending.items()
+            if not write.done() or write.exception() is not None
+        }
         job = functools.partial(self._commit_entries, writes, text, stale)
         self._commits.append(self._pool("commit", threads=1).submit(job))
 

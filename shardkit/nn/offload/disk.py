@@ -42,25 +42,38 @@ state) and the pinned group, at most ``disk_io_bytes`` of writes in flight plus 
 most ``disk_io_bytes`` held ahead (read-ahead parts, kept buffers, held gradients;
 each part is taken only while it fits), so at most one slice plus ``2 *
 disk_io_bytes``. With the default 0 nothing is read ahead and each slice is written
-before the next is read. The commit waits for every write (see [Note: write-behind]
-in :mod:`shardkit.checkpoint.generations`).
+before the next is read, and the commit waits for every write (see [Note:
+write-behind] in :mod:`shardkit.checkpoint.generations`) before the step returns.
+
+[Note: background step commits]
+With ``disk_io_bytes > 0`` the step's commit runs on the store's commit thread (see
+[Note: background commits] in :mod:`shardkit.checkpoint.generations`): it waits for
+the last slices' writes, ``fsync``-s, renames the manifest and deletes generation
+``g``'s files while the next forward already runs (a read of a file still being
+written waits for its write; the next forward's first slices are usually still in
+their buffers). The training thread waited for those writes at the end of every step
+before, with the disk writing and the CPU idle. ``optimizer.step()`` so returns before
+``g + 1`` is on the disk; it is there once the next step's commit starts (one commit
+in flight), after :meth:`DiskTier.settle` (a universal checkpoint's save or load calls
+it), or when the process exits (the store's threads finish their queue). A crash
+before leaves generation ``g``, as before; a failed background write or commit is
+raised by the next step's write or commit, nothing after it committed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from shardkit.checkpoint.atomic import atomic_save
 from shardkit.checkpoint.generations import MANIFEST, GenerationStore, check_writable
+from shardkit.nn.offload.directory import FORMAT, OWNED, check_layouts, remove_offloaded
 from shardkit.nn.offload.flat import LayoutEntry, SliceLayout
 from shardkit.nn.offload.grad_files import GradientFiles
 from shardkit.nn.offload.slices import Slice, SliceState
@@ -75,10 +88,6 @@ from shardkit.optim.file_backed import (
 )
 
 __all__ = ["MANIFEST", "DiskTier", "check_writable", "remove_offloaded"]
-
-FORMAT = "shardkit.offload/2"  # /1: optimizer state as torch.save files
-_FORMATS = ("shardkit.offload/1", FORMAT)  # what remove_offloaded deletes
-_OWNED = re.compile(r"^(\.?(slice\d+|shared|buffers)\..*|\.manifest\.json\..*\.tmp)$")
 
 
 def _placeholder(p: torch.Tensor) -> torch.Tensor:
@@ -117,7 +126,7 @@ class DiskTier(Tier):
         self.store = GenerationStore(
             directory,
             fmt=FORMAT,
-            owned=_OWNED,
+            owned=OWNED,
             resume=resume,
             holds="an offloaded model",
             write_behind_bytes=io_bytes,
@@ -186,7 +195,7 @@ class DiskTier(Tier):
 
     def _open_existing(self) -> None:
         manifest = self.store.open()
-        self._check_layouts(manifest["layouts"])
+        check_layouts(manifest["layouts"], {s.name: s.layout.to_json() for s in self.slices})
         self.optimizer_class = manifest.get("optimizer_class")
         self.optim_layouts = manifest["optim_layouts"]
         for s in self.slices:
@@ -194,21 +203,6 @@ class DiskTier(Tier):
                 self._read_pinned(s)
         self._read_buffers(manifest.get("buffers"))
         self._remove_unreferenced()
-
-    def _check_layouts(self, stored: dict[str, list[dict[str, object]]]) -> None:
-        mine = {s.name: s.layout.to_json() for s in self.slices}
-        if sorted(stored) != sorted(mine):
-            raise ValueError(
-                f"offload_dir holds slices {sorted(stored)} but this model has {sorted(mine)}; "
-                "use the same num_slices (and model) as the run that wrote it"
-            )
-        for name, entries in mine.items():
-            if stored[name] != entries:
-                diff = next((a, b) for a, b in zip(stored[name] + [{}], entries + [{}]) if a != b)
-                raise ValueError(
-                    f"{name} in offload_dir does not match the model: stored {diff[0]}, "
-                    f"model {diff[1]}; use the architecture that wrote the directory"
-                )
 
     # -- moving slices -----------------------------------------------------------------
 
@@ -408,21 +402,52 @@ class DiskTier(Tier):
             for i, values in state.items()
         }
 
-    def commit(self, generation: int, optimizer_class: str | None = None) -> None:
-        """Make ``generation`` the committed one (atomic), then delete the older files."""
+    def commit(
+        self, generation: int, optimizer_class: str | None = None, background: bool = False
+    ) -> None:
+        """Make ``generation`` the committed one (atomic), then delete the older files.
+
+        Args:
+            generation: the generation committed (every slice's current files).
+            optimizer_class: the optimizer's class name, recorded in the manifest.
+            background: wait for the writes, rename the manifest and delete the older
+                files on the store's commit thread and return at once (see [Note:
+                background step commits]). Default False: all of it before returning.
+        """
         if optimizer_class is not None:
             self.optimizer_class = optimizer_class
         self._write_buffers(generation)
+        fields: dict[str, Any] = {
+            "optimizer_class": self.optimizer_class,
+            "optim_layouts": self.optim_layouts,
+            "layouts": {s.name: s.layout.to_json() for s in self.slices},
+            "buffers": f"buffers.g{generation}.pt",
+        }
+        if background:
+            entries = list(self.store.files)
+            self.store.commit(generation, entries=entries, background=True, **fields)
+            # the previous commit is on the disk (the store waits for it first), so the
+            # buffers of the one before are named by no manifest
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.directory / f"buffers.g{generation - 2}.pt")
+            return
         self.store.flush()
         self._reap()
-        self.store.commit(
-            generation,
-            keep={f"buffers.g{generation}.pt"},  # the store keeps its scratch files
-            optimizer_class=self.optimizer_class,
-            optim_layouts=self.optim_layouts,
-            layouts={s.name: s.layout.to_json() for s in self.slices},
-            buffers=f"buffers.g{generation}.pt",
-        )
+        # the store keeps its scratch files
+        self.store.commit(generation, keep={f"buffers.g{generation}.pt"}, **fields)
+
+    def settle(self) -> None:
+        """Wait for a background step commit and every write in flight (see [Note:
+        background step commits]); the committed generation is then on the disk and the
+        files no manifest names are deleted.
+
+        Raises:
+            OSError: a background write or commit failed (the generation before it is
+                the committed one on the disk).
+        """
+        self.store.flush()
+        self._reap()
+        self._remove_unreferenced()
 
     def write_params(self, s: Slice, generation: int) -> None:
         """Write generation ``generation`` of ``s``'s parameter file (not committed); a
@@ -454,36 +479,6 @@ class DiskTier(Tier):
     def stored_layout(self, name: str) -> SliceLayout:
         """The layout of slice ``name`` (for tools reading the directory)."""
         return next(s.layout for s in self.slices if s.name == name)
-
-
-def remove_offloaded(directory: str | os.PathLike[str]) -> bool:
-    """Delete the offloaded model that ``directory`` holds: its manifest first (so an
-    interrupted removal leaves no model), then every file the disk tier owns; other
-    files stay. Returns whether there was one.
-
-    For a job whose state lives elsewhere (a universal checkpoint) and that starts the
-    disk tier afresh there (``resume=False`` refuses a directory holding a model).
-
-    Raises:
-        ValueError: ``directory``'s manifest is not the disk tier's (say FSDP's disk
-            tier): nothing is deleted.
-    """
-    directory = Path(directory)
-    manifest = directory / MANIFEST
-    if not manifest.is_file():
-        return False
-    fmt = json.loads(manifest.read_text()).get("format")
-    if fmt not in _FORMATS:
-        raise ValueError(
-            f"{str(directory)!r} holds {MANIFEST} of format {fmt!r}, not an offloaded "
-            f"model ({FORMAT!r}); not deleting it"
-        )
-    manifest.unlink()
-    for name in os.listdir(directory):
-        if _OWNED.match(name) or (name.endswith(".tmp") and _OWNED.match(name[1:])):
-            with contextlib.suppress(FileNotFoundError):
-                (directory / name).unlink()
-    return True
 
 
 def _entries(s: Slice) -> list[tuple[torch.Tensor, LayoutEntry]]:

@@ -117,6 +117,7 @@ class DiskSession:
                 f"slices {busy} of the disk-tier OffloadModel are resident (a forward or "
                 "backward is under way): save or load the universal checkpoint between steps"
             )
+        self.tier.settle()  # the committed generation on the disk: its files are mapped
         self.tier.drop_read_ahead()  # a load changes the files under it
         names: set[str] = set()
         if self.purpose == "load":

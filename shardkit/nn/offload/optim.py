@@ -40,7 +40,9 @@ class SlicedOptimizer(FileBackedOptimizer):
     gradients (from the gradient file) and optimizer state, step, write generation
     ``g + 1``; then commits ``g + 1`` atomically (see ``disk.py``). The next slice is
     read ahead and the previous one written behind while a slice steps (see [Note: the
-    step at the disk's speed] in ``disk.py``). A crash mid-step leaves generation ``g``.
+    step at the disk's speed] in ``disk.py``); with ``disk_io_bytes > 0`` the commit
+    itself runs in the background (see [Note: background step commits] there). A crash
+    before the commit leaves generation ``g``.
 
     Args:
         tier: the model's disk tier.
@@ -94,8 +96,8 @@ class SlicedOptimizer(FileBackedOptimizer):
             self._step_slice(s, generation)
         for s in order[:2]:  # the next forward starts with them
             self.tier.read_ahead(s, optim_state=False)
-        with record_function("OffloadModel::step commit"):
-            self.tier.commit(generation, self.class_name)
+        with record_function("OffloadModel::step commit"):  # with write-behind, in the background
+            self.tier.commit(generation, self.class_name, background=self.tier.io_bytes > 0)
 
     def _step_slice(self, s: Slice, generation: int) -> None:
         if not s.params:

@@ -1,0 +1,131 @@
+"""The disk tier's step commit in the background (``disk_io_bytes > 0``): the step
+returns before its manifest is renamed, the next step waits for it, and a crash or a
+failed commit leaves the generation before it (see [Note: background step commits] in
+:mod:`shardkit.nn.offload.disk`)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardkit.nn.offload import OffloadModel
+from shardkit.testing import assert_state_dicts_close
+from tests.nn.offload.common import optimizer_for, plain_state, tiny, train, wrap
+
+IO_BYTES = 2**20
+
+
+def _manifest_generation(directory: Path) -> int:
+    return int(json.loads((directory / "manifest.json").read_text())["generation"])
+
+
+def _reopened(directory: Path) -> tuple[OffloadModel, dict[str, str]]:
+    return wrap(
+        tiny(99), offload_device=directory, num_slices=3, resume=True, disk_io_bytes=IO_BYTES
+    )
+
+
+def test_step_returns_before_its_commit_and_settle_waits(tmp_path: Path) -> None:
+    plain = tiny()
+    expected = train(plain, optimizer_for(plain, "adamw"), 4)
+    directory = tmp_path / "offload"
+    om, rename = wrap(tiny(), offload_device=directory, num_slices=3, disk_io_bytes=IO_BYTES)
+    optimizer = optimizer_for(om, "adamw")
+    store = om.tier.store
+    losses = train(om, optimizer, 3)
+    # finished writes are forgotten at each background commit, not kept for every step
+    assert len(store._pending) <= sum(len(kinds) for kinds in store.files.values())
+    om.tier.settle()  # step 3's commit on the disk before the gate
+    gate, rename_manifest = threading.Event(), store._rename_manifest
+
+    def gated(text: str) -> None:
+        assert gate.wait(60)
+        rename_manifest(text)
+
+    store._rename_manifest = gated  # type: ignore[method-assign]
+    losses += train(om, optimizer, 1)
+    assert losses == expected  # bit for bit
+    # step 4 returned; its manifest waits for the gate: the disk still names step 3
+    assert om.tier.generation == 4 and _manifest_generation(directory) == 3
+    assert (directory / "buffers.g3.pt").exists()  # named by the manifest on the disk
+    gate.set()
+    om.tier.settle()
+    assert _manifest_generation(directory) == 4
+    files = os.listdir(directory)
+    assert not [f for f in files if ".g3" in f or f.endswith(".tmp")], files
+    reopened, renamed = _reopened(directory)
+    assert reopened.tier.generation == 4
+    assert_state_dicts_close(plain_state(reopened, renamed), dict(plain.named_parameters()), atol=0)
+    assert_state_dicts_close(plain_state(om, rename), dict(plain.named_parameters()), atol=0)
+
+
+def test_a_failed_background_commit_is_raised_by_the_next_step(tmp_path: Path) -> None:
+    plain = tiny()
+    train(plain, optimizer_for(plain, "adamw"), 2)
+    directory = tmp_path / "offload"
+    om, _ = wrap(tiny(), offload_device=directory, num_slices=3, disk_io_bytes=IO_BYTES)
+    optimizer = optimizer_for(om, "adamw")
+    train(om, optimizer, 2)
+    om.tier.settle()
+    store = om.tier.store
+
+    def full(text: str) -> None:
+        raise OSError(28, "No space left on device (injected)")
+
+    store._rename_manifest = full  # type: ignore[method-assign]
+    train(om, optimizer, 1)  # step 3 returns; its commit fails on the commit thread
+    with pytest.raises(OSError, match="No space left"):
+        train(om, optimizer, 1)
+    assert _manifest_generation(directory) == 2
+    reopened, renamed = _reopened(directory)
+    assert reopened.tier.generation == 2
+    assert_state_dicts_close(plain_state(reopened, renamed), dict(plain.named_parameters()), atol=0)
+
+
+def killed_in_the_commit(directory: str, marker: str) -> None:
+    """Two steps, then a third whose background commit SIGKILLs the process just before
+    renaming the manifest (run in a child process)."""
+    torch.set_num_threads(1)
+    om, _ = wrap(tiny(), offload_device=Path(directory), num_slices=3, disk_io_bytes=IO_BYTES)
+    optimizer = optimizer_for(om, "adamw")
+    train(om, optimizer, 2)
+    om.tier.settle()
+    store, returned = om.tier.store, threading.Event()
+
+    def die(text: str) -> None:
+        assert returned.wait(60)  # the step returned while its commit was in flight
+        Path(marker).write_text(json.dumps({"generation": json.loads(text)["generation"]}))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    store._rename_manifest = die  # type: ignore[method-assign]
+    train(om, optimizer, 1)
+    returned.set()
+    threading.Event().wait(60)
+
+
+def test_killed_in_the_background_commit_resumes_from_the_previous_generation(
+    tmp_path: Path,
+) -> None:
+    plain = tiny()
+    expected = train(plain, optimizer_for(plain, "adamw"), 3)
+    directory, marker = tmp_path / "offload", tmp_path / "marker.json"
+    process = multiprocessing.get_context("spawn").Process(
+        target=killed_in_the_commit, args=(str(directory), str(marker))
+    )
+    process.start()
+    process.join(120)
+    assert process.exitcode == -signal.SIGKILL
+    assert json.loads(marker.read_text()) == {"generation": 3}
+    assert any(".g3" in f for f in os.listdir(directory))  # step 3's files, not committed
+    reopened, renamed = _reopened(directory)
+    assert reopened.tier.generation == 2
+    assert not [f for f in os.listdir(directory) if ".g3" in f or f.endswith(".tmp")]
+    assert train(reopened, optimizer_for(reopened, "adamw"), 1) == expected[2:]
+    assert_state_dicts_close(plain_state(reopened, renamed), dict(plain.named_parameters()), atol=0)
