@@ -55,7 +55,8 @@ their buffers). The training thread waited for those writes at the end of every 
 before, with the disk writing and the CPU idle. ``optimizer.step()`` so returns before
 ``g + 1`` is on the disk; it is there once the next step's commit starts (one commit
 in flight), after :meth:`DiskTier.settle` (a universal checkpoint's save or load calls
-it), or when the process exits (the store's threads finish their queue). A crash
+it), when the tier is garbage-collected, or when the process exits (the store's
+threads finish their queue). A crash
 before leaves generation ``g``, as before; a failed background write or commit is
 raised by the next step's write or commit, nothing after it committed.
 """
@@ -64,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -143,6 +145,9 @@ class DiskTier(Tier):
         self._state_ahead: dict[str, StateRead] = {}  # slice -> its optimizer state
         self._ahead_bytes: dict[tuple[str, str], int] = {}  # (slice, part) -> bytes held ahead
         self._writing: dict[str, tuple[Slice, Future[int]]] = {}  # buffers being written
+        # a background step commit lands when the tier goes away (a reopened directory
+        # then holds the last step), not only at exit
+        weakref.finalize(self, self.store.flush)
 
     @property
     def generation(self) -> int:

@@ -5,11 +5,13 @@ failed commit leaves the generation before it (see [Note: background step commit
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,28 @@ def test_step_returns_before_its_commit_and_settle_waits(tmp_path: Path) -> None
     assert reopened.tier.generation == 4
     assert_state_dicts_close(plain_state(reopened, renamed), dict(plain.named_parameters()), atol=0)
     assert_state_dicts_close(plain_state(om, rename), dict(plain.named_parameters()), atol=0)
+
+
+def test_dropping_the_model_lands_its_commit(tmp_path: Path) -> None:
+    """``del`` of the model and its optimizer waits for the last step's commit: a
+    reopened directory holds that step, not the one before."""
+    directory = tmp_path / "offload"
+    om, _ = wrap(tiny(), offload_device=directory, num_slices=3, disk_io_bytes=IO_BYTES)
+    optimizer = optimizer_for(om, "adamw")
+    train(om, optimizer, 2)
+    om.tier.settle()
+    store, rename_manifest = om.tier.store, om.tier.store._rename_manifest
+
+    def slow(text: str) -> None:
+        time.sleep(0.5)
+        rename_manifest(text)
+
+    store._rename_manifest = slow  # type: ignore[method-assign]
+    train(om, optimizer, 1)
+    del om, optimizer, store
+    gc.collect()
+    assert _manifest_generation(directory) == 3
+    assert _reopened(directory)[0].tier.generation == 3
 
 
 def test_a_failed_background_commit_is_raised_by_the_next_step(tmp_path: Path) -> None:
