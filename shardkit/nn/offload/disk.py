@@ -56,9 +56,9 @@ before, with the disk writing and the CPU idle. ``optimizer.step()`` so returns 
 ``g + 1`` is on the disk; it is there once the next step's commit starts (one commit
 in flight), after :meth:`DiskTier.settle` (a universal checkpoint's save or load calls
 it), when the tier is garbage-collected, or when the process exits (the store's
-threads finish their queue). A crash
-before leaves generation ``g``, as before; a failed background write or commit is
-raised by the next step's write or commit, nothing after it committed.
+threads finish their queue). A crash before leaves generation ``g``, as before; a
+failed background write or commit is raised by the next step's write or commit,
+nothing after it committed.
 """
 
 from __future__ import annotations
