@@ -154,6 +154,21 @@ def moe_model_flags(experts: int, every: int) -> dict[str, int]:
     return {"moe_experts": experts, "moe_every": every if experts else 1}
 
 
+def top_k_change(saved: int | None, experts: int, top_k: int) -> str | None:
+    """The warning for a resume whose ``--moe-top-k`` (``top_k``) differs from the
+    checkpoint's ``saved`` one, naming both; None when they agree, for a dense run
+    (``experts`` 0) and for a checkpoint from before it was kept (``saved`` None).
+    Allowed (the same tensors, see :func:`moe_model_flags`), but each token's routing
+    and compute change from the next step on."""
+    if saved is None or experts == 0 or saved == top_k:
+        return None
+    return (
+        f"--moe-top-k {top_k} differs from the checkpoint's {saved}: each token now goes "
+        f"to {top_k} of the {experts} experts instead of {saved}. To route as before, "
+        f"resume with --moe-top-k {saved}"
+    )
+
+
 def active_and_total(model: MoEGPT) -> tuple[int, int]:
     """Parameters one token goes through (dense ones plus ``k / E`` of the experts) and
     all of them; counted before any expert-parallel split."""

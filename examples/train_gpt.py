@@ -52,6 +52,7 @@ from gpt_moe import (
     active_and_total,
     moe_model_flags,
     moe_step_stats,
+    top_k_change,
 )
 from gpt_optimizer import OPTIMIZERS, optimizer_error
 from gpt_report import SAMPLE_PROMPT, StepProfiler, parse_steps, plot_metrics, sample_text
@@ -640,6 +641,7 @@ def checkpoint_extra(run: Run) -> dict[str, Any]:
         "tp": run.config.strategy.tp,
         "mesh": run.mesh,
         "schedule": {"steps": run.config.steps, "warmup": run.config.warmup},
+        "moe_top_k": run.config.strategy.moe_top_k,  # may change on resume: warned
     }
 
 
@@ -681,6 +683,10 @@ def restore(run: Run, step: int, saved_world_size: int, mine: Any, first: Any) -
     schedule_warning = schedule_change(first.get("schedule"), config, step)
     if schedule_warning is not None:
         warn(run, schedule_warning)
+    opt = config.strategy
+    top_k_warning = top_k_change(first.get("moe_top_k"), opt.moe_experts, opt.moe_top_k)
+    if top_k_warning is not None:
+        warn(run, top_k_warning)
     run.strategy.load_extra_state(first["strategy"])
     run.history = History(**first["history"])
     if saved_world_size == env.world_size and mine is not None:

@@ -185,8 +185,10 @@ class GenerationStore:
         directory: the directory (created if missing).
         fmt: the format string written to and checked in the manifest.
         owned: file names this store may delete when unreferenced (a directory may
-            hold other files); so may the temporary files of an interrupted write of
-            one of them (``.<name>.<random>.tmp``).
+            hold other files), matched against the final names (it may end with ``$``);
+            the temporary files of an interrupted write of one of them or of the
+            manifest (``.<name>.<random>.tmp``) are deleted too (see [Note: temporary
+            files]).
         resume: False: the directory must hold no manifest yet. True: it must; open it
             with :meth:`open`.
         what: the argument naming the directory, for messages. Default ``"offload_dir"``.
@@ -645,16 +647,37 @@ class GenerationStore:
 
     def remove_unreferenced(self, keep: set[str]) -> None:
         """Delete owned files that the current files, the committed ones, the scratch
-        files and ``keep`` do not name."""
+        files and ``keep`` do not name, and the temporary files of interrupted writes
+        (``.<name>.<random>.tmp`` of an owned name or of the manifest; see [Note:
+        temporary files]), except those of a write or commit still in flight."""
         wanted = {MANIFEST, *keep}
         for kinds in [*self.files.values(), *self.committed.values()]:
             wanted.update(f for f in kinds.values() if f is not None)
         for scratch in self.scratch.values():
             wanted.update(scratch.values())
         for entry in os.listdir(self.directory):
-            temporary = entry.endswith(".tmp") and (
-                entry.startswith(f".{MANIFEST}.") or bool(self.owned.match(entry[1:]))
-            )
-            if (temporary or self.owned.match(entry)) and entry not in wanted:
+            temporary = _TEMPORARY.match(entry)
+            if temporary is not None:
+                remove = self._abandoned(temporary["name"])
+            else:
+                remove = bool(self.owned.match(entry)) and entry not in wanted
+            if remove:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(self.directory / entry)
+
+    # [Note: temporary files]
+    # Every file is written to ``.<name>.<random>.tmp`` beside ``<name>`` and renamed
+    # over it (atomic_write, direct_io.write_file); a write that fails removes its
+    # temporary file, but a killed process leaves it. The owned pattern describes the
+    # final names (it may end with ``$``), so a temporary file is matched by the name
+    # inside it. It is left alone while its write is in flight (the name has a pending
+    # write, or for the manifest a background commit runs): the rename would fail.
+    def _abandoned(self, name: str) -> bool:
+        """Whether a temporary file of ``name`` belongs to no write in flight."""
+        if name == MANIFEST:
+            return all(commit.done() for commit in self._commits)
+        pending = self._pending.get(name)
+        return bool(self.owned.match(name)) and (pending is None or pending.done())
+
+
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.[^.]+\.tmp$")  # tempfile.mkstemp's names

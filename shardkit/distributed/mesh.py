@@ -336,6 +336,7 @@ class ProcessMesh:
         self._timeout = timeout
         self._groups: dict[tuple[str, ...], tuple[dist.ProcessGroup, list[int]]] = {}
         self._created: list[dist.ProcessGroup] = []
+        self._destroyed = False  # see [Note: destroying a mesh]
 
     def _key(self, dims: Iterable[str]) -> tuple[str, ...]:
         """The cache key of ``dims``: their fine dimensions, without ``cp`` at ``cp = 1``
@@ -381,9 +382,16 @@ class ProcessMesh:
 
         Raises:
             ValueError: an unknown dimension, or no dimension.
+            RuntimeError: the mesh was destroyed (:meth:`destroy`).
         """
         if not dims:
             raise ValueError(f"name at least one dimension of {list(GROUP_NAMES)}")
+        if self._destroyed:
+            raise RuntimeError(
+                f"{self!r} was destroyed (ProcessMesh.destroy()): its groups are gone, and "
+                f"making the {'/'.join(dims)} group again would be a collective the other "
+                "ranks do not enter; build a new ProcessMesh for new groups"
+            )
         return self._entry(dims, backend)[0]
 
     def ranks(self, *dims: str) -> list[int]:
@@ -402,11 +410,27 @@ class ProcessMesh:
         return self.ranks(*dims).index(self.rank)
 
     def destroy(self) -> None:
-        """Destroy the groups this mesh created (not the world); the mesh is unusable after."""
+        """Destroy the groups this mesh created (not the world); :meth:`group` refuses
+        afterwards (idempotent; local to this rank, no collective).
+
+        See ``[Note: destroying a mesh]`` for the wrappers still built on the groups.
+        """
         for pg in self._created:
             dist.destroy_process_group(pg)
         self._created.clear()
         self._groups.clear()
+        self._destroyed = True
+
+    # [Note: destroying a mesh]
+    # ``destroy`` shuts down each created group at once (gloo: no wait, even with a
+    # collective of this rank in flight, whose wait then fails with "connection
+    # closed"). A later ``group()`` would make new groups: ``new_group`` is a collective
+    # of the whole world, so one rank asking lazily (the mpu view, a wrapper holding the
+    # mesh) would wait alone until the timeout, and its peers in their next collective:
+    # a hang. So ``group()`` raises instead, on the asking rank, without communicating. Wrappers built on the groups are not tracked (torch 2.13, gloo,
+    # measured): torch's DDP keeps the group object and goes on reducing over it;
+    # shardkit's FSDP and ShardedDDP raise torch's "not registered" ValueError at their
+    # next collective, on every rank. Delete them before ``destroy``.
 
     def __repr__(self) -> str:
         names = [d for d in MESH_DIMS if d != "cp" or self.dims.cp != 1]

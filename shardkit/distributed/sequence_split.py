@@ -18,6 +18,16 @@ gathered sequence) both use them. Each rank holds a contiguous chunk of dimensio
 group (a column-parallel layer); ``grad="split"`` for one whose gradients are the same
 on every rank (a replicated computation, e.g. a gate routing every token; Megatron-LM's
 ``tensor_parallel_output_grad=False``).
+
+[Note: checking the chunks' shapes]
+The all-gather concatenates one chunk of the same shape from every rank; a rank whose
+chunk differs (3 positions against 5) makes gloo abort the process or the group wait
+until its timeout. Chunks made by :func:`split_sequence` or
+:func:`reduce_scatter_sequence` are equal by construction (both refuse a length not
+divisible by the group's size), so the tensor-parallel regions gather without a check.
+A caller whose input comes from the user (a sequence-parallel MoE layer) passes
+``check_shapes=True``: one all-gather of each rank's shape (10 integers) first, and
+every rank raises the same ValueError, naming each rank's shape, before the gather.
 """
 
 from __future__ import annotations
@@ -45,6 +55,34 @@ def _check_divisible(x: torch.Tensor, dim: int, world: int) -> None:
             f"equal chunks); pad the sequence to a multiple of {world} or turn "
             "sequence_parallel off"
         )
+
+
+_SHAPE_SLOTS = 8  # dims compared one by one; the number of dims and numel cover the rest
+
+
+def _check_same_shape(x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank of ``group`` unless every rank's ``x`` has the same shape
+    (``[Note: checking the chunks' shapes]``)."""
+    world = _rank_and_size(group)[1]
+    if world == 1:
+        return
+    dims = list(x.shape[:_SHAPE_SLOTS]) + [-1] * (_SHAPE_SLOTS - min(x.dim(), _SHAPE_SLOTS))
+    mine = torch.tensor([x.dim(), x.numel(), *dims], dtype=torch.int64, device=x.device)
+    every = mine.new_empty(world * mine.numel())
+    dist.all_gather_single(every, mine, group=group)
+    every = every.view(world, -1)
+    if bool((every == every[0]).all()):
+        return
+    shapes = ", ".join(
+        f"rank {r} {tuple(int(d) for d in row[2 : 2 + min(int(row[0]), _SHAPE_SLOTS)])}"
+        for r, row in enumerate(every.cpu())
+    )
+    raise ValueError(
+        f"sequence parallel gathers one chunk of the same shape on every rank of the group "
+        f"(concatenated along the sequence dimension, in rank order); got {shapes}. Give "
+        f"every rank an equal chunk: pad the sequence to a multiple of {world} and split it "
+        "with split_sequence"
+    )
 
 
 def _split(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -98,15 +136,22 @@ class _ToChunk(torch.autograd.Function):
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, dim: int, reduce: bool
+        ctx: Any,
+        x: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        dim: int,
+        reduce: bool,
+        check_shapes: bool,
     ) -> torch.Tensor:
         ctx.group, ctx.dim, ctx.reduce = group, dim, reduce
+        if check_shapes:
+            _check_same_shape(x, group)
         return _gather(x, dim, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         back = _reduce_scatter if ctx.reduce else _split
-        return back(grad, ctx.dim, ctx.group), None, None, None
+        return back(grad, ctx.dim, ctx.group), None, None, None, None
 
 
 def split_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
@@ -124,12 +169,30 @@ def gather_sequence(
     group: dist.ProcessGroup | None,
     dim: int,
     grad: Literal["reduce_scatter", "split"] = "reduce_scatter",
+    check_shapes: bool = False,
 ) -> torch.Tensor:
     """Every rank's chunk concatenated along ``dim`` (forward, rank order); in backward
     the gradient reduce-scattered (``"reduce_scatter"``, the default: partial sums) or
-    split (``"split"``: the same gradient on every rank). Every rank's ``x`` must have
-    the same shape."""
-    out: torch.Tensor = _Gather.apply(x, group, dim, grad == "reduce_scatter")
+    split (``"split"``: the same gradient on every rank).
+
+    Every rank's ``x`` must have the same shape: ``(..., s, ...)`` gives ``(..., world
+    x s, ...)``.
+
+    Args:
+        x: this rank's chunk.
+        group: the process group; None: one process (the identity).
+        dim: the dimension gathered.
+        grad: the backward, ``"reduce_scatter"`` (default) or ``"split"``.
+        check_shapes: all-gather every rank's shape first (10 integers per rank) and
+            raise on every rank if they differ, instead of a gloo abort or a wait until
+            the group's timeout (``[Note: checking the chunks' shapes]``). Default False
+            (chunks made by :func:`split_sequence` are equal).
+
+    Raises:
+        ValueError: with ``check_shapes``, ranks passed chunks of different shapes (each
+            rank's shape named); raised on every rank of ``group``.
+    """
+    out: torch.Tensor = _Gather.apply(x, group, dim, grad == "reduce_scatter", check_shapes)
     return out
 
 

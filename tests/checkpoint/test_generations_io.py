@@ -234,3 +234,51 @@ def test_a_read_after_a_background_commit_waits_for_the_write(
     store.read("e0", "params", got)
     assert torch.equal(got, _bytes(100, 1))
     store.close()
+
+
+def test_temporary_files_of_interrupted_writes_are_removed_on_reopen(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Regression: a killed process's temporary files (``.e0.params.g2.<random>.tmp``)
+    stayed in the directory for good: the owned pattern ends with ``$`` (FSDP's disk
+    tier's too), so the temporary names never matched it. Reopening now removes them
+    and a temporary manifest; an unowned temporary file stays, and the temporary file
+    of a write in flight survives a commit of another entry."""
+    store = _store(tmp_path)
+    store.write("e0", "params", 1, _bytes(100, 0))
+    store.commit(1)
+    store.close()
+    leftovers = [".e0.params.g2.k3j_x9aq.tmp", f".{MANIFEST}.p0q1r2s3.tmp"]
+    for name in [*leftovers, ".notes.txt.a1b2c3d4.tmp"]:
+        (tmp_path / name).write_bytes(b"half")
+    again = GenerationStore(
+        tmp_path, fmt="test/1", owned=OWNED, resume=True, write_behind_bytes=2**20
+    )
+    assert again.open()["generation"] == 1
+    again.remove_unreferenced(set())
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [MANIFEST, "e0.params.g1", ".notes.txt.a1b2c3d4.tmp"]
+    )
+    started, release = threading.Event(), threading.Event()
+    real = direct_io.write_payload
+
+    def held(fd: int, segments: Any, size: int, *, aligned: bool) -> None:
+        started.set()
+        release.wait(10)
+        real(fd, segments, size, aligned=aligned)
+
+    monkeypatch.setattr(direct_io, "write_payload", held)
+    again.write_async("e1", "params", 2, [_bytes(64, 1)])  # in flight: its .tmp exists
+    assert started.wait(10)
+    monkeypatch.setattr(direct_io, "write_payload", real)
+    again.write("e0", "params", 2, _bytes(100, 2))
+    again.commit(2, entries=["e0"])  # removes unreferenced files: not e1's temporary one
+    assert [f for f in os.listdir(tmp_path) if f.startswith(".e1.params.g2.")]
+    release.set()
+    again.commit(2)
+    again.close()
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".tmp")) == [
+        ".notes.txt.a1b2c3d4.tmp"
+    ]
+    files = json.loads((tmp_path / MANIFEST).read_text())["files"]
+    assert files == {"e0": {"params": "e0.params.g2"}, "e1": {"params": "e1.params.g2"}}

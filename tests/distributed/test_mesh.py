@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.nn.parallel import DistributedDataParallel
 
 from shardkit.distributed import mpu
 from shardkit.distributed.collectives import group_timeout
@@ -487,3 +488,37 @@ def test_cp_bad_inputs_name_the_values() -> None:
         ValueError, match=r"dp_shard \(2\) x cp \(2\) x tp \(1\) = 4, but the world"
     ):
         ParallelDims(world_size=8, dp_shard=2, cp=2)
+
+
+def run_use_after_destroy(world: int) -> dict[str, Any]:
+    """Regression: after ``mesh.destroy()`` a lone ``mesh.group()`` (here rank 0's mpu
+    view) made new groups, a collective of the whole world that the other ranks never
+    entered: rank 0 waited until the timeout (on 4 ranks; on 2 the groups have one rank
+    and nothing waits) and its peers in their next collective. Now it raises at once.
+    A torch DDP built on a mesh group is alive during ``destroy`` (which returns at
+    once), and both ranks meet in a world all-reduce afterwards (no hang)."""
+    torch.set_num_threads(1)
+    mesh = ProcessMesh(ParallelDims(world_size=world, tp=2), timeout=timedelta(seconds=10))
+    model = DistributedDataParallel(torch.nn.Linear(3, 3), process_group=mesh.group("dp"))
+    model(torch.ones(2, 3)).sum().backward()
+    mesh.destroy()
+    mesh.destroy()  # idempotent
+    refused = ""
+    if dist.get_rank() == 0:
+        try:
+            mpu.ModelParallelUnit(mesh).get_data_parallel_group()
+        except RuntimeError as e:
+            refused = str(e)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    del model
+    return {"refused": refused, "total": float(total), "tp_ranks": mesh.ranks("tp")}
+
+
+def test_a_destroyed_mesh_refuses_groups_without_a_collective(rank_pool: Any) -> None:
+    first, second = rank_pool(2).run(run_use_after_destroy, 2, timeout_s=30)
+    assert "was destroyed (ProcessMesh.destroy())" in first["refused"], first
+    assert "build a new ProcessMesh" in first["refused"], first
+    assert second["refused"] == ""  # rank 1 did not ask
+    assert first["total"] == second["total"] == 2.0
+    assert first["tp_ranks"] == second["tp_ranks"] == [0, 1]  # no collective: still answers

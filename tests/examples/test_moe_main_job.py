@@ -14,7 +14,7 @@ import pytest
 import train_gpt
 from gpt_checkpoint import check_model_flags
 from gpt_data import InputError
-from gpt_moe import MoEGPT, MoESettings, active_and_total, moe_model_flags
+from gpt_moe import MoEGPT, MoESettings, active_and_total, moe_model_flags, top_k_change
 
 from shardkit.models import gpt_config
 
@@ -169,3 +169,26 @@ def test_resume_with_other_moe_flags_names_them(
     with pytest.raises(InputError) as err:
         check_model_flags({"model_size": "tiny", **moe_model_flags(*saved)}, flags, Path("c"))
     assert named in str(err.value) and "resume with the same model flags" in str(err.value)
+
+
+def test_resume_with_another_top_k_warns_naming_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: ``--resume --moe-top-k 1`` from a checkpoint trained at top-k 2 ran
+    without a word. ``--moe-top-k`` is not a model flag (the same tensors), so the
+    resume goes on, with one warning line naming both values; the same k says nothing."""
+    common = [*COMMON, "--stop-after", "1", "--sample-bytes", "0", "--out-dir", str(tmp_path)]
+    assert train_gpt.main(common) == 0
+    capsys.readouterr()
+    assert train_gpt.main([*common, "--resume", "--moe-top-k", "1"]) == 0  # no step left
+    err = capsys.readouterr().err
+    warning = (
+        "train_gpt.py: warning: --moe-top-k 1 differs from the checkpoint's 2: each token "
+        "now goes to 1 of the 4 experts instead of 2. To route as before, resume with "
+        "--moe-top-k 2\n"
+    )
+    assert err.count(warning) == 1, err
+    assert _metrics(tmp_path)["step"] == 1
+    assert top_k_change(2, 4, 2) is None  # the same k
+    assert top_k_change(None, 4, 1) is None  # a checkpoint from before it was kept
+    assert top_k_change(2, 0, 1) is None  # a dense run: no routing

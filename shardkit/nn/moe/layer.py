@@ -112,8 +112,9 @@ class MoE(nn.Module):
         ValueError: ``num_experts`` not a multiple of the ep group's size, ``k`` outside
             ``[1, num_experts]``, a capacity factor ``<= 0``, ``ffn_hidden_size`` not
             a multiple of the tp group's size, ``sequence_parallel`` without a
-            ``tp_group`` of more than one rank; in forward, a sequence length not
-            divisible by the tp group's size (with ``sequence_parallel``).
+            ``tp_group`` of more than one rank; in forward (with ``sequence_parallel``),
+            ranks of the tp group passing chunks of different shapes (raised on every
+            rank of it, before the gather; each rank's shape named).
     """
 
     def __init__(
@@ -196,11 +197,15 @@ class MoE(nn.Module):
         Raises:
             ValueError: under a torch DDP whose process group holds several ranks of
                 the ep group, the experts not left out of it (the fix named:
-                :func:`~shardkit.nn.moe.ignore_experts_in_ddp` before wrapping).
+                :func:`~shardkit.nn.moe.ignore_experts_in_ddp` before wrapping); with
+                ``sequence_parallel``, ranks of the tp group passing chunks of different
+                shapes (on every rank of it, before the gather).
         """
         self._check_data_parallel()
         if self.sequence_parallel:  # every rank routes every token (see Args)
-            hidden_states = gather_sequence(hidden_states, self.experts.tp_group, 1, "split")
+            hidden_states = gather_sequence(
+                hidden_states, self.experts.tp_group, 1, "split", check_shapes=True
+            )
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
         routing = self.gate(tokens)

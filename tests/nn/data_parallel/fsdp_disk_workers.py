@@ -323,6 +323,7 @@ def resume_after_kill(root: str) -> dict[str, Any]:
     out = {"generation": optimizer.tier.generation, "loss": _step(model, optimizer, 2)}
     out["state"] = model.state_dict()
     optimizer.tier.close()
+    out["files"] = sorted(os.listdir(optimizer.tier.directory))
     return out
 
 

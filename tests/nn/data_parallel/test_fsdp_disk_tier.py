@@ -98,8 +98,12 @@ def test_killed_process_resumes_from_previous_generation(rank_pool: Any, tmp_pat
     process.start()
     process.join(120)
     assert process.exitcode == 17
-    assert any(".g3" in f for f in os.listdir(killed / "rank0"))  # half-written files left
+    left = os.listdir(killed / "rank0")
+    assert any(".g3" in f for f in left)  # half-written files left
+    assert [f for f in left if f.startswith(".unit") and f.endswith(".tmp")], left
     resumed = rank_pool(1).run(w.resume_after_kill, str(killed))[0]
+    # regression: the killed write's temporary file stayed after the resumed run
+    assert not [f for f in resumed["files"] if f.endswith(".tmp")], resumed["files"]
     straight = rank_pool(1).run(w.straight_run, str(tmp_path / "straight"), 3)[0]
     assert resumed["generation"] == 2
     assert resumed["loss"] == straight["losses"][2]

@@ -116,3 +116,16 @@ def test_checkpoint_saved_at_ep2_tp2_loads_at_other_layouts(rank_pool: Any, tmp_
     assert torch.equal(alone.moe.experts.w2.detach(), full2)
     with torch.no_grad():
         torch.testing.assert_close(alone(_tokens(0)[0]), saved[0]["out"], atol=1e-6, rtol=1e-5)
+
+
+def test_unequal_sequence_chunks_raise_on_every_rank(rank_pool: Any) -> None:
+    """Regression: tensor-parallel ranks passing chunks of different shapes to a
+    sequence-parallel MoE layer hung or died inside gloo's all-gather; now every rank
+    raises a ValueError naming each rank's shape, and no rank is left waiting."""
+    per_rank = rank_pool(2).run(w.run_unequal_sequence_chunks, timeout_s=60)
+    for res in per_rank:
+        positions, batch = res["errors"]
+        assert "rank 0 (2, 3, 6), rank 1 (2, 5, 6)" in positions, positions
+        assert "rank 0 (2, 4, 6), rank 1 (3, 4, 6)" in batch, batch
+        assert "the same shape on every rank" in positions, positions
+        assert res["shape"] == (2, 4, M), res

@@ -4,6 +4,7 @@ of the same seed, evaluated here on every data-parallel rank's tokens."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -267,3 +268,25 @@ def run_sequence_parallel(configs: list[dict[str, Any]]) -> list[dict[str, Any]]
         )
         mesh.destroy()
     return results
+
+
+def run_unequal_sequence_chunks() -> dict[str, Any]:
+    """``MoE(sequence_parallel=True)`` over tp 2 where rank 0 passes 3 positions and
+    rank 1 passes 5 (and, second, equal positions but batch 2 against 3): the layer
+    must raise the same ValueError on both ranks before the gather (regression: the
+    mismatched ``all_gather_single`` hung or died in gloo). A group timeout of 20 s
+    turns a hang into a failure; the layer still works on equal chunks afterwards."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = ProcessMesh(ParallelDims(world_size=world, tp=world), timeout=timedelta(seconds=20))
+    cfg = {"k": 2, "drop": False, "factor": 1.0}
+    moe = moe_workers._moe(cfg, None, tp_group=mesh.group("tp"), sequence_parallel=True)
+    errors = []
+    for shape in [(2, 3 + 2 * rank, M), (2 + rank, 4, M)]:
+        try:
+            moe(torch.randn(*shape))
+            errors.append("")
+        except ValueError as e:
+            errors.append(str(e))
+    out, _, _ = moe(torch.randn(2, 4, M))
+    mesh.destroy()
+    return {"errors": errors, "shape": tuple(out.shape)}
