@@ -44,8 +44,10 @@ class MOELayer(nn.Module):
         l_aux: the gate's auxiliary loss of the last forward (a scalar tensor).
 
     Every expert parameter gets the attribute ``expert = True`` (FairScale's marker).
-    The all-to-all moves ``E x C x M`` elements each way per forward (``C = 2S/E`` for
-    :class:`~shardkit.nn.moe.Top2Gate`), whatever the routing.
+    The all-to-all moves ``E x C x M`` elements each way per forward, whatever the
+    routing, ``C`` the largest capacity of the group's ranks (``C = 2S/E`` for
+    :class:`~shardkit.nn.moe.Top2Gate`, ``S`` a rank's tokens); before it, one
+    all-reduce of one int64 agrees on ``C`` (see ``[Note: unequal token counts]``).
 
     [Note: dispatch by index]
     FairScale (and GShard's Algorithm 2) dispatch with ``einsum("sec,sm->ecm")`` and
@@ -58,6 +60,23 @@ class MOELayer(nn.Module):
     result equals the einsums' for a gate whose combine weights are zero outside
     ``dispatch_mask`` (FairScale's and GShard's: ``dispatch_mask = combine.bool()``),
     to the order of summing each token's ``k`` terms.
+
+    [Note: unequal token counts]
+    The ranks of ``group`` may pass different numbers of tokens (a smaller last batch,
+    variable sequence lengths, an empty batch). The gate then gives each rank its own
+    capacity (``2S/E`` from its own ``S``), but the equal-split all-to-all needs the same
+    buffer size on every rank (gloo aborts on a size mismatch). As in GShard, Tutel and
+    DeepSpeed-MoE (whose dropless path all-reduces the largest capacity), the ranks agree
+    on ``C_max``, the largest capacity, by one all-reduce (MAX) of one int64 per forward,
+    and each pads its buffer to ``(E, C_max, M)``: token ``s`` at ``(e, c)`` goes to row
+    ``e x C_max + c``, empty rows stay zero. Routing, dropping and the combine weights
+    stay each rank's own (its gate's), so a rank's output, ``l_aux`` and gradients are
+    those of the layer run in one process on its tokens alone; the padded rows get no
+    combine weight, so they add nothing to the output or to any gradient. With equal
+    token counts ``C_max = C`` and the buffer, the exchange and the result are those of
+    the unpadded layer, bit for bit. The backward reuses the forward's sizes (no second
+    all-reduce). In one process (no group) there is nothing to agree on and no
+    collective.
     """
 
     def __init__(
@@ -104,9 +123,12 @@ class MOELayer(nn.Module):
                 f"{self.world_size} rank(s) x {self.num_local_experts} local expert(s): each "
                 "expert would run the tokens of others; give the gate ranks x local experts"
             )
-        token, slot = _routes(dispatch_mask)
+        token, expert, position = dispatch_mask.nonzero(as_tuple=True)
+        buffer_capacity = self._agreed_capacity(capacity, tokens.device)
+        slot = expert * buffer_capacity + position  # row of the (E x C_max, M) buffer
         rows = tokens.index_select(0, token)
-        dispatched = tokens.new_zeros(num_experts * capacity, d_model).index_add(0, slot, rows)
+        dispatched = tokens.new_zeros(num_experts * buffer_capacity, d_model)
+        dispatched = dispatched.index_add(0, slot, rows)
         if self.world_size > 1:
             dispatched = all_to_all(dispatched, self.group)
         dispatched = dispatched.reshape(self.world_size, self.num_local_experts, -1, d_model)
@@ -116,17 +138,19 @@ class MOELayer(nn.Module):
         )
         if self.world_size > 1:
             expert_output = all_to_all(expert_output, self.group)
-        expert_output = expert_output.reshape(num_experts * capacity, d_model)
+        expert_output = expert_output.reshape(num_experts * buffer_capacity, d_model)
         slots = combine_weights.reshape(len(tokens), num_experts * capacity)  # 0 tokens too
-        weights = slots[token, slot].to(expert_output.dtype)
+        weights = slots[token, expert * capacity + position].to(expert_output.dtype)
         outputs = expert_output.index_select(0, slot) * weights.unsqueeze(1)
         combined = expert_output.new_zeros(len(tokens), d_model).index_add(0, token, outputs)
         return combined.reshape(x.shape)
 
-
-def _routes(dispatch_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(token, slot)`` pairs of a ``(S, E, C)`` dispatch mask: token ``s`` goes to
-    row ``e x C + c`` of the ``(E x C, M)`` capacity buffer (see ``[Note: dispatch by
-    index]``)."""
-    token, expert, position = dispatch_mask.nonzero(as_tuple=True)
-    return token, expert * dispatch_mask.shape[2] + position
+    def _agreed_capacity(self, capacity: int, device: torch.device) -> int:
+        """The capacity buffer's slots per expert: the largest ``capacity`` of the group
+        (one all-reduce of one integer), or ``capacity`` itself in one process (see
+        ``[Note: unequal token counts]``)."""
+        if self.world_size == 1:
+            return capacity
+        agreed = torch.tensor([capacity], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        return int(agreed.item())
