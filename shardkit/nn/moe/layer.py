@@ -59,7 +59,10 @@ class MoE(nn.Module):
 
     ``l_aux`` is the gate's load-balancing loss plus ``z_loss_coef`` times the router
     z-loss (:class:`~shardkit.nn.moe.gate.TopKGate` gives both formulas and sources);
-    add ``coef * l_aux`` (Switch uses 1e-2) to the task loss.
+    add ``coef * l_aux`` (Switch uses 1e-2) to the task loss. The ranks of ``ep_group``
+    may pass different numbers of tokens, none included (each exchange is sized by the
+    counts all-to-all, so this costs nothing more); ``l_aux`` is then each rank's own,
+    over its tokens (0 for none).
 
     Args:
         hidden_size: the token size ``M``.

@@ -41,7 +41,8 @@ class MOELayer(nn.Module):
             not initialised (FairScale requires it initialised).
 
     Attributes:
-        l_aux: the gate's auxiliary loss of the last forward (a scalar tensor).
+        l_aux: the gate's auxiliary loss of the last forward (a scalar tensor): this
+            rank's, over its own tokens (0 for none), whatever the other ranks pass.
 
     Every expert parameter gets the attribute ``expert = True`` (FairScale's marker).
     The all-to-all moves ``E x C x M`` elements each way per forward, whatever the
@@ -95,7 +96,9 @@ class MOELayer(nn.Module):
 
     def forward(self, *input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """``input``: one tensor ``(S, T, M)`` (sequences, tokens, model dim), ``S*T``
-        a multiple of the experts. Returns ``(S, T, M)``; sets ``self.l_aux``.
+        a multiple of the experts; ``S*T`` may differ between the ranks of the group,
+        and be 0 (see ``[Note: unequal token counts]``). Returns ``(S, T, M)``; sets
+        ``self.l_aux``.
 
         Raises:
             ValueError: not exactly one input, not 3-dimensional, ``S`` not a
