@@ -18,7 +18,9 @@ Replicas (replica ids 0, 1, ...) share a ``TCPStore`` and nothing else: no defau
 process group, no world size. Each step:
 
 1. **Quorum.** Every live replica appends ``(replica id, committed step, layout
-   fingerprint)`` to the round's arrivals. The round closes when every replica the previous round kept has
+   fingerprint, batch schedule)`` to the round's arrivals; a replica that cannot train
+   with the others (another batch schedule) is refused, the later one first
+   (:func:`~shardkit.distributed.fault_tolerance.quorum.admit`). The round closes when every replica the previous round kept has
    arrived (at least ``min_replicas``), or ``join_timeout_s`` after a replica's own
    arrival; the first replica to see it closed writes the decision with
    ``compare_set`` and every replica reads that one. Members behind the highest step
@@ -54,7 +56,12 @@ reconfigurable process group per quorum, ``should_commit`` before the optimizer 
 and live recovery from a peer. This is shardkit's own implementation on gloo.
 """
 
-from shardkit.distributed.fault_tolerance.quorum import Quorum, QuorumTimeoutError, Verdict
+from shardkit.distributed.fault_tolerance.quorum import (
+    Quorum,
+    QuorumTimeoutError,
+    ReplicaMismatchError,
+    Verdict,
+)
 from shardkit.distributed.fault_tolerance.replicas import (
     FaultTolerantReplicas,
     ReplicaState,
@@ -67,6 +74,7 @@ __all__ = [
     "FaultTolerantReplicas",
     "Quorum",
     "QuorumTimeoutError",
+    "ReplicaMismatchError",
     "ReplicaSampler",
     "ReplicaState",
     "ReplicaStats",

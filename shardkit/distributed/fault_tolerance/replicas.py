@@ -61,9 +61,12 @@ from shardkit.distributed.fault_tolerance.layouts import (
 from shardkit.distributed.fault_tolerance.quorum import (
     Arrival,
     Quorum,
+    ReplicaMismatchError,
     Verdict,
+    batch_text,
     decided_rounds,
     join_round,
+    refusal,
     vote,
 )
 from shardkit.distributed.fault_tolerance.transport import (
@@ -172,14 +175,20 @@ class FaultTolerantReplicas:
             another strategy or number of ranks train together. Default None: the
             layout is known by its number of ranks only, and replicas train together
             only with as many ranks each (the same flags).
+        batch: the batch schedule every replica must share, as named integers, e.g.
+            ``{"global_batch": 64, "max_replicas": 2}`` (sequences per step over all
+            replicas, the replica ids the data is split over); sent with each arrival
+            at the quorum, which refuses a replica whose schedule differs from the
+            members' (the later one). Default None: none given (it then pairs only
+            with replicas that gave none).
         step: the committed step count this replica starts from: the step of the
             checkpoint it resumed (:meth:`checkpoint`), ``>= 0``; default 0. A replica
             behind the others heals from them at its first quorum; one ahead serves
             them.
 
     Raises:
-        ValueError: ``replica_id < 0``, ``min_replicas < 1``, ``step < 0`` or a
-            timeout ``<= 0``.
+        ValueError: ``replica_id < 0``, ``min_replicas < 1``, ``step < 0``, a
+            timeout ``<= 0``, or a ``batch`` item not ``identifier: int``.
 
     Source: the design of torchft (PyTorch, 2024: per-step quorum through a
     lighthouse, ``should_commit``, live recovery from a peer), written for gloo and a
@@ -202,6 +211,7 @@ class FaultTolerantReplicas:
         group: dist.ProcessGroup | None = None,
         step: int = 0,
         layout: LayoutFn | None = None,
+        batch: Mapping[str, int] | None = None,
     ) -> None:
         join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
         if replica_id < 0 or min_replicas < 1 or step < 0:
@@ -219,6 +229,7 @@ class FaultTolerantReplicas:
         self.min_replicas, self.timeout_s = min_replicas, timeout_s
         self.join_timeout_s, self.quorum_timeout_s = join_timeout_s, quorum_timeout_s
         self.initial_replicas = initial_replicas
+        self.batch = batch_text(batch)
         self.step = step
         self.state = ReplicaState.JOINING
         self.quorum: Quorum | None = None
@@ -278,18 +289,22 @@ class FaultTolerantReplicas:
         Raises:
             QuorumTimeoutError: fewer than ``min_replicas`` replicas within
                 ``quorum_timeout_s``.
+            ReplicaMismatchError: the quorum refused this replica (on each of its
+                ranks): its ``batch`` differs from the members'; the members go on.
         """
         quorum: Quorum = self._share(self._arrive)
+        if self.replica_id in quorum.refused:
+            raise ReplicaMismatchError(refusal(quorum, self._arrival(redo=False)))
         self.quorum, self.state = quorum, ReplicaState.MEMBER
         self._serve_or_heal(quorum)
         return quorum
 
     def _arrive(self) -> Quorum:
-        """Join rounds from the next one until a quorum admits this replica."""
+        """Join rounds from the next one until a quorum admits or refuses this replica."""
         round_ = self._next_round()
         while True:
             quorum = self._join(round_, redo=False)
-            if self.replica_id in quorum.members:
+            if self.replica_id in (*quorum.members, *quorum.refused):
                 return quorum
             round_ = quorum.round + 1  # a redo round: joiners wait for the next one
 
@@ -298,12 +313,15 @@ class FaultTolerantReplicas:
             return self.quorum.round + 1
         return decided_rounds(self.store, self.prefix)
 
+    def _arrival(self, redo: bool) -> Arrival:
+        return Arrival(self.replica_id, self.step, redo, self.layout_digest, self.batch)
+
     def _join(self, round_: int, redo: bool) -> Quorum:
         return join_round(
             self.store,
             self.prefix,
             round_,
-            Arrival(self.replica_id, self.step, redo, self.layout_digest),
+            self._arrival(redo),
             min_replicas=self.min_replicas,
             join_timeout_s=self.join_timeout_s,
             quorum_timeout_s=self.quorum_timeout_s,

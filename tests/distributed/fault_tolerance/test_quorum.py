@@ -4,14 +4,19 @@ decide; the replicas' arrival order does not change what is decided)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch import nn
 
+from shardkit.distributed.fault_tolerance import FaultTolerantReplicas
 from shardkit.distributed.fault_tolerance.quorum import (
     Arrival,
     Quorum,
     QuorumTimeoutError,
+    ReplicaMismatchError,
     admit,
     join_round,
     read_quorum,
@@ -125,3 +130,84 @@ def test_replicas_behind_never_form_a_quorum_of_their_own() -> None:
     _join(store, 1, Arrival(1, 1, False), out, join=0.05)
     late.join()
     assert out[0] == out[1] == Quorum(1, 1, (0, 1), ((0, 1),), group_round=1)
+
+
+_SMALL, _LARGE = {"global_batch": 8, "max_replicas": 2}, {"global_batch": 16, "max_replicas": 2}
+
+
+def test_admit_refuses_the_later_replica_of_another_batch_schedule() -> None:
+    small, large = "global_batch=8 max_replicas=2", "global_batch=16 max_replicas=2"
+    first = admit(
+        0, {0: Arrival(0, 0, False, "n1", small), 1: Arrival(1, 0, False, "n1", large)}, None
+    )
+    assert first == Quorum(0, 0, (0,), (), 0, ("n1",), small, refused=(1,))
+    # after round 0 the members' schedule holds, whoever arrives first
+    later = {1: Arrival(1, 0, False, "n1", large), 0: Arrival(0, 1, False, "n1", small)}
+    assert admit(1, later, first, first) == Quorum(1, 1, (0,), (), 0, ("n1",), small, (1,))
+    assert admit(1, {1: later[1]}, first, first).members == ()  # no quorum of refused ones
+
+
+def _manager(store: dist.Store, replica: int, batch: dict[str, int]) -> FaultTolerantReplicas:
+    return FaultTolerantReplicas(
+        store,
+        replica,
+        state_dict=dict,
+        load_state_dict=lambda parts: None,
+        timeout_s=5.0,
+        quorum_timeout_s=10.0,
+        initial_replicas=2,
+        prefix="b",
+        batch=batch,
+    )
+
+
+def _arrived(store: dist.Store, round_: int, replica: int) -> None:
+    key = f"b/round/{round_}/arrivals"
+    while not (store.check([key]) and f"{replica}," in store.get(key).decode()):
+        time.sleep(0.005)
+
+
+def _train_step(ft: FaultTolerantReplicas, model: nn.Linear, value: float) -> bool:
+    """One step of replica ``ft`` with gradient ``value`` everywhere; the average
+    must be exactly it (the replica trains alone)."""
+    ft.start_step()
+    model.weight.grad = torch.full_like(model.weight, value)
+    ok = ft.average_gradients(model.parameters())
+    assert torch.equal(model.weight.grad, torch.full_like(model.weight, value))
+    return ok
+
+
+def test_a_replica_of_another_batch_schedule_is_refused_and_the_member_goes_on() -> None:
+    """Regression: replicas launched with different global batches averaged gradients of
+    different batch semantics (and split the data differently) unchecked; a joiner's was
+    checked only at the heal, by the main job. Now the quorum refuses the later replica
+    (at round 0) or the joiner, naming both schedules; the member trains on alone."""
+    store = dist.HashStore()
+    model = nn.Linear(3, 1, bias=False)
+    member = _manager(store, 0, _SMALL)
+    first = threading.Thread(target=lambda: _train_step(member, model, 1.0))
+    first.start()
+    _arrived(store, 0, 0)  # replica 0 arrived first: replica 1 is the later one
+    with pytest.raises(ReplicaMismatchError) as info:
+        _manager(store, 1, _LARGE).start_step()
+    first.join()
+    message = str(info.value)
+    assert "'global_batch=16 max_replicas=2'" in message, message
+    assert "'global_batch=8 max_replicas=2'" in message, message
+    assert member.step == 1 and member.stats.contributors == [1]
+    # a joiner split over 4 replica ids is refused at a later round; the member goes on
+    stop = threading.Event()
+
+    def train_on() -> None:
+        while not stop.is_set() or member.step < 3:
+            assert _train_step(member, model, 2.0)
+            time.sleep(0.02)
+
+    trainer = threading.Thread(target=train_on)
+    trainer.start()
+    joiner = _manager(store, 1, {"global_batch": 8, "max_replicas": 4})
+    with pytest.raises(ReplicaMismatchError, match="'global_batch=8 max_replicas=4'"):
+        joiner.start_step()
+    stop.set()
+    trainer.join()
+    assert member.step >= 3 and set(member.stats.contributors) == {1}
