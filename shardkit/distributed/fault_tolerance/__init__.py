@@ -19,7 +19,8 @@ process group, no world size. Each step:
 
 1. **Quorum.** Every live replica appends ``(replica id, committed step, layout
    fingerprint, batch schedule)`` to the round's arrivals; a replica that cannot train
-   with the others (another batch schedule) is refused, the later one first
+   with the others (another batch schedule; a layout that does not pair, such as a
+   replica of several ranks without ``layout=``) is refused, the later one first
    (:func:`~shardkit.distributed.fault_tolerance.quorum.admit`). The round closes when every replica the previous round kept has
    arrived (at least ``min_replicas``), or ``join_timeout_s`` after a replica's own
    arrival; the first replica to see it closed writes the decision with

@@ -49,7 +49,7 @@ class QuorumTimeoutError(TimeoutError):
 
 class ReplicaMismatchError(ValueError):
     """A quorum refused this replica: it cannot train with the members (another batch
-    schedule; see :func:`pairs_with`)."""
+    schedule, or a layout that does not pair with the members'; see :func:`pairs_with`)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Arrival:
             step's local gradients); False at the start of a step.
         layout: the fingerprint of the replica's layout (a digest: no ``,`` or ``;``):
             ``L<hash>`` for a published layout, ``n<ranks>`` for a replica of that many
-            ranks that gave none; default ``""``: not given.
+            ranks that gave none; default ``""``: not given (treated as ``n1``).
         batch: the replica's batch schedule (:func:`batch_text`, e.g.
             ``"global_batch=16 max_replicas=2"``); default ``""``: not given. Replicas
             of different schedules never train together.
@@ -237,10 +237,22 @@ def batch_text(batch: Mapping[str, int] | None) -> str:
 
 
 def pairs_with(a: Arrival, b: Arrival) -> bool:
-    """Whether replicas ``a`` and ``b`` may train in one quorum: they need the same
-    batch schedule (else their gradients average different batch semantics, and they
-    consume the data differently)."""
-    return a.batch == b.batch
+    """Whether replicas ``a`` and ``b`` may train in one quorum.
+
+    They need the same batch schedule (else their gradients average different batch
+    semantics, and they consume the data differently), and layouts that pair: both
+    published (``L...``: the same pieces at rank ``j``, or a reduction in the plain
+    model's index space), or both replicas of one process without a layout (``n1``:
+    each holds the whole model and passes its parameters in the same order). A
+    replica of several ranks without a layout (``n<ranks>``) pairs with no other: what
+    its rank ``j`` holds is unknown (a DDP and an FSDP replica of as many ranks would
+    pair different pieces at rank ``j``).
+    """
+    if a.batch != b.batch:
+        return False
+    if a.layout.startswith("L") and b.layout.startswith("L"):
+        return True
+    return (a.layout or "n1") == (b.layout or "n1") == "n1"
 
 
 def _admissible(
@@ -455,10 +467,20 @@ def vote(store: Store, prefix: str, quorum: Quorum, me: int, ok: bool, timeout_s
 def refusal(quorum: Quorum, me: Arrival) -> str:
     """Why ``quorum`` refused ``me`` (listed in :attr:`Quorum.refused`): both values
     and the fix."""
+    head = (
+        f"replica {me.replica} was refused by round {quorum.round} (members {list(quorum.members)})"
+    )
+    if me.batch != quorum.batch:
+        return (
+            f"{head}: its batch schedule is {me.batch or '(not given)'!r}, the members train "
+            f"with {quorum.batch or '(not given)'!r}; their gradients would average different "
+            "batches and the replicas would consume the data differently: give every replica "
+            "the same batch schedule"
+        )
     return (
-        f"replica {me.replica} was refused by round {quorum.round} (members "
-        f"{list(quorum.members)}): its batch schedule is {me.batch or '(not given)'!r}, the "
-        f"members train with {quorum.batch or '(not given)'!r}; their gradients would average "
-        "different batches and the replicas would consume the data differently: give every "
-        "replica the same batch schedule"
+        f"{head}: its layout {me.layout or 'n1'!r} does not pair with the members' "
+        f"{list(quorum.layouts) or ['n1']}: a replica without layout= is known by its number "
+        "of ranks only (n<ranks>); it pairs only with replicas of one process that gave none "
+        "either (n1), never when it has several ranks (rank j of another wrapper holds other "
+        "pieces); pass layout= (shardkit.checkpoint.universal.gradient_pieces) on every replica"
     )

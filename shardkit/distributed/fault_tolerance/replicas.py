@@ -19,7 +19,9 @@ the state in every replica, so the cross-replica reduction is one group per loca
 rank: rank ``j`` of every member, keyed ``group/<j>`` under the round's prefix (the fast
 path). Otherwise the members reduce in the plain model's index space over one group of
 every rank of every member, keyed ``layout-group`` (see [Note: the reduction in the
-plain model's index space] in :mod:`.layouts`). The replica's rank 0 alone speaks for
+plain model's index space] in :mod:`.layouts`). A replica of several ranks without
+``layout=`` pairs with no other (what its rank ``j`` holds is unknown): the quorum
+refuses the later one (:func:`~.quorum.pairs_with`). The replica's rank 0 alone speaks for
 it on the store (arrival, vote) and hands each decision to the other ranks with a broadcast over the replica's group; whether the replica's
 reduction or healing succeeded is the minimum over its ranks (an all-reduce), so the
 ranks of a replica always take the same branch. A rank of the replica that dies
@@ -173,8 +175,10 @@ class FaultTolerantReplicas:
             optimizer, group=group)``); called here (a collective over ``group``) and at
             each reduction between replicas of different layouts. With it, replicas of
             another strategy or number of ranks train together. Default None: the
-            layout is known by its number of ranks only, and replicas train together
-            only with as many ranks each (the same flags).
+            layout is known by its number of ranks only: a replica of one process
+            trains with other such replicas (each passes the whole model's parameters,
+            in the same order), a replica of several ranks with no other (the quorum
+            refuses the later one, see :func:`~.quorum.pairs_with`).
         batch: the batch schedule every replica must share, as named integers, e.g.
             ``{"global_batch": 64, "max_replicas": 2}`` (sequences per step over all
             replicas, the replica ids the data is split over); sent with each arrival
@@ -290,7 +294,8 @@ class FaultTolerantReplicas:
             QuorumTimeoutError: fewer than ``min_replicas`` replicas within
                 ``quorum_timeout_s``.
             ReplicaMismatchError: the quorum refused this replica (on each of its
-                ranks): its ``batch`` differs from the members'; the members go on.
+                ranks): its ``batch`` differs from the members', or its layout cannot
+                pair with theirs (:func:`~.quorum.pairs_with`); the members go on.
         """
         quorum: Quorum = self._share(self._arrive)
         if self.replica_id in quorum.refused:
@@ -335,9 +340,6 @@ class FaultTolerantReplicas:
     def _replica_size(self, replica: int) -> int:
         """The number of ranks of ``replica`` (each replica's rank 0 publishes it)."""
         return int(self.store.get(self._size_key(replica)).decode())
-
-    def _sizes(self, replicas: Iterable[int]) -> dict[int, int]:
-        return {r: self._replica_size(r) for r in replicas}
 
     def _heal_group(self, quorum: Quorum, healer: int, src: int, dst: int, me: int) -> GlooGroup:
         """The two-member group from the source's rank ``src`` (group rank 0) to the
@@ -456,7 +458,7 @@ class FaultTolerantReplicas:
         if quorum.same_layout:
             result = None if local is None else self._reduce(quorum, local)
             return local is None or result is not None, lambda: _copy_flat(params, result)
-        error = self._layouts.mismatch(quorum, self._sizes)
+        error = self._layouts.mismatch(quorum)
         if error is not None:
             if not quorum.heal or self.replica_id in dict(quorum.heal):
                 raise ValueError(f"replica {self.replica_id}: {error}")
@@ -504,10 +506,9 @@ class FaultTolerantReplicas:
 
         Raises:
             RuntimeError: called before :meth:`start_step`.
-            ValueError: the members hold different layouts and one of them gave no
-                ``layout=`` (or they hold different models): raised on the members that
-                healed in this step's quorum (the others go on without them), on every
-                member when none healed.
+            ValueError: the members' layouts hold different models (other keys or
+                global shapes): raised on the members that healed in this step's quorum
+                (the others go on without them), on every member when none healed.
         """
         if self.quorum is None or self.state is ReplicaState.JOINING:
             raise RuntimeError(

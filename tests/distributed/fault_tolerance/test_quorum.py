@@ -147,6 +147,27 @@ def test_admit_refuses_the_later_replica_of_another_batch_schedule() -> None:
     assert admit(1, {1: later[1]}, first, first).members == ()  # no quorum of refused ones
 
 
+def test_replicas_without_a_layout_pair_only_as_single_processes() -> None:
+    """Regression: a replica without layout= was known by its number of ranks only, so a
+    DDP and an FSDP replica of two ranks each (both "n2") paired different pieces at
+    rank j. Now a replica of several ranks without a layout pairs with no other (the
+    later is refused); replicas of one process without one pair with each other; a
+    replica with a layout pairs only with replicas with one."""
+
+    def members(*layouts: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        quorum = admit(0, {r: Arrival(r, 0, False, x) for r, x in enumerate(layouts)}, None)
+        return quorum.members, quorum.refused
+
+    assert members("n2", "n2") == ((0,), (1,))
+    assert members("n1", "n2", "n1") == ((0, 2), (1,))
+    assert members("La", "Lb", "n1") == ((0, 1), (2,))
+    assert members("n1", "La") == ((0,), (1,))
+    # after round 0: a lone replica of two ranks keeps its place, any other is refused
+    alone = admit(0, {0: Arrival(0, 0, False, "n2")}, None)
+    later = {1: Arrival(1, 0, False, "n2"), 0: Arrival(0, 1, False, "n2")}
+    assert admit(1, later, alone, alone) == Quorum(1, 1, (0,), (), 0, ("n2",), refused=(1,))
+
+
 def _manager(store: dist.Store, replica: int, batch: dict[str, int]) -> FaultTolerantReplicas:
     return FaultTolerantReplicas(
         store,
