@@ -175,7 +175,8 @@ def train_loop(
             f"--fault-tolerant: {err} (--global-batch, by default --batch-size x "
             "--grad-accum x --max-replicas x ranks; --max-replicas; --seq-len)"
         ) from None
-    finally:
+    finally:  # the cross-replica group ends here, not at the interpreter's exit
+        ft.close()
         if log is not None:
             log.close()
     return ft

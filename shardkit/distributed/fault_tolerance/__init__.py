@@ -31,7 +31,8 @@ process group, no world size. Each step:
 2. **Cross-replica group.** When the members change (or the last reduction failed),
    a fresh gloo group is created on a ``PrefixStore`` keyed by the round, with the
    collective timeout; otherwise the group of the round that created it is reused.
-   The survivors never restart; a group that is dropped closes its connections.
+   The survivors never restart; a group that is replaced is destroyed (threads joined,
+   connections closed), the last one at ``FaultTolerantReplicas.close()``.
 3. **Reduction.** Each member divides its flattened gradients by the member count and
    all-reduces them (sum): the average over the replicas that contributed. Members of
    different layouts do it in the plain model's index space (:mod:`.layouts`).

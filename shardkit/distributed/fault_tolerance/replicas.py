@@ -28,6 +28,19 @@ ranks of a replica always take the same branch. A rank of the replica that dies
 breaks the replica's own collectives: the whole replica fails and restarts (its
 launcher's job), the other replicas drop it like a dead process.
 
+[Note: the groups' lifetime]
+A cross-replica group is a ``ProcessGroupGloo`` (:mod:`.transport`) with worker
+threads, the transport's loop thread and one connection per peer, held by this
+manager alone. It is destroyed (threads joined, connections closed) by dropping that
+reference, which happens at named points only: when a quorum needs a new group, when a
+reduction fails, when the replica is dropped from a step, and at :meth:`close` (gloo's
+``shutdown`` does nothing in torch 2.13, so the reference is the handle). Without
+:meth:`close`, the last group outlived training: a manager whose ``state_dict``
+closure reads ``ft.step`` (the main job's) sits in a reference cycle, so the group was
+destroyed by the cycle collector at an arbitrary point, or during the interpreter's
+finalization while its threads still ran, or never. A healing group lives for one
+transfer.
+
 [Note: healing across layouts]
 Healing sends every rank's part of the source's state to every rank of the healer
 (``heal/<healer>/<source rank>/<healer rank>``, two-member groups, in that order), and
@@ -401,8 +414,7 @@ class FaultTolerantReplicas:
 
     # the reduction ---------------------------------------------------------------
     def _cross_replica_group(self, quorum: Quorum) -> GlooGroup:
-        if self._group is None or self._group[0] != quorum.group_round:
-            self._group = None  # closes the previous group's connections
+        if self._group is None:
             prefix = f"{self.prefix}/round/{quorum.group_round}/group/{self.local_rank}"
             rank = quorum.rank_of(self.replica_id)
             group = gloo_group(self.store, prefix, rank, len(quorum.members), self.timeout_s)
@@ -412,8 +424,7 @@ class FaultTolerantReplicas:
     def _layout_group(self, quorum: Quorum) -> GlooGroup:
         """One group of every rank of every member (members in id order, each one's
         ranks in its rank order), for the reduction across layouts."""
-        if self._group is None or self._group[0] != quorum.group_round:
-            self._group = None
+        if self._group is None:
             sizes = [self._replica_size(r) for r in quorum.members]
             rank = sum(sizes[: quorum.rank_of(self.replica_id)]) + self.local_rank
             prefix = f"{self.prefix}/round/{quorum.group_round}/layout-group"
@@ -440,7 +451,7 @@ class FaultTolerantReplicas:
                 quorum.round,
                 err,
             )
-            self._group = None
+            self._release_group()
             return None
         return flat
 
@@ -455,6 +466,8 @@ class FaultTolerantReplicas:
                 :meth:`average_gradients`) and this replica healed in ``quorum`` (or
                 none did); the others report a failure, and the redo leaves it out.
         """
+        if self._group is not None and self._group[0] != quorum.group_round:
+            self._release_group()  # another quorum's: a new group, or none (one member)
         if quorum.same_layout:
             result = None if local is None else self._reduce(quorum, local)
             return local is None or result is not None, lambda: _copy_flat(params, result)
@@ -481,7 +494,7 @@ class FaultTolerantReplicas:
             _LOG.warning(
                 "replica %d: reduction in round %d failed: %s", self.replica_id, quorum.round, err
             )
-            self._group = None
+            self._release_group()
             return None
         return averaged
 
@@ -574,9 +587,33 @@ class FaultTolerantReplicas:
         return verdict
 
     def _drop(self) -> bool:
-        self.state, self.quorum, self._group = ReplicaState.JOINING, None, None
+        self.state, self.quorum = ReplicaState.JOINING, None
+        self._release_group()
         self.stats.dropped_steps += 1
         return False
+
+    # the groups' lifetime --------------------------------------------------------
+    def _release_group(self) -> None:
+        """Destroy the cross-replica group, if any (see [Note: the groups' lifetime])."""
+        held, self._group = self._group, None
+        del held  # the only reference: the group is destroyed here, its threads joined
+
+    def close(self) -> None:
+        """Destroy the cross-replica group now, on this thread: its gloo worker threads
+        and connections end here, not at the interpreter's exit.
+
+        Call it on every rank of the replica once training ends (or use the manager as
+        a context manager); the main job does, also when training raises. Idempotent;
+        a :meth:`start_step` after it builds a new group. See [Note: the groups'
+        lifetime].
+        """
+        self._release_group()
+
+    def __enter__(self) -> FaultTolerantReplicas:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _copy_flat(params: list[torch.Tensor], averaged: torch.Tensor | None) -> None:

@@ -1,8 +1,10 @@
 """The quorum's decisions, in one process on a HashStore (the store's atomic operations
-decide; the replicas' arrival order does not change what is decided)."""
+decide; the replicas' arrival order does not change what is decided), and managers of
+one-process replicas in threads of this process (refusals, the groups' lifetime)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -168,16 +170,19 @@ def test_replicas_without_a_layout_pair_only_as_single_processes() -> None:
     assert admit(1, later, alone, alone) == Quorum(1, 1, (0,), (), 0, ("n2",), refused=(1,))
 
 
-def _manager(store: dist.Store, replica: int, batch: dict[str, int]) -> FaultTolerantReplicas:
+def _manager(
+    store: dist.Store, replica: int, batch: dict[str, int] | None = None, prefix: str = "b"
+) -> FaultTolerantReplicas:
     return FaultTolerantReplicas(
         store,
         replica,
         state_dict=dict,
         load_state_dict=lambda parts: None,
         timeout_s=5.0,
+        join_timeout_s=0.2,
         quorum_timeout_s=10.0,
         initial_replicas=2,
-        prefix="b",
+        prefix=prefix,
         batch=batch,
     )
 
@@ -232,3 +237,36 @@ def test_a_replica_of_another_batch_schedule_is_refused_and_the_member_goes_on()
     stop.set()
     trainer.join()
     assert member.step >= 3 and set(member.stats.contributors) == {1}
+
+
+def _threads() -> int:
+    """This process's threads (Python's and C++'s, gloo's included)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_groups_are_destroyed_when_replaced_and_at_close() -> None:
+    """Regression: the last cross-replica group outlived training (destroyed by the
+    cycle collector at any point, or during the interpreter's exit with its gloo
+    threads running; a survivor aborted at exit once in five runs), and a member left
+    alone kept its old group. Now the group's threads end when a quorum no longer uses
+    it and at close()."""
+    store = dist.HashStore()
+    replicas = [_manager(store, r, prefix="g") for r in (0, 1)]
+    models = [nn.Linear(3, 1, bias=False) for _ in replicas]
+    baseline = _threads()
+    together = [
+        threading.Thread(target=_train_step, args=(ft, model, 0.5))
+        for ft, model in zip(replicas, models, strict=True)
+    ]
+    [t.start() for t in together]
+    [t.join() for t in together]
+    assert _threads() > baseline  # the two members' gloo group, threads running
+    assert replicas[0].stats.contributors == [2]
+    replicas[1].close()
+    replicas[1].close()  # idempotent
+    assert _train_step(replicas[0], models[0], 1.5)  # alone after the join timeout
+    assert replicas[0].stats.contributors == [2, 1]
+    assert _threads() == baseline  # its old group is gone too
+    with replicas[0]:  # a context manager closes
+        assert _train_step(replicas[0], models[0], 2.5)
+    assert _threads() == baseline
