@@ -389,9 +389,9 @@ def join_round(
     after this replica's arrival, provided at least ``min_replicas`` are admitted and
     one of them holds the last committed step (never a quorum of replicas behind it
     only); arrivals that cannot train with the others are refused (:func:`admit`,
-    listed in :attr:`Quorum.refused`). The first replica to see it closed writes the decision, every other one
-    reads it. The first round (0) waits for ``initial_replicas`` arrivals, when given,
-    up to ``quorum_timeout_s``.
+    listed in :attr:`Quorum.refused`). The first replica to see it closed writes the
+    decision, every other one reads it. The first round (0) waits for
+    ``initial_replicas`` arrivals, when given, up to ``quorum_timeout_s``.
 
     Raises:
         QuorumTimeoutError: no decision within ``quorum_timeout_s`` (fewer than
