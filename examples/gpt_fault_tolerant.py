@@ -21,9 +21,10 @@ Data: rank ``r`` of replica ``i`` is data-parallel rank ``i W + r`` of ``M W``: 
 takes its rows of step ``s``'s global batch ``G`` (the main job's sampler), so replica
 ``i`` trains on rows ``[i G / M, (i + 1) G / M)`` whatever its ``W``; with a replica
 missing, the step trains on the survivors' rows only. ``G`` is ``--global-batch``, by
-default ``--batch-size x M x W``: replicas of different sizes need the same
-``--global-batch`` (a joiner whose ``G`` differs from its source's stops with an
-error). Validation scores every
+default ``--batch-size x --grad-accum x M x W``: replicas of different sizes need the
+same ``--global-batch``. The quorum refuses a replica whose ``G``, ``M`` or
+``--seq-len`` differs from its members' (the later one, or the joiner): it stops with
+an error naming both, exit code 2, and the others train on. Validation scores every
 window on each replica. Each committed step appends a line to ``--out-dir``'s
 ``ft_steps.jsonl`` (step, members, unix time, the replica's loss on its rows, healed
 bytes; the replica's rank 0 writes it).
@@ -49,11 +50,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gpt_data import eval_windows
+from gpt_data import InputError, eval_windows
 from gpt_dist import mean_over_ranks
 
 from shardkit.checkpoint.universal import gradient_pieces, load_universal_states, universal_state
-from shardkit.distributed.fault_tolerance import FaultTolerantReplicas, connect_store, host_store
+from shardkit.distributed.fault_tolerance import (
+    FaultTolerantReplicas,
+    ReplicaMismatchError,
+    connect_store,
+    host_store,
+)
 from shardkit.optim import OSS
 
 STRATEGIES = ("ddp", "oss", "sdp", "hsdp")  # over the replica's own ranks
@@ -71,6 +77,17 @@ def averaged_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     if isinstance(optimizer, OSS):
         return list(optimizer.local_params())
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def batch_schedule(config: Any, global_batch: int) -> dict[str, int]:
+    """What every replica must share for its rows and gradients to mean the same: the
+    global batch (sequences per step), the replica ids the rows are split over, and
+    the tokens per sequence (the quorum refuses a replica that differs)."""
+    return {
+        "global_batch": global_batch,
+        "max_replicas": config.max_replicas,
+        "seq_len": config.seq_len,
+    }
 
 
 def flag_error(config: Any, world_size: int) -> str | None:
@@ -125,19 +142,12 @@ def train_loop(
 
     def state_dict() -> dict[str, Any]:  # this rank's part of a universal checkpoint
         extra = {"scheduler": run.scheduler.state_dict(), "history": asdict(run.history)}
-        extra["global_batch"] = run.plan.global_batch
         module, optimizer = strategy.checkpoint_module(), strategy.optimizer
         return universal_state(module, optimizer, step=ft.step, extra=extra)
 
     def load_state_dict(parts: list[Any]) -> None:  # resharded into this replica's layout
         module, optimizer = strategy.checkpoint_module(), strategy.optimizer
         extra = load_universal_states(parts, module, optimizer).extra(0) or {}
-        if extra.get("global_batch", run.plan.global_batch) != run.plan.global_batch:
-            raise ValueError(
-                f"replica {config.replica_id} trains a global batch of "
-                f"{run.plan.global_batch} sequences, its source {extra['global_batch']}: "
-                "replicas of different sizes need the same --global-batch"
-            )
         run.scheduler.load_state_dict(extra["scheduler"])
         for name, values in extra["history"].items():
             setattr(run.history, name, values)
@@ -155,11 +165,18 @@ def train_loop(
         group=dist.group.WORLD if run.env.world_size > 1 else None,
         step=run.step,
         layout=functools.partial(gradient_pieces, module, optimizer),
+        batch=batch_schedule(config, run.plan.global_batch),
     )
     log = (out_dir / "ft_steps.jsonl").open("a") if run.env.rank == 0 else None
     try:
         _steps(run, ft, log, report, say, lambda: save(run, out_dir))
-    finally:
+    except ReplicaMismatchError as err:  # on every rank of the replica; the others go on
+        raise InputError(
+            f"--fault-tolerant: {err} (--global-batch, by default --batch-size x "
+            "--grad-accum x --max-replicas x ranks; --max-replicas; --seq-len)"
+        ) from None
+    finally:  # the cross-replica group ends here, not at the interpreter's exit
+        ft.close()
         if log is not None:
             log.close()
     return ft

@@ -1,12 +1,18 @@
-"""--fault-tolerant: flag combinations that cannot run are refused in one line (exit 2)."""
+"""--fault-tolerant: flag combinations that cannot run, and a replica the quorum refuses,
+stop in one line (exit 2)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import train_gpt
+
+from shardkit.distributed.fault_tolerance import Quorum, host_store
+from shardkit.distributed.fault_tolerance.quorum import Arrival, join_round, vote
 
 _FT = ["--fault-tolerant", "127.0.0.1:29600", "--max-replicas", "2", "--save-every", "0"]
 
@@ -50,3 +56,37 @@ def test_main_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert err.startswith(
         "train_gpt.py: error: --fault-tolerant runs --strategy ddp/oss/sdp/hsdp, not fsdp"
     ), err
+
+
+def test_a_replica_of_another_global_batch_exits_2_naming_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Replica 1 launched with --global-batch 16 against a member at 8: the quorum
+    refuses it, and the main job stops it in one line (exit 2) naming both."""
+    store = host_store(0)
+    prefix = f"gpt-ft-{train_gpt.JobConfig().seed}"
+    member = "global_batch=8 max_replicas=2 seq_len=32"
+
+    def arrive(round_: int, step: int) -> Quorum:
+        me = Arrival(0, step, False, "Lmember", member)
+        wait = {"join_timeout_s": 5.0, "quorum_timeout_s": 30.0}
+        return join_round(store, prefix, round_, me, min_replicas=1, initial_replicas=1, **wait)
+
+    assert vote(store, prefix, arrive(0, 0), 0, True, 1.0).commit  # step 1, alone
+
+    def arrive_after_the_joiner() -> None:
+        key = f"{prefix}/round/1/arrivals"
+        while not store.check([key]) or b"1," not in store.get(key):
+            time.sleep(0.01)
+        assert arrive(1, 1).refused == (1,)
+
+    thread = threading.Thread(target=arrive_after_the_joiner)
+    thread.start()
+    flags = [*_FT[2:], "--fault-tolerant", f"127.0.0.1:{store.port}", "--replica-id", "1"]
+    flags += ["--global-batch", "16", "--batch-size", "8", "--seq-len", "32", "--steps", "2"]
+    code = train_gpt.main([*flags, "--eval-batches", "1", "--out-dir", str(tmp_path / "r1")])
+    thread.join()
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "its batch schedule is 'global_batch=16 max_replicas=2 seq_len=32'" in err, err
+    assert f"the members train with '{member}'" in err, err

@@ -18,7 +18,10 @@ Replicas (replica ids 0, 1, ...) share a ``TCPStore`` and nothing else: no defau
 process group, no world size. Each step:
 
 1. **Quorum.** Every live replica appends ``(replica id, committed step, layout
-   fingerprint)`` to the round's arrivals. The round closes when every replica the previous round kept has
+   fingerprint, batch schedule)`` to the round's arrivals; a replica that cannot train
+   with the others (another batch schedule; a layout that does not pair, such as a
+   replica of several ranks without ``layout=``) is refused, the later one first
+   (:func:`~shardkit.distributed.fault_tolerance.quorum.admit`). The round closes when every replica the previous round kept has
    arrived (at least ``min_replicas``), or ``join_timeout_s`` after a replica's own
    arrival; the first replica to see it closed writes the decision with
    ``compare_set`` and every replica reads that one. Members behind the highest step
@@ -28,7 +31,8 @@ process group, no world size. Each step:
 2. **Cross-replica group.** When the members change (or the last reduction failed),
    a fresh gloo group is created on a ``PrefixStore`` keyed by the round, with the
    collective timeout; otherwise the group of the round that created it is reused.
-   The survivors never restart; a group that is dropped closes its connections.
+   The survivors never restart; a group that is replaced is destroyed (threads joined,
+   connections closed), the last one at ``FaultTolerantReplicas.close()``.
 3. **Reduction.** Each member divides its flattened gradients by the member count and
    all-reduces them (sum): the average over the replicas that contributed. Members of
    different layouts do it in the plain model's index space (:mod:`.layouts`).
@@ -54,7 +58,12 @@ reconfigurable process group per quorum, ``should_commit`` before the optimizer 
 and live recovery from a peer. This is shardkit's own implementation on gloo.
 """
 
-from shardkit.distributed.fault_tolerance.quorum import Quorum, QuorumTimeoutError, Verdict
+from shardkit.distributed.fault_tolerance.quorum import (
+    Quorum,
+    QuorumTimeoutError,
+    ReplicaMismatchError,
+    Verdict,
+)
 from shardkit.distributed.fault_tolerance.replicas import (
     FaultTolerantReplicas,
     ReplicaState,
@@ -67,6 +76,7 @@ __all__ = [
     "FaultTolerantReplicas",
     "Quorum",
     "QuorumTimeoutError",
+    "ReplicaMismatchError",
     "ReplicaSampler",
     "ReplicaState",
     "ReplicaStats",

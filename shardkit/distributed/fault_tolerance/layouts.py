@@ -219,24 +219,15 @@ class PublishedLayouts:
         """The plain model's index space of layout ``name`` (published)."""
         return ModelSpace(self.tensors(name) or {})
 
-    def mismatch(self, quorum: Quorum, sizes: Callable[[list[int]], dict[int, int]]) -> str | None:
-        """Why the members of ``quorum`` (of different layouts) cannot reduce in the
-        plain model's index space, or None when they can; ``sizes`` gives the members'
-        numbers of ranks (for the message)."""
+    def mismatch(self, quorum: Quorum) -> str | None:
+        """Why the members of ``quorum`` (of different published layouts, which the
+        quorum paired) cannot reduce in the plain model's index space, or None when
+        they can."""
         spaces = [self.tensors(name) for name in quorum.layouts]
-        missing = [r for r, t in zip(quorum.members, spaces, strict=True) if t is None]
-        if missing:
-            return (
-                f"replicas {list(quorum.members)} hold other layouts (ranks "
-                f"{sizes(list(quorum.members))}) and replica(s) {missing} gave no layout=: "
-                "replicas of different layouts reduce in the plain model's index space, which "
-                "needs every replica's layout; pass layout= "
-                "(shardkit.checkpoint.universal.gradient_pieces) on every replica, or give "
-                "every replica the same flags"
-            )
-        if any(t != spaces[0] for t in spaces):
+        if any(t is None or t != spaces[0] for t in spaces):
             return (
                 f"replicas {list(quorum.members)} hold models of other parameters (keys or "
-                "global shapes differ): they cannot train together"
+                "global shapes differ) or a layout that is not published: they cannot train "
+                "together"
             )
         return None

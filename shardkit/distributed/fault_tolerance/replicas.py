@@ -19,12 +19,27 @@ the state in every replica, so the cross-replica reduction is one group per loca
 rank: rank ``j`` of every member, keyed ``group/<j>`` under the round's prefix (the fast
 path). Otherwise the members reduce in the plain model's index space over one group of
 every rank of every member, keyed ``layout-group`` (see [Note: the reduction in the
-plain model's index space] in :mod:`.layouts`). The replica's rank 0 alone speaks for
+plain model's index space] in :mod:`.layouts`). A replica of several ranks without
+``layout=`` pairs with no other (what its rank ``j`` holds is unknown): the quorum
+refuses the later one (:func:`~.quorum.pairs_with`). The replica's rank 0 alone speaks for
 it on the store (arrival, vote) and hands each decision to the other ranks with a broadcast over the replica's group; whether the replica's
 reduction or healing succeeded is the minimum over its ranks (an all-reduce), so the
 ranks of a replica always take the same branch. A rank of the replica that dies
 breaks the replica's own collectives: the whole replica fails and restarts (its
 launcher's job), the other replicas drop it like a dead process.
+
+[Note: the groups' lifetime]
+A cross-replica group is a ``ProcessGroupGloo`` (:mod:`.transport`) with worker
+threads, the transport's loop thread and one connection per peer, held by this
+manager alone. It is destroyed (threads joined, connections closed) by dropping that
+reference, which happens at named points only: when a quorum needs a new group, when a
+reduction fails, when the replica is dropped from a step, and at :meth:`close` (gloo's
+``shutdown`` does nothing in torch 2.13, so the reference is the handle). Without
+:meth:`close`, the last group outlived training: a manager whose ``state_dict``
+closure reads ``ft.step`` (the main job's) sits in a reference cycle, so the group was
+destroyed by the cycle collector at an arbitrary point, or during the interpreter's
+finalization while its threads still ran, or never. A healing group lives for one
+transfer.
 
 [Note: healing across layouts]
 Healing sends every rank's part of the source's state to every rank of the healer
@@ -61,9 +76,12 @@ from shardkit.distributed.fault_tolerance.layouts import (
 from shardkit.distributed.fault_tolerance.quorum import (
     Arrival,
     Quorum,
+    ReplicaMismatchError,
     Verdict,
+    batch_text,
     decided_rounds,
     join_round,
+    refusal,
     vote,
 )
 from shardkit.distributed.fault_tolerance.transport import (
@@ -170,16 +188,24 @@ class FaultTolerantReplicas:
             optimizer, group=group)``); called here (a collective over ``group``) and at
             each reduction between replicas of different layouts. With it, replicas of
             another strategy or number of ranks train together. Default None: the
-            layout is known by its number of ranks only, and replicas train together
-            only with as many ranks each (the same flags).
+            layout is known by its number of ranks only: a replica of one process
+            trains with other such replicas (each passes the whole model's parameters,
+            in the same order), a replica of several ranks with no other (the quorum
+            refuses the later one, see :func:`~.quorum.pairs_with`).
+        batch: the batch schedule every replica must share, as named integers, e.g.
+            ``{"global_batch": 64, "max_replicas": 2}`` (sequences per step over all
+            replicas, the replica ids the data is split over); sent with each arrival
+            at the quorum, which refuses a replica whose schedule differs from the
+            members' (the later one). Default None: none given (it then pairs only
+            with replicas that gave none).
         step: the committed step count this replica starts from: the step of the
             checkpoint it resumed (:meth:`checkpoint`), ``>= 0``; default 0. A replica
             behind the others heals from them at its first quorum; one ahead serves
             them.
 
     Raises:
-        ValueError: ``replica_id < 0``, ``min_replicas < 1``, ``step < 0`` or a
-            timeout ``<= 0``.
+        ValueError: ``replica_id < 0``, ``min_replicas < 1``, ``step < 0``, a
+            timeout ``<= 0``, or a ``batch`` item not ``identifier: int``.
 
     Source: the design of torchft (PyTorch, 2024: per-step quorum through a
     lighthouse, ``should_commit``, live recovery from a peer), written for gloo and a
@@ -202,6 +228,7 @@ class FaultTolerantReplicas:
         group: dist.ProcessGroup | None = None,
         step: int = 0,
         layout: LayoutFn | None = None,
+        batch: Mapping[str, int] | None = None,
     ) -> None:
         join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
         if replica_id < 0 or min_replicas < 1 or step < 0:
@@ -219,6 +246,7 @@ class FaultTolerantReplicas:
         self.min_replicas, self.timeout_s = min_replicas, timeout_s
         self.join_timeout_s, self.quorum_timeout_s = join_timeout_s, quorum_timeout_s
         self.initial_replicas = initial_replicas
+        self.batch = batch_text(batch)
         self.step = step
         self.state = ReplicaState.JOINING
         self.quorum: Quorum | None = None
@@ -278,18 +306,23 @@ class FaultTolerantReplicas:
         Raises:
             QuorumTimeoutError: fewer than ``min_replicas`` replicas within
                 ``quorum_timeout_s``.
+            ReplicaMismatchError: the quorum refused this replica (on each of its
+                ranks): its ``batch`` differs from the members', or its layout cannot
+                pair with theirs (:func:`~.quorum.pairs_with`); the members go on.
         """
         quorum: Quorum = self._share(self._arrive)
+        if self.replica_id in quorum.refused:
+            raise ReplicaMismatchError(refusal(quorum, self._arrival(redo=False)))
         self.quorum, self.state = quorum, ReplicaState.MEMBER
         self._serve_or_heal(quorum)
         return quorum
 
     def _arrive(self) -> Quorum:
-        """Join rounds from the next one until a quorum admits this replica."""
+        """Join rounds from the next one until a quorum admits or refuses this replica."""
         round_ = self._next_round()
         while True:
             quorum = self._join(round_, redo=False)
-            if self.replica_id in quorum.members:
+            if self.replica_id in (*quorum.members, *quorum.refused):
                 return quorum
             round_ = quorum.round + 1  # a redo round: joiners wait for the next one
 
@@ -298,12 +331,15 @@ class FaultTolerantReplicas:
             return self.quorum.round + 1
         return decided_rounds(self.store, self.prefix)
 
+    def _arrival(self, redo: bool) -> Arrival:
+        return Arrival(self.replica_id, self.step, redo, self.layout_digest, self.batch)
+
     def _join(self, round_: int, redo: bool) -> Quorum:
         return join_round(
             self.store,
             self.prefix,
             round_,
-            Arrival(self.replica_id, self.step, redo, self.layout_digest),
+            self._arrival(redo),
             min_replicas=self.min_replicas,
             join_timeout_s=self.join_timeout_s,
             quorum_timeout_s=self.quorum_timeout_s,
@@ -317,9 +353,6 @@ class FaultTolerantReplicas:
     def _replica_size(self, replica: int) -> int:
         """The number of ranks of ``replica`` (each replica's rank 0 publishes it)."""
         return int(self.store.get(self._size_key(replica)).decode())
-
-    def _sizes(self, replicas: Iterable[int]) -> dict[int, int]:
-        return {r: self._replica_size(r) for r in replicas}
 
     def _heal_group(self, quorum: Quorum, healer: int, src: int, dst: int, me: int) -> GlooGroup:
         """The two-member group from the source's rank ``src`` (group rank 0) to the
@@ -381,8 +414,7 @@ class FaultTolerantReplicas:
 
     # the reduction ---------------------------------------------------------------
     def _cross_replica_group(self, quorum: Quorum) -> GlooGroup:
-        if self._group is None or self._group[0] != quorum.group_round:
-            self._group = None  # closes the previous group's connections
+        if self._group is None:
             prefix = f"{self.prefix}/round/{quorum.group_round}/group/{self.local_rank}"
             rank = quorum.rank_of(self.replica_id)
             group = gloo_group(self.store, prefix, rank, len(quorum.members), self.timeout_s)
@@ -392,8 +424,7 @@ class FaultTolerantReplicas:
     def _layout_group(self, quorum: Quorum) -> GlooGroup:
         """One group of every rank of every member (members in id order, each one's
         ranks in its rank order), for the reduction across layouts."""
-        if self._group is None or self._group[0] != quorum.group_round:
-            self._group = None
+        if self._group is None:
             sizes = [self._replica_size(r) for r in quorum.members]
             rank = sum(sizes[: quorum.rank_of(self.replica_id)]) + self.local_rank
             prefix = f"{self.prefix}/round/{quorum.group_round}/layout-group"
@@ -420,7 +451,7 @@ class FaultTolerantReplicas:
                 quorum.round,
                 err,
             )
-            self._group = None
+            self._release_group()
             return None
         return flat
 
@@ -435,10 +466,12 @@ class FaultTolerantReplicas:
                 :meth:`average_gradients`) and this replica healed in ``quorum`` (or
                 none did); the others report a failure, and the redo leaves it out.
         """
+        if self._group is not None and self._group[0] != quorum.group_round:
+            self._release_group()  # another quorum's: a new group, or none (one member)
         if quorum.same_layout:
             result = None if local is None else self._reduce(quorum, local)
             return local is None or result is not None, lambda: _copy_flat(params, result)
-        error = self._layouts.mismatch(quorum, self._sizes)
+        error = self._layouts.mismatch(quorum)
         if error is not None:
             if not quorum.heal or self.replica_id in dict(quorum.heal):
                 raise ValueError(f"replica {self.replica_id}: {error}")
@@ -461,7 +494,7 @@ class FaultTolerantReplicas:
             _LOG.warning(
                 "replica %d: reduction in round %d failed: %s", self.replica_id, quorum.round, err
             )
-            self._group = None
+            self._release_group()
             return None
         return averaged
 
@@ -486,10 +519,9 @@ class FaultTolerantReplicas:
 
         Raises:
             RuntimeError: called before :meth:`start_step`.
-            ValueError: the members hold different layouts and one of them gave no
-                ``layout=`` (or they hold different models): raised on the members that
-                healed in this step's quorum (the others go on without them), on every
-                member when none healed.
+            ValueError: the members' layouts hold different models (other keys or
+                global shapes): raised on the members that healed in this step's quorum
+                (the others go on without them), on every member when none healed.
         """
         if self.quorum is None or self.state is ReplicaState.JOINING:
             raise RuntimeError(
@@ -555,9 +587,33 @@ class FaultTolerantReplicas:
         return verdict
 
     def _drop(self) -> bool:
-        self.state, self.quorum, self._group = ReplicaState.JOINING, None, None
+        self.state, self.quorum = ReplicaState.JOINING, None
+        self._release_group()
         self.stats.dropped_steps += 1
         return False
+
+    # the groups' lifetime --------------------------------------------------------
+    def _release_group(self) -> None:
+        """Destroy the cross-replica group, if any (see [Note: the groups' lifetime])."""
+        held, self._group = self._group, None
+        del held  # the only reference: the group is destroyed here, its threads joined
+
+    def close(self) -> None:
+        """Destroy the cross-replica group now, on this thread: its gloo worker threads
+        and connections end here, not at the interpreter's exit.
+
+        Call it on every rank of the replica once training ends (or use the manager as
+        a context manager); the main job does, also when training raises. Idempotent;
+        a :meth:`start_step` after it builds a new group. See [Note: the groups'
+        lifetime].
+        """
+        self._release_group()
+
+    def __enter__(self) -> FaultTolerantReplicas:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _copy_flat(params: list[torch.Tensor], averaged: torch.Tensor | None) -> None:

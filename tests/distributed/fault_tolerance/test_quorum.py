@@ -1,17 +1,24 @@
 """The quorum's decisions, in one process on a HashStore (the store's atomic operations
-decide; the replicas' arrival order does not change what is decided)."""
+decide; the replicas' arrival order does not change what is decided), and managers of
+one-process replicas in threads of this process (refusals, the groups' lifetime)."""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch import nn
 
+from shardkit.distributed.fault_tolerance import FaultTolerantReplicas
 from shardkit.distributed.fault_tolerance.quorum import (
     Arrival,
     Quorum,
     QuorumTimeoutError,
+    ReplicaMismatchError,
     admit,
     join_round,
     read_quorum,
@@ -125,3 +132,141 @@ def test_replicas_behind_never_form_a_quorum_of_their_own() -> None:
     _join(store, 1, Arrival(1, 1, False), out, join=0.05)
     late.join()
     assert out[0] == out[1] == Quorum(1, 1, (0, 1), ((0, 1),), group_round=1)
+
+
+_SMALL, _LARGE = {"global_batch": 8, "max_replicas": 2}, {"global_batch": 16, "max_replicas": 2}
+
+
+def test_admit_refuses_the_later_replica_of_another_batch_schedule() -> None:
+    small, large = "global_batch=8 max_replicas=2", "global_batch=16 max_replicas=2"
+    first = admit(
+        0, {0: Arrival(0, 0, False, "n1", small), 1: Arrival(1, 0, False, "n1", large)}, None
+    )
+    assert first == Quorum(0, 0, (0,), (), 0, ("n1",), small, refused=(1,))
+    # after round 0 the members' schedule holds, whoever arrives first
+    later = {1: Arrival(1, 0, False, "n1", large), 0: Arrival(0, 1, False, "n1", small)}
+    assert admit(1, later, first, first) == Quorum(1, 1, (0,), (), 0, ("n1",), small, (1,))
+    assert admit(1, {1: later[1]}, first, first).members == ()  # no quorum of refused ones
+
+
+def test_replicas_without_a_layout_pair_only_as_single_processes() -> None:
+    """Regression: a replica without layout= was known by its number of ranks only, so a
+    DDP and an FSDP replica of two ranks each (both "n2") paired different pieces at
+    rank j. Now a replica of several ranks without a layout pairs with no other (the
+    later is refused); replicas of one process without one pair with each other; a
+    replica with a layout pairs only with replicas with one."""
+
+    def members(*layouts: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        quorum = admit(0, {r: Arrival(r, 0, False, x) for r, x in enumerate(layouts)}, None)
+        return quorum.members, quorum.refused
+
+    assert members("n2", "n2") == ((0,), (1,))
+    assert members("n1", "n2", "n1") == ((0, 2), (1,))
+    assert members("La", "Lb", "n1") == ((0, 1), (2,))
+    assert members("n1", "La") == ((0,), (1,))
+    # after round 0: a lone replica of two ranks keeps its place, any other is refused
+    alone = admit(0, {0: Arrival(0, 0, False, "n2")}, None)
+    later = {1: Arrival(1, 0, False, "n2"), 0: Arrival(0, 1, False, "n2")}
+    assert admit(1, later, alone, alone) == Quorum(1, 1, (0,), (), 0, ("n2",), refused=(1,))
+
+
+def _manager(
+    store: dist.Store, replica: int, batch: dict[str, int] | None = None, prefix: str = "b"
+) -> FaultTolerantReplicas:
+    return FaultTolerantReplicas(
+        store,
+        replica,
+        state_dict=dict,
+        load_state_dict=lambda parts: None,
+        timeout_s=5.0,
+        join_timeout_s=0.2,
+        quorum_timeout_s=10.0,
+        initial_replicas=2,
+        prefix=prefix,
+        batch=batch,
+    )
+
+
+def _arrived(store: dist.Store, round_: int, replica: int) -> None:
+    key = f"b/round/{round_}/arrivals"
+    while not (store.check([key]) and f"{replica}," in store.get(key).decode()):
+        time.sleep(0.005)
+
+
+def _train_step(ft: FaultTolerantReplicas, model: nn.Linear, value: float) -> bool:
+    """One step of replica ``ft`` with gradient ``value`` everywhere; the average
+    must be exactly it (the replica trains alone)."""
+    ft.start_step()
+    model.weight.grad = torch.full_like(model.weight, value)
+    ok = ft.average_gradients(model.parameters())
+    assert torch.equal(model.weight.grad, torch.full_like(model.weight, value))
+    return ok
+
+
+def test_a_replica_of_another_batch_schedule_is_refused_and_the_member_goes_on() -> None:
+    """Regression: replicas launched with different global batches averaged gradients of
+    different batch semantics (and split the data differently) unchecked; a joiner's was
+    checked only at the heal, by the main job. Now the quorum refuses the later replica
+    (at round 0) or the joiner, naming both schedules; the member trains on alone."""
+    store = dist.HashStore()
+    model = nn.Linear(3, 1, bias=False)
+    member = _manager(store, 0, _SMALL)
+    first = threading.Thread(target=lambda: _train_step(member, model, 1.0))
+    first.start()
+    _arrived(store, 0, 0)  # replica 0 arrived first: replica 1 is the later one
+    with pytest.raises(ReplicaMismatchError) as info:
+        _manager(store, 1, _LARGE).start_step()
+    first.join()
+    message = str(info.value)
+    assert "'global_batch=16 max_replicas=2'" in message, message
+    assert "'global_batch=8 max_replicas=2'" in message, message
+    assert member.step == 1 and member.stats.contributors == [1]
+    # a joiner split over 4 replica ids is refused at a later round; the member goes on
+    stop = threading.Event()
+
+    def train_on() -> None:
+        while not stop.is_set() or member.step < 3:
+            assert _train_step(member, model, 2.0)
+            time.sleep(0.02)
+
+    trainer = threading.Thread(target=train_on)
+    trainer.start()
+    joiner = _manager(store, 1, {"global_batch": 8, "max_replicas": 4})
+    with pytest.raises(ReplicaMismatchError, match="'global_batch=8 max_replicas=4'"):
+        joiner.start_step()
+    stop.set()
+    trainer.join()
+    assert member.step >= 3 and set(member.stats.contributors) == {1}
+
+
+def _threads() -> int:
+    """This process's threads (Python's and C++'s, gloo's included)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_groups_are_destroyed_when_replaced_and_at_close() -> None:
+    """Regression: the last cross-replica group outlived training (destroyed by the
+    cycle collector at any point, or during the interpreter's exit with its gloo
+    threads running; a survivor aborted at exit once in five runs), and a member left
+    alone kept its old group. Now the group's threads end when a quorum no longer uses
+    it and at close()."""
+    store = dist.HashStore()
+    replicas = [_manager(store, r, prefix="g") for r in (0, 1)]
+    models = [nn.Linear(3, 1, bias=False) for _ in replicas]
+    baseline = _threads()
+    together = [
+        threading.Thread(target=_train_step, args=(ft, model, 0.5))
+        for ft, model in zip(replicas, models, strict=True)
+    ]
+    [t.start() for t in together]
+    [t.join() for t in together]
+    assert _threads() > baseline  # the two members' gloo group, threads running
+    assert replicas[0].stats.contributors == [2]
+    replicas[1].close()
+    replicas[1].close()  # idempotent
+    assert _train_step(replicas[0], models[0], 1.5)  # alone after the join timeout
+    assert replicas[0].stats.contributors == [2, 1]
+    assert _threads() == baseline  # its old group is gone too
+    with replicas[0]:  # a context manager closes
+        assert _train_step(replicas[0], models[0], 2.5)
+    assert _threads() == baseline

@@ -2,7 +2,8 @@
 
 Four pool ranks form two replicas, ranks {0, 1} (replica 0) and {2, 3} (replica 1);
 each replica shards its model copy over its own group and averages over the quorum
-with ``FaultTolerantReplicas(group=...)``. Rank ``r`` trains on batch ``(step, r)``.
+with ``FaultTolerantReplicas(group=..., layout=...)``; without ``layout=``, two
+replicas of two ranks never pair. Rank ``r`` trains on batch ``(step, r)``.
 The references: the normal run (FSDP ``HYBRID_SHARD`` over the four ranks: shard
 groups {0, 1} and {2, 3}), and the plain model trained on the contributors' batches in
 the reduction's order (each replica's two gradients averaged, then the replicas'
@@ -12,6 +13,7 @@ averages averaged), which a dropped replica's step leaves out.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from datetime import timedelta
 from typing import Any
@@ -21,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.checkpoint.universal import load_universal_states, universal_state
-from shardkit.distributed.fault_tolerance import FaultTolerantReplicas
+from shardkit.checkpoint.universal import gradient_pieces
+from shardkit.distributed.fault_tolerance import FaultTolerantReplicas, ReplicaMismatchError
 from shardkit.nn import FullyShardedDataParallel
 from shardkit.optim import OSS
 from tests.distributed.fault_tolerance.test_replicas import _equal
@@ -119,6 +121,7 @@ def _train(port: int, prefix: str, cfg: dict[str, Any]) -> dict[str, Any]:
             initial_replicas=2,
             prefix=prefix,
             group=group,
+            layout=functools.partial(gradient_pieces, copy_.model, copy_.optimizer, group=group),
         )
         return copy_, ft
 
@@ -209,68 +212,55 @@ def _momentum(model: nn.Module, optimizer: torch.optim.Optimizer, group: Any) ->
     return flat[:numel].clone()
 
 
-def _cross_layout(port: int, prefix: str, fsdp_serves: bool) -> dict[str, Any] | None:
-    """A replica of ranks {0, 1} (FSDP) and one of rank 2 (the plain model): the one
-    that serves trains 2 steps alone, then the other joins and heals from it through
-    universal-checkpoint parts (another layout: another wrapper, another rank count)."""
+def _no_layout(port: int, prefix: str) -> dict[str, Any]:
+    """Replica 0 holds DDP over ranks {0, 1}, replica 1 FSDP over {2, 3}, neither with
+    ``layout=``: rank ``j`` of each holds other pieces. Replica 1 arrives after replica 0
+    and is refused; replica 0 trains 2 steps alone."""
     me = dist.get_rank()
-    pair, singles = dist.new_group([0, 1]), [dist.new_group([r]) for r in range(4)]
-    if me == 3:
-        return None
-    fsdp = me < 2
-    group = pair if fsdp else singles[2]
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replica, group = me // 2, groups[me // 2]
     model: nn.Module = (
-        FullyShardedDataParallel(_model(0), process_group=pair) if fsdp else _model(7)
+        nn.parallel.DistributedDataParallel(_model(0), process_group=group)
+        if replica == 0
+        else FullyShardedDataParallel(_model(0), process_group=group)
     )
     optimizer = _sgd(model.parameters())
-    serves = fsdp == fsdp_serves
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-
-    def load(parts: list[Any]) -> None:
-        load_universal_states(parts, model, optimizer, group=group)
-
     ft = FaultTolerantReplicas(
         store,
-        0 if serves else 1,
-        state_dict=lambda: universal_state(model, optimizer, step=ft.step, group=group),
-        load_state_dict=load,
+        replica,
+        state_dict=dict,
+        load_state_dict=lambda parts: None,
         timeout_s=_NO_FAILURE_T,
         quorum_timeout_s=30.0,
-        initial_replicas=1,
+        initial_replicas=2,
         prefix=prefix,
-        group=pair if fsdp else None,
+        group=group,
     )
-    if serves:
-        for _ in range(2):
+    if replica == 1:
+        arrivals = f"{prefix}/round/0/arrivals"
+        while not store.check([arrivals]) or b"0," not in store.get(arrivals):
+            time.sleep(0.01)
+        with pytest.raises(ReplicaMismatchError) as info:
             ft.start_step()
-            optimizer.zero_grad()
-            _loss(model, ft.step, me).backward()
-            assert ft.average_gradients(model.parameters())
-            optimizer.step()
-    _meet_joiner(store, prefix, serves)
-    quorum = ft.start_step()
-    assert quorum.members == (0, 1) and quorum.heal == ((1, 0),), quorum
+        return {"refused": str(info.value)}
+    history = []
+    for _ in range(2):
+        ft.start_step()
+        optimizer.zero_grad()
+        _loss(model, ft.step, me).backward()
+        step = ft.step
+        assert ft.average_gradients(model.parameters()) and ft.quorum is not None
+        optimizer.step()
+        history.append((step, ft.quorum.members))
     state = {k.removeprefix("module."): v.clone() for k, v in model.state_dict().items()}
-    refused = ""
-    if not serves:  # holds the state, but without layout= it cannot reduce: refused
-        with pytest.raises(ValueError) as info:
-            ft.average_gradients(model.parameters())
-        refused = str(info.value)
-    return {
-        "refused": refused,
-        "model": state,
-        "momentum": _momentum(model, optimizer, pair),
-        "step": ft.step,
-        "serves": serves,
-        "healed_bytes": ft.stats.healed_bytes,
-    }
+    return {"history": history, "model": state}
 
 
 def _scenarios(port: int) -> dict[str, Any]:
     """Every scenario in one spawned group (the same on every rank)."""
     out: dict[str, Any] = {"hybrid": _hybrid_run(3)}
-    out["cross-fsdp-serves"] = _cross_layout(port, "cross-a", fsdp_serves=True)
-    out["cross-plain-serves"] = _cross_layout(port, "cross-b", fsdp_serves=False)
+    out["no-layout"] = _no_layout(port, "no-layout")
     for kind in ("hsdp", "oss"):
         out[f"{kind}-none"] = _train(port, f"{kind}-none", {"kind": kind, "steps": 3})
         slow = {"kind": kind, "steps": 4, "slow": {1: 1}, "timeout": _FAILURE_T}
@@ -306,18 +296,16 @@ def test_replicas_of_two_ranks_match_the_normal_run_and_drop_a_slow_replica(
             assert mine["healed"], (kind, rank)
             assert _equal(mine["local"], peer["local"]) and mine["step"] == peer["step"]
             assert _equal(mine["model"], peer["model"]), (kind, rank)
-    # a joiner of another layout (FSDP over 2 ranks <-> the plain model on 1 rank) holds
-    # exactly its peer's parameters, momentum and step after healing; without layout=
-    # (test_cross_layout passes it) it refuses to reduce
-    for name in ("cross-fsdp-serves", "cross-plain-serves"):
-        got = [results[rank][name] for rank in range(3)]
-        source = next(g for g in got if g["serves"])
-        for g in got:
-            assert g["step"] == 2, (name, g["step"])
-            assert _equal(g["model"], source["model"]), name
-            assert torch.equal(g["momentum"], source["momentum"]), name
-            assert g["serves"] or g["healed_bytes"] > 0, name
-            assert g["serves"] or "gave no layout=" in g["refused"], g["refused"]
+    # regression: without layout= a DDP and an FSDP replica of two ranks each paired
+    # rank j with rank j (other pieces: silently wrong); the later one is now refused,
+    # naming both layouts, and the other trains alone
+    alone = [(0, (0,)), (1, (0,))]
+    for rank in (0, 1):
+        got = results[rank]["no-layout"]
+        assert got["history"] == alone and _equal(got["model"], _reference(alone)), rank
+    for rank in (2, 3):
+        refused = results[rank]["no-layout"]["refused"]
+        assert "its layout 'n2' does not pair with the members' ['n2']" in refused, refused
     # hsdp without a failure is the normal hybrid-sharded run, bit for bit
     for rank in range(4):
         assert _equal(results[rank]["hsdp-none"]["model"], results[rank]["hybrid"]["model"])
