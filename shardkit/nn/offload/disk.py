@@ -253,9 +253,7 @@ class DiskTier(Tier):
         """Wait for every read-ahead and forget it (before the files change under it);
         held gradients go to their files."""
         for s in self.slices:
-            if s.name in self.grads.held:
-                self.grads.restore(s)
-                self.grads.flush(s)
+            self.grads.flush_held(s)  # s is offloaded: not through its parameters
             reading = self._reading.pop(s.name, None)
             if reading is not None:
                 reading.result()

@@ -52,7 +52,19 @@ class GradientFiles:
 
     def flush(self, s: Slice) -> None:
         """Add the resident gradients of ``s`` into its gradient file, then drop them."""
-        with_grad = [(i, p) for i, p in enumerate(s.parameters) if p.grad is not None]
+        grads = [p.grad for p in s.parameters]
+        for p in s.parameters:
+            p.grad = None
+        self._add(s, grads)
+
+    def flush_held(self, s: Slice) -> None:
+        """Add the held gradients of ``s`` into its gradient file, then forget them; ``s``
+        may be offloaded (its parameters placeholders: nothing is handed to them)."""
+        self._add(s, self.held.pop(s.name, []))
+
+    def _add(self, s: Slice, grads: list[torch.Tensor | None]) -> None:
+        """Add ``grads`` (one per parameter of ``s``, None: none) into its gradient file."""
+        with_grad = [(i, g) for i, g in enumerate(grads) if g is not None]
         if not with_grad:
             return
         present = self.present.setdefault(s.name, set())
@@ -60,18 +72,15 @@ class GradientFiles:
         if present:  # accumulate: the file's gradients plus these
             flat = self._file_bytes(s)
             views = s.layout.views(flat)
-            for i, p in with_grad:
-                assert p.grad is not None
-                grad = p.grad.to(views[i].device)
+            for i, grad in with_grad:
+                grad = grad.to(views[i].device)
                 views[i].add_(grad) if i in present else views[i].copy_(grad)
             held = [flat]
         else:  # the gradients themselves at their offsets: no packing copy here
-            held = [p.grad.detach().cpu().contiguous() for _, p in with_grad]  # type: ignore[union-attr]
+            held = [g.detach().cpu().contiguous() for _, g in with_grad]
             offsets = [s.layout.entries[i].offset for i, _ in with_grad]
             segments = (segments_of(held, offsets), s.layout.nbytes)
-        for i, p in with_grad:
-            present.add(i)
-            p.grad = None
+        present.update(i for i, _ in with_grad)
         future = self.store.write_async(s.name, KIND, 0, held, segments, scratch=True)
         if not self.background:
             self.store._wait(future)
