@@ -243,7 +243,7 @@ def test_remove_offloaded_deletes_the_tier_files_only(tmp_path: Path) -> None:
 
 def test_save_between_backward_and_step_keeps_held_gradients(tmp_path: Path) -> None:
     """With ``disk_io_bytes``, backward's last slice holds its gradients in memory for
-    the step. A save then (its session drops the read-aheads, handing held gradients to
+    the step. A save then (it drops the read-aheads first, handing held gradients to
     their files) assigned them to the offloaded slice's empty placeholders and failed:
     "attempting to assign a gradient of size [16, 8] to a tensor of size [0]" (found by
     the disk tier's state machine). They go to the gradient file directly now, and the
