@@ -35,7 +35,8 @@ the step (``test_found_*`` below replay them): a universal save between backward
 step failed on them, and the step dropped them. With both fixes reverted, the default
 run finds the second in its 7th example (6 s; 12 rules per example found neither in
 40 examples), 100 examples of 20 rules in the 4th; the first was found by an earlier
-draw of the rules and is kept as its replay.
+draw of the rules and is kept as its replay. A third finding was in the machine's own
+reference (``test_found_two_loads_of_one_save``).
 """
 
 from __future__ import annotations
@@ -215,7 +216,9 @@ class DiskMachine(RuleBasedStateMachine):
         path, ref_state, ref_opt_state = self.saved
         load_universal(path, self._model(), self.opt)
         self.ref.load_state_dict(ref_state)
-        self.ref_opt.load_state_dict(ref_opt_state)
+        # a copy: torch's load keeps the given state tensors, which AdamW then steps in
+        # place (a second load of the same save would get the stepped ones)
+        self.ref_opt.load_state_dict(copy.deepcopy(ref_opt_state))
         self.generation += 1
 
     # invariants -----------------------------------------------------------------------
@@ -312,4 +315,21 @@ def test_found_step_dropped_held_gradients() -> None:
         ("accumulate", {"seed": 3}),
         ("step", {}),
         ("read_state_dict", {}),
+    )
+
+
+def test_found_two_loads_of_one_save() -> None:
+    """The machine's third finding, in the machine itself: torch's
+    ``Optimizer.load_state_dict`` keeps the state tensors it is given and AdamW steps
+    them in place, so the plain model's saved AdamW state changed after its first load
+    and a second load of the same save disagreed with the disk tier (which was right)."""
+    _replay(
+        0,
+        True,
+        ("train_step", {"seed": 0}),
+        ("universal_save", {}),
+        ("universal_load", {}),
+        ("train_step", {"seed": 0}),
+        ("universal_load", {}),
+        ("step", {}),
     )
