@@ -50,6 +50,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, settings
@@ -64,13 +65,13 @@ from hypothesis.stateful import (
 )
 
 from shardkit.checkpoint.universal import load_universal, save_universal
-from shardkit.nn.offload import OffloadModel
+from shardkit.nn.offload import DiskTier, OffloadModel
 from tests.nn.offload.common import plain_state, tiny, wrap
 
 EXAMPLES = int(os.environ.get("SHARDKIT_HYPOTHESIS_EXAMPLES", "10"))
 STEPS = int(os.environ.get("SHARDKIT_HYPOTHESIS_STEPS", "20"))
 MIB = 2**20
-HYPER = {"lr": 0.01, "weight_decay": 0.1}  # common.OPTIMIZERS["adamw"]
+HYPER: dict[str, Any] = {"lr": 0.01, "weight_decay": 0.1}  # common.OPTIMIZERS["adamw"]
 SEEDS = st.integers(0, 7)
 
 
@@ -115,6 +116,11 @@ class DiskMachine(RuleBasedStateMachine):
     def _model(self) -> OffloadModel:
         assert self.om is not None
         return self.om
+
+    def _tier(self) -> DiskTier:
+        tier = self._model().tier
+        assert isinstance(tier, DiskTier)
+        return tier
 
     def _forward(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Both losses on batch ``seed``, recorded."""
@@ -187,7 +193,7 @@ class DiskMachine(RuleBasedStateMachine):
     def reopen(self, settle: bool) -> None:
         """Drop the model (``settle()`` first or not) and reopen its directory."""
         if settle:
-            self._model().tier.settle()
+            self._tier().settle()
             names = os.listdir(self.root / "offload")
             stale = [
                 n
@@ -199,7 +205,7 @@ class DiskMachine(RuleBasedStateMachine):
         del self.opt
         gc.collect()
         self._open(resume=True)
-        assert self._model().tier.generation == self.generation, "reopened another generation"
+        assert self._tier().generation == self.generation, "reopened another generation"
         self.ref_opt.zero_grad()  # the gradient files are scratch: a reopen deletes them
 
     @rule()
@@ -227,7 +233,7 @@ class DiskMachine(RuleBasedStateMachine):
         if self.om is None:  # before start
             return
         assert self.losses == self.ref_losses, "a loss differs from the plain model's"
-        assert self.om.tier.generation == self.generation
+        assert self._tier().generation == self.generation
 
     @invariant()
     def parameters_agree(self) -> None:
@@ -269,6 +275,9 @@ def _run(examples: int, steps: int) -> None:
     )
 
 
+# hypothesis shrinks a failure for up to 300 s (its limit), pytest's default timeout: the
+# report of the shrunk steps needs the time beyond it; a larger setting scales it
+@pytest.mark.timeout(int(420 * max(1.0, EXAMPLES * STEPS / (10 * 20))))
 def test_disk_state_machine() -> None:
     run_machine()
 
