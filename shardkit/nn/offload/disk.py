@@ -76,7 +76,7 @@ from torch import nn
 from shardkit.checkpoint.atomic import atomic_save
 from shardkit.checkpoint.generations import MANIFEST, GenerationStore, check_writable
 from shardkit.nn.offload.directory import FORMAT, OWNED, check_layouts, remove_offloaded
-from shardkit.nn.offload.flat import LayoutEntry, SliceLayout
+from shardkit.nn.offload.flat import SliceLayout
 from shardkit.nn.offload.grad_files import GradientFiles
 from shardkit.nn.offload.slices import Slice, SliceState
 from shardkit.nn.offload.tiers import Tier
@@ -187,7 +187,8 @@ class DiskTier(Tier):
             return
         assert s.compute is not None and s.module is not None
         s.compute.allocate()
-        on_meta = any(p.numel() < e.nbytes // e.dtype.itemsize for p, e in _entries(s))
+        entries = zip(s.parameters, s.layout.entries, strict=True)
+        on_meta = any(p.numel() < e.nbytes // e.dtype.itemsize for p, e in entries)
         if not on_meta:
             for view, p in zip(s.compute_views, s.parameters, strict=True):
                 view.copy_(p.data)
@@ -253,9 +254,7 @@ class DiskTier(Tier):
         """Wait for every read-ahead and forget it (before the files change under it);
         held gradients go to their files."""
         for s in self.slices:
-            if s.name in self.grads.held:
-                self.grads.restore(s)
-                self.grads.flush(s)
+            self.grads.flush_held(s)  # s is offloaded: not through its parameters
             reading = self._reading.pop(s.name, None)
             if reading is not None:
                 reading.result()
@@ -291,7 +290,11 @@ class DiskTier(Tier):
         self._reading[s.name] = self.store.read_async(s.name, "params", s.compute.tensor)
 
     def _offload(self, s: Slice) -> None:
-        self.grads.flush(s)
+        """Offload ``s``; gradients it held before its load are held again if they fit."""
+        again = s.name in self.grads.restored  # see [Note: gradient files]
+        if not (again and self.grads.can_hold(s) and self._reserve(s, "held", s.layout.nbytes)):
+            self.grads.flush(s)
+        self.grads.hold(s)
         self.release(s)
 
     def _offload_next(self, s: Slice) -> None:
@@ -484,10 +487,6 @@ class DiskTier(Tier):
     def stored_layout(self, name: str) -> SliceLayout:
         """The layout of slice ``name`` (for tools reading the directory)."""
         return next(s.layout for s in self.slices if s.name == name)
-
-
-def _entries(s: Slice) -> list[tuple[torch.Tensor, LayoutEntry]]:
-    return list(zip(s.parameters, s.layout.entries, strict=True))
 
 
 def _flat_bytes(s: Slice) -> torch.Tensor:

@@ -11,7 +11,10 @@ reads the file, adds, and writes the sum. The step reads a slice's gradient file
 with its parameters and optimizer state. Backward's last slice is the step's first:
 its gradients (when its file has none yet) are held in memory instead of written and
 read back, and whatever loads the slice next (the step, or another forward) gets them
-back as ``param.grad``, so a further backward adds to them.
+back as ``param.grad``, so a further backward adds to them. Whatever offloads it then
+(the step, a ``state_dict()``, a forward) holds them again: they stay until
+``zero_grad``, as gradients in a file do, and are written to the file only when they
+no longer fit in ``disk_io_bytes``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class GradientFiles:
     Attributes:
         present: slice -> indices of the parameters its file holds gradients of.
         held: slice -> gradients held in memory instead of written (one per parameter).
+        restored: resident slices whose gradients were held before their load (until
+            :meth:`flush` or :meth:`hold` at their offload).
     """
 
     def __init__(self, store: GenerationStore, device: torch.device, background: bool) -> None:
@@ -49,10 +54,24 @@ class GradientFiles:
         self.present: dict[str, set[int]] = {}
         self.held: dict[str, list[torch.Tensor | None]] = {}
         self._ahead: dict[str, tuple[torch.Tensor, Future[int]]] = {}  # file bytes being read
+        self.restored: set[str] = set()
 
     def flush(self, s: Slice) -> None:
         """Add the resident gradients of ``s`` into its gradient file, then drop them."""
-        with_grad = [(i, p) for i, p in enumerate(s.parameters) if p.grad is not None]
+        self.restored.discard(s.name)
+        grads = [p.grad for p in s.parameters]
+        for p in s.parameters:
+            p.grad = None
+        self._add(s, grads)
+
+    def flush_held(self, s: Slice) -> None:
+        """Add the held gradients of ``s`` into its gradient file, then forget them; ``s``
+        may be offloaded (its parameters placeholders: nothing is handed to them)."""
+        self._add(s, self.held.pop(s.name, []))
+
+    def _add(self, s: Slice, grads: list[torch.Tensor | None]) -> None:
+        """Add ``grads`` (one per parameter of ``s``, None: none) into its gradient file."""
+        with_grad = [(i, g) for i, g in enumerate(grads) if g is not None]
         if not with_grad:
             return
         present = self.present.setdefault(s.name, set())
@@ -60,18 +79,15 @@ class GradientFiles:
         if present:  # accumulate: the file's gradients plus these
             flat = self._file_bytes(s)
             views = s.layout.views(flat)
-            for i, p in with_grad:
-                assert p.grad is not None
-                grad = p.grad.to(views[i].device)
+            for i, grad in with_grad:
+                grad = grad.to(views[i].device)
                 views[i].add_(grad) if i in present else views[i].copy_(grad)
             held = [flat]
         else:  # the gradients themselves at their offsets: no packing copy here
-            held = [p.grad.detach().cpu().contiguous() for _, p in with_grad]  # type: ignore[union-attr]
+            held = [g.detach().cpu().contiguous() for _, g in with_grad]
             offsets = [s.layout.entries[i].offset for i, _ in with_grad]
             segments = (segments_of(held, offsets), s.layout.nbytes)
-        for i, p in with_grad:
-            present.add(i)
-            p.grad = None
+        present.update(i for i, _ in with_grad)
         future = self.store.write_async(s.name, KIND, 0, held, segments, scratch=True)
         if not self.background:
             self.store._wait(future)
@@ -79,6 +95,7 @@ class GradientFiles:
     def hold(self, s: Slice) -> bool:
         """Take resident ``s``'s gradients into memory (not written) when its file has
         none yet; returns whether it did (the caller has counted their bytes)."""
+        self.restored.discard(s.name)
         if not self.can_hold(s):
             return False
         self.held[s.name] = [p.grad for p in s.parameters]
@@ -91,8 +108,13 @@ class GradientFiles:
         return not self.present.get(s.name) and any(p.grad is not None for p in s.parameters)
 
     def restore(self, s: Slice) -> None:
-        """Hand the held gradients of resident ``s`` back as ``param.grad``."""
-        for p, grad in zip(s.parameters, self.held.pop(s.name, []), strict=False):
+        """Hand the held gradients of resident ``s`` back as ``param.grad`` (and note it
+        in :attr:`restored`)."""
+        held = self.held.pop(s.name, None)
+        if held is None:
+            return
+        self.restored.add(s.name)
+        for p, grad in zip(s.parameters, held, strict=False):
             p.grad = grad
 
     def read_ahead(self, s: Slice) -> None:
@@ -134,6 +156,7 @@ class GradientFiles:
     def zero(self, slices: list[Slice]) -> None:
         """Forget every gradient: held ones, read-aheads, the files."""
         self.held.clear()
+        self.restored.clear()
         for s in slices:
             self.drop_ahead(s)
             self.store.remove_scratch(s.name, KIND)

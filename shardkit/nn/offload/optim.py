@@ -114,6 +114,7 @@ class SlicedOptimizer(FileBackedOptimizer):
                 self.tier.step_slice(s, generation, new_state)
         finally:
             if not s.pinned:
-                for p in s.parameters:
-                    p.grad = None  # views of the gradient file: not flushed back
-                self.tier.offload(s)
+                if self.tier.grads.present.get(s.name):  # views of its gradient file,
+                    for p in s.parameters:  # which keeps them: not written back
+                        p.grad = None
+                self.tier.offload(s)  # gradients it held: held again (see disk.py)

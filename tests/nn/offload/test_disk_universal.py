@@ -239,3 +239,24 @@ def test_remove_offloaded_deletes_the_tier_files_only(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not an offloaded model"):
         remove_offloaded(other)
     assert _listing(other) == ["manifest.json"]
+
+
+def test_save_between_backward_and_step_keeps_held_gradients(tmp_path: Path) -> None:
+    """With ``disk_io_bytes``, backward's last slice holds its gradients in memory for
+    the step. A save then (it drops the read-aheads first, handing held gradients to
+    their files) assigned them to the offloaded slice's empty placeholders and failed:
+    "attempting to assign a gradient of size [16, 8] to a tensor of size [0]" (found by
+    the disk tier's state machine). They go to the gradient file directly now, and the
+    step after uses them."""
+    om = OffloadModel(
+        _seq(0), "cpu", offload_dir=tmp_path / "offload", num_slices=2, disk_io_bytes=2**20
+    )
+    sliced = om.sliced_optimizer(torch.optim.AdamW, **HYPER)
+    twin, twin_opt = _twin(_seq(0))
+    x, y = batch("seq", 0)
+    for model in (om, twin):
+        F.mse_loss(model(x), y).backward()
+    save_universal(tmp_path / "ckpt", 0, om, sliced)
+    sliced.step()
+    twin_opt.step()
+    _assert_steps_equal(om, twin, "saved between backward and step")
