@@ -64,7 +64,9 @@ lock, one table of writes in flight and the crash-safety rules of the notes abov
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
+import fcntl
 import functools
 import json
 import os
@@ -110,6 +112,19 @@ def packed_offsets(nbytes: list[int]) -> tuple[list[int], int]:
         offsets.append(start)
         end = start + n
     return offsets, end
+
+
+def wait_for_commit(directory: Path) -> None:
+    """Wait until no background commit is in flight in ``directory`` (a store holds an
+    exclusive ``flock`` of the directory from submitting one until it landed or failed;
+    released by the kernel if its process dies), in this process or another: a store
+    opened meanwhile would read the manifest before it and delete the files the commit
+    is about to name."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    finally:
+        os.close(fd)  # and the shared lock with it
 
 
 def check_writable(directory: Path, what: str = "offload_dir") -> None:
@@ -244,6 +259,10 @@ class GenerationStore:
         self.generation = 0
         self.files: dict[str, dict[str, str | None]] = {}
         self.committed: dict[str, dict[str, str | None]] = {}
+        # what the manifest on the disk names (committed runs ahead of it while a
+        # background commit is in flight): never deleted, restored if that commit fails
+        self.durable_generation = 0
+        self.durable: dict[str, dict[str, str | None]] = {}
         self.scratch: dict[str, dict[str, str]] = {}
         self.bytes_read = 0
         self.bytes_written = 0
@@ -262,7 +281,9 @@ class GenerationStore:
         self._errors: list[BaseException] = []
         self._lock = threading.Condition()
         self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._directory_fd = -1  # flock-ed while a background commit is in flight
         check_writable(self.directory, what)
+        wait_for_commit(self.directory)  # another model's (this or another process)
         has_manifest = (self.directory / MANIFEST).exists()
         if has_manifest and not resume:
             raise ValueError(
@@ -291,6 +312,7 @@ class GenerationStore:
         self.generation = int(manifest["generation"])
         self.files = manifest["files"]
         self.committed = {entry: dict(kinds) for entry, kinds in self.files.items()}
+        self.durable_generation, self.durable = self.generation, copy.deepcopy(self.committed)
         return manifest
 
     def path(self, entry: str, kind: str) -> Path | None:
@@ -418,6 +440,9 @@ class GenerationStore:
         being intact; the others are dropped with it."""
         if self._errors:
             error, self._errors = self._errors[0], []
+            if self._commit_failed:  # the manifest on the disk is the committed one
+                self.generation = self.durable_generation
+                self.committed = copy.deepcopy(self.durable)
             raise error
 
     def flush(self) -> None:
@@ -441,6 +466,9 @@ class GenerationStore:
             for pool in self._pools.values():
                 pool.shutdown(wait=True)
             self._pools.clear()
+            if self._directory_fd >= 0:
+                os.close(self._directory_fd)
+                self._directory_fd = -1
 
     def name(self, entry: str, kind: str, generation: int, suffix: str = "") -> str:
         """Record ``<entry>.<kind>.g<generation><suffix>`` as the current file of
@@ -592,7 +620,10 @@ class GenerationStore:
             for name, write in self._pending.items()
             if not write.done() or write.exception() is not None
         }
-        job = functools.partial(self._commit_entries, writes, text, stale)
+        if self._directory_fd < 0:
+            self._directory_fd = os.open(self.directory, os.O_RDONLY)
+        fcntl.flock(self._directory_fd, fcntl.LOCK_EX)  # released by the commit thread
+        job = functools.partial(self._commit_entries, writes, text, stale, generation, files)
         self._commits.append(self._pool("commit", threads=1).submit(job))
 
     # [Note: background commits]
@@ -608,13 +639,21 @@ class GenerationStore:
     # a file is deleted only after a manifest not naming it was renamed into place. An
     # error is raised by the next write, flush or commit; a full commit, a flush and
     # ``close`` wait for the commits in flight.
-    def _commit_entries(self, writes: list[Future[int]], text: str, stale: set[str]) -> None:
+    def _commit_entries(
+        self,
+        writes: list[Future[int]],
+        text: str,
+        stale: set[str],
+        generation: int,
+        files: dict[str, dict[str, str | None]],
+    ) -> None:
         try:
             if self._commit_failed:  # its manifest would name files an earlier one lost
                 raise RuntimeError(f"{self.directory}: an earlier background commit failed")
             for write in writes:
                 write.result()
             self._rename_manifest(text)
+            self.durable_generation, self.durable = generation, files
             for name in stale:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(self.directory / name)
@@ -622,6 +661,8 @@ class GenerationStore:
             self._commit_failed = True
             self._errors.append(exc)
             raise
+        finally:
+            fcntl.flock(self._directory_fd, fcntl.LOCK_UN)
 
     def _drain_commits(self) -> None:
         """Wait for the background commits (their errors are raised by the caller)."""
@@ -642,8 +683,9 @@ class GenerationStore:
 
     def _commit_text(self, generation: int, files: dict[str, Any], text: str) -> None:
         self._rename_manifest(text)
-        self.generation = generation
+        self.generation = self.durable_generation = generation
         self.committed = files
+        self.durable = copy.deepcopy(files)
 
     def remove_unreferenced(self, keep: set[str]) -> None:
         """Delete owned files that the current files, the committed ones, the scratch
@@ -651,7 +693,7 @@ class GenerationStore:
         (``.<name>.<random>.tmp`` of an owned name or of the manifest; see [Note:
         temporary files]), except those of a write or commit still in flight."""
         wanted = {MANIFEST, *keep}
-        for kinds in [*self.files.values(), *self.committed.values()]:
+        for kinds in [*self.files.values(), *self.committed.values(), *self.durable.values()]:
             wanted.update(f for f in kinds.values() if f is not None)
         for scratch in self.scratch.values():
             wanted.update(scratch.values())

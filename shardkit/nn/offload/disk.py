@@ -145,9 +145,7 @@ class DiskTier(Tier):
         self._state_ahead: dict[str, StateRead] = {}  # slice -> its optimizer state
         self._ahead_bytes: dict[tuple[str, str], int] = {}  # (slice, part) -> bytes held ahead
         self._writing: dict[str, tuple[Slice, Future[int]]] = {}  # buffers being written
-        # a background step commit lands when the tier goes away (a reopened directory
-        # then holds the last step), not only at exit
-        weakref.finalize(self, self.store.flush)
+        weakref.finalize(self, self.store.flush)  # a background commit lands at gc too
 
     @property
     def generation(self) -> int:
@@ -434,10 +432,10 @@ class DiskTier(Tier):
         if background:
             entries = list(self.store.files)
             self.store.commit(generation, entries=entries, background=True, **fields)
-            # the previous commit is on the disk (the store waits for it first), so the
-            # buffers of the one before are named by no manifest
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.directory / f"buffers.g{generation - 2}.pt")
+            # the previous commit landed (the store waited): no manifest names g - 2's
+            if self.store.durable_generation == generation - 1:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.directory / f"buffers.g{generation - 2}.pt")
             return
         self.store.flush()
         self._reap()
@@ -482,7 +480,9 @@ class DiskTier(Tier):
             value.copy_(stored[key])
 
     def _remove_unreferenced(self) -> None:  # keeps the buffers (and the scratch files)
-        self.store.remove_unreferenced({f"buffers.g{self.generation}.pt"})
+        self.store.remove_unreferenced(
+            {f"buffers.g{g}.pt" for g in (self.generation, self.store.durable_generation)}
+        )
 
     def stored_layout(self, name: str) -> SliceLayout:
         """The layout of slice ``name`` (for tools reading the directory)."""

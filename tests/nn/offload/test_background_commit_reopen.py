@@ -1,7 +1,9 @@
-"""Regression tests (failing, marked xfail strict) found by trying the disk tier's
-background step commit as a user: what the directory holds after a failed background
-commit once the model is dropped, and a reopen of the directory in the same process
-while the previous model's commit is in flight."""
+"""Regression tests found by trying the disk tier's background step commit as a user:
+what the directory holds after a failed background commit once the model is dropped
+(generation g's files were deleted: the store's committed files had run ahead of the
+manifest on the disk), and a reopen of the directory in the same process while the
+previous model's commit is in flight (it read the manifest before it: a returned step
+was lost or the reopen failed)."""
 
 from __future__ import annotations
 
@@ -30,12 +32,6 @@ def _reopened(directory: Path) -> tuple[OffloadModel, dict[str, str]]:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: after a failed background commit the store's in-memory committed files "
-    "are already generation g + 1, so settle/close deletes generation g's files, which "
-    "the manifest on the disk still names: the directory no longer reopens",
-)
 def test_dropping_the_model_after_a_failed_background_commit_keeps_the_generation(
     tmp_path: Path,
 ) -> None:
@@ -64,13 +60,6 @@ def test_dropping_the_model_after_a_failed_background_commit_keeps_the_generatio
     assert_state_dicts_close(plain_state(reopened, renamed), dict(plain.named_parameters()), atol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a reopen (resume=True) in the same process while the previous model of "
-    "the directory has a background commit in flight (`model = OffloadModel(..., "
-    "resume=True)` without `del model` first) resumes the generation before it and "
-    "deletes the in-flight files: a returned step is lost or the reopen fails",
-)
 def test_reopening_while_the_previous_model_commits_keeps_its_last_step(
     tmp_path: Path,
 ) -> None:
