@@ -401,7 +401,7 @@ class GenerationStore:
             self.direct = self.direct and used
             return total
         except BaseException as exc:
-            self._errors.append(exc)
+            self._errors.append(self._explained(exc, f"writing {name}"))
             raise
         finally:
             with self._lock:
@@ -659,10 +659,24 @@ class GenerationStore:
                     os.remove(self.directory / name)
         except BaseException as exc:
             self._commit_failed = True
-            self._errors.append(exc)
+            self._errors.append(self._explained(exc, f"committing generation {generation}"))
             raise
         finally:
             fcntl.flock(self._directory_fd, fcntl.LOCK_UN)
+
+    def _explained(self, exc: BaseException, doing: str) -> BaseException:
+        """A background ``OSError`` (a full disk) with where it happened and what survives
+        (the same errno, ``exc`` its cause); other errors as they are."""
+        if not isinstance(exc, OSError) or exc.errno is None:
+            return exc
+        explained = OSError(
+            exc.errno,
+            f"{exc.strerror} ({self.directory}: {doing} on a background thread; the "
+            f"manifest on the disk names generation {self.durable_generation}, whole: "
+            "reopen with resume=True)",
+        )
+        explained.__cause__ = exc
+        return explained
 
     def _drain_commits(self) -> None:
         """Wait for the background commits (their errors are raised by the caller)."""

@@ -159,7 +159,7 @@ class OffloadModel(nn.Module):
             parameter has an integer, bool or complex dtype, or ``num_slices`` is not an int.
         ValueError: if ``model`` is (or contains) an OffloadModel already; for
             ``num_slices`` out of range (``BalanceError``), ``num_microbatches < 1``,
-            ``disk_io_bytes < 0`` or given off the disk tier, an
+            ``disk_io_bytes`` not an int >= 0 or given off the disk tier, an
             unwritable or mismatching ``offload_dir``, or a ``meta`` model off the disk tier.
         ConsistencyError: with ``process_group``, the ranks' models or options differ;
             ``PeerRejectedError`` (a subclass) if another rank refused its parameters.
@@ -208,8 +208,12 @@ class OffloadModel(nn.Module):
         self.num_microbatches = num_microbatches
         self.model_slices = nn.ModuleList(_split(model, num_slices))
         self.num_slices = len(self.model_slices)
-        if disk_io_bytes < 0:
-            raise ValueError(f"disk_io_bytes must be >= 0 (bytes); got {disk_io_bytes}")
+        if (
+            isinstance(disk_io_bytes, bool)
+            or not isinstance(disk_io_bytes, int)
+            or disk_io_bytes < 0
+        ):
+            raise ValueError(f"disk_io_bytes must be an int >= 0 (bytes); got {disk_io_bytes!r}")
         self.tier = _make_tier(self.device, offload_device, offload_dir, resume, disk_io_bytes)
         self.slices = self._build_slices()
         self._materialize_meta(param_init_fn)

@@ -76,7 +76,11 @@ class SlicedOptimizer(FileBackedOptimizer):
                 of parameters that received none; the disk tier keeps None semantics).
         """
         if not set_to_none:
-            raise ValueError("the disk tier supports only zero_grad(set_to_none=True)")
+            raise ValueError(
+                "the disk tier supports only zero_grad(set_to_none=True): its gradients live "
+                "in files, and zeros instead of None would change AdamW's update of "
+                "parameters that received no gradient; call optimizer.zero_grad()"
+            )
         self.tier.zero_grads()
 
     @torch.no_grad()

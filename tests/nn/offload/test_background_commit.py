@@ -105,8 +105,12 @@ def test_a_failed_background_commit_is_raised_by_the_next_step(tmp_path: Path) -
 
     store._rename_manifest = full  # type: ignore[method-assign]
     train(om, optimizer, 1)  # step 3 returns; its commit fails on the commit thread
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OSError, match="No space left") as raised:
         train(om, optimizer, 1)
+    # the message says what survives; the generation is the manifest's again
+    assert "committing generation 3" in str(raised.value), raised.value
+    assert "names generation 2, whole" in str(raised.value), raised.value
+    assert raised.value.errno == 28 and om.tier.generation == 2
     assert _manifest_generation(directory) == 2
     reopened, renamed = _reopened(directory)
     assert reopened.tier.generation == 2
