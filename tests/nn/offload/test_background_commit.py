@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,6 +33,24 @@ def _reopened(directory: Path) -> tuple[OffloadModel, dict[str, str]]:
     return wrap(
         tiny(99), offload_device=directory, num_slices=3, resume=True, disk_io_bytes=IO_BYTES
     )
+
+
+def _two_steps(directory: Path) -> tuple[OffloadModel, Any]:
+    """A disk-tier model and its optimizer after two steps, the second's commit landed."""
+    om, _ = wrap(tiny(), offload_device=directory, num_slices=3, disk_io_bytes=IO_BYTES)
+    optimizer = optimizer_for(om, "adamw")
+    train(om, optimizer, 2)
+    om.tier.settle()
+    return om, optimizer
+
+
+def _disk_full(om: OffloadModel) -> None:
+    """Every later manifest rename of ``om``'s store fails as on a full disk."""
+
+    def full(text: str) -> None:
+        raise OSError(28, "No space left on device (injected)")
+
+    om.tier.store._rename_manifest = full  # type: ignore[method-assign]
 
 
 def test_step_returns_before_its_commit_and_settle_waits(tmp_path: Path) -> None:
@@ -72,10 +91,7 @@ def test_dropping_the_model_lands_its_commit(tmp_path: Path) -> None:
     """``del`` of the model and its optimizer waits for the last step's commit: a
     reopened directory holds that step, not the one before."""
     directory = tmp_path / "offload"
-    om, _ = wrap(tiny(), offload_device=directory, num_slices=3, disk_io_bytes=IO_BYTES)
-    optimizer = optimizer_for(om, "adamw")
-    train(om, optimizer, 2)
-    om.tier.settle()
+    om, optimizer = _two_steps(directory)
     store, rename_manifest = om.tier.store, om.tier.store._rename_manifest
 
     def slow(text: str) -> None:
@@ -94,16 +110,8 @@ def test_a_failed_background_commit_is_raised_by_the_next_step(tmp_path: Path) -
     plain = tiny()
     train(plain, optimizer_for(plain, "adamw"), 2)
     directory = tmp_path / "offload"
-    om, _ = wrap(tiny(), offload_device=directory, num_slices=3, disk_io_bytes=IO_BYTES)
-    optimizer = optimizer_for(om, "adamw")
-    train(om, optimizer, 2)
-    om.tier.settle()
-    store = om.tier.store
-
-    def full(text: str) -> None:
-        raise OSError(28, "No space left on device (injected)")
-
-    store._rename_manifest = full  # type: ignore[method-assign]
+    om, optimizer = _two_steps(directory)
+    _disk_full(om)
     train(om, optimizer, 1)  # step 3 returns; its commit fails on the commit thread
     with pytest.raises(OSError, match="No space left") as raised:
         train(om, optimizer, 1)
@@ -121,10 +129,7 @@ def killed_in_the_commit(directory: str, marker: str) -> None:
     """Two steps, then a third whose background commit SIGKILLs the process just before
     renaming the manifest (run in a child process)."""
     torch.set_num_threads(1)
-    om, _ = wrap(tiny(), offload_device=Path(directory), num_slices=3, disk_io_bytes=IO_BYTES)
-    optimizer = optimizer_for(om, "adamw")
-    train(om, optimizer, 2)
-    om.tier.settle()
+    om, optimizer = _two_steps(Path(directory))
     store, returned = om.tier.store, threading.Event()
 
     def die(text: str) -> None:
@@ -156,4 +161,58 @@ def test_killed_in_the_background_commit_resumes_from_the_previous_generation(
     assert reopened.tier.generation == 2
     assert not [f for f in os.listdir(directory) if ".g3" in f or f.endswith(".tmp")]
     assert train(reopened, optimizer_for(reopened, "adamw"), 1) == expected[2:]
+    assert_state_dicts_close(plain_state(reopened, renamed), dict(plain.named_parameters()), atol=0)
+
+
+def test_dropping_the_model_after_a_failed_background_commit_keeps_the_generation(
+    tmp_path: Path,
+) -> None:
+    """A settle and a drop after a failed background commit keep the generation the
+    manifest on the disk names (they deleted its files: the store's committed files had
+    run ahead of that manifest)."""
+    plain = tiny()
+    train(plain, optimizer_for(plain, "adamw"), 2)
+    directory = tmp_path / "offload"
+    om, optimizer = _two_steps(directory)
+    _disk_full(om)
+    train(om, optimizer, 1)  # step 3's commit fails on the commit thread
+    with pytest.raises(OSError, match="No space left"):
+        train(om, optimizer, 1)
+    om.tier.settle()  # what a user does after the error: settle, drop
+    del om, optimizer
+    gc.collect()
+    assert _manifest_generation(directory) == 2
+    reopened, renamed = _reopened(directory)  # before: FileNotFoundError buffers.g2.pt
+    assert reopened.tier.generation == 2
+    assert_state_dicts_close(plain_state(reopened, renamed), dict(plain.named_parameters()), atol=0)
+
+
+def test_reopening_while_the_previous_model_commits_keeps_its_last_step(
+    tmp_path: Path,
+) -> None:
+    """A reopen while the previous model's commit is in flight (``model =
+    OffloadModel(..., resume=True)`` without ``del model``) waits for it: before, it
+    resumed the generation before it or failed on the files it deleted."""
+    plain = tiny()
+    train(plain, optimizer_for(plain, "adamw"), 3)
+    directory = tmp_path / "offload"
+    om, optimizer = _two_steps(directory)
+    store = om.tier.store
+    gate, rename_manifest = threading.Event(), store._rename_manifest
+
+    def gated(text: str) -> None:
+        assert gate.wait(60)
+        rename_manifest(text)
+
+    store._rename_manifest = gated  # type: ignore[method-assign]
+    train(om, optimizer, 1)  # step 3 returned, its commit waits for the gate
+    timer = threading.Timer(0.5, gate.set)
+    timer.start()
+    try:
+        reopened, renamed = _reopened(directory)  # the old model is still alive
+    finally:
+        gate.set()
+        timer.join()
+    om.tier.settle()
+    assert reopened.tier.generation == 3
     assert_state_dicts_close(plain_state(reopened, renamed), dict(plain.named_parameters()), atol=0)
