@@ -214,6 +214,9 @@ class GenerationStore:
         io_threads: background threads for writes, and as many for reads. Default 2.
         direct_io: try ``O_DIRECT`` for the payload files (default True; the store
             falls back to the page cache where the file system refuses it).
+        commits_in_flight: background commits that may be queued at once (see [Note:
+            background commits]); the disk holds that many commits' stale files at
+            most. Default 1.
 
     Attributes:
         generation: the committed generation (0 until the first commit).
@@ -246,11 +249,12 @@ class GenerationStore:
         write_behind_bytes: int = 0,
         io_threads: int = 2,
         direct_io: bool = True,
+        commits_in_flight: int = 1,
     ) -> None:
-        if write_behind_bytes < 0 or io_threads < 1:
+        if write_behind_bytes < 0 or io_threads < 1 or commits_in_flight < 1:
             raise ValueError(
-                f"need write_behind_bytes >= 0 and io_threads >= 1, got "
-                f"{write_behind_bytes} and {io_threads}"
+                f"need write_behind_bytes >= 0, io_threads >= 1 and commits_in_flight >= 1, "
+                f"got {write_behind_bytes}, {io_threads} and {commits_in_flight}"
             )
         self.directory = Path(directory)
         self.fmt = fmt
@@ -282,6 +286,8 @@ class GenerationStore:
         self._lock = threading.Condition()
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._directory_fd = -1  # flock-ed while a background commit is in flight
+        self.commits_in_flight = commits_in_flight
+        self._queued = 0  # background commits submitted and not ended (under _lock)
         check_writable(self.directory, what)
         wait_for_commit(self.directory)  # another model's (this or another process)
         has_manifest = (self.directory / MANIFEST).exists()
@@ -612,7 +618,8 @@ class GenerationStore:
             self.remove_unreferenced(keep or set())
             return
         self.generation, self.committed = generation, files
-        self._drain_commits()  # one in flight: the disk holds one entry's stale files at most
+        # at most commits_in_flight queued: the disk holds that many commits' stale files
+        self._drain_commits(keep=self.commits_in_flight - 1)
         # finished writes need no waiting: forget them (a caller that never flushes, the
         # tier committing every step in the background, would keep every step's)
         self._pending = {
@@ -622,7 +629,10 @@ class GenerationStore:
         }
         if self._directory_fd < 0:
             self._directory_fd = os.open(self.directory, os.O_RDONLY)
-        fcntl.flock(self._directory_fd, fcntl.LOCK_EX)  # released by the commit thread
+        with self._lock:  # held from the first queued commit to the end of the last
+            if self._queued == 0:
+                fcntl.flock(self._directory_fd, fcntl.LOCK_EX)
+            self._queued += 1
         job = functools.partial(self._commit_entries, writes, text, stale, generation, files)
         self._commits.append(self._pool("commit", threads=1).submit(job))
 
@@ -632,8 +642,10 @@ class GenerationStore:
     # on a virtual disk, every unit of every step. With ``background=True`` one thread
     # does them, in submission order (each manifest names a superset of the previous
     # one's new files, so the last rename wins with the newest state), after waiting
-    # for the entries' writes; one commit is in flight at a time (the next waits for
-    # it), so the files it has yet to delete are one commit's. The manifest's text is
+    # for the entries' writes; at most ``commits_in_flight`` are queued (the next waits
+    # for the oldest), so the files they have yet to delete are that many commits'. A
+    # queued commit holds an exclusive ``flock`` of the directory (see
+    # :func:`wait_for_commit`) until the last one queued ended. The manifest's text is
     # made on the caller's thread (a snapshot of fields the caller goes on changing).
     # What a crash leaves is unchanged:
     # a file is deleted only after a manifest not naming it was renamed into place. An
@@ -662,7 +674,10 @@ class GenerationStore:
             self._errors.append(self._explained(exc, f"committing generation {generation}"))
             raise
         finally:
-            fcntl.flock(self._directory_fd, fcntl.LOCK_UN)
+            with self._lock:
+                self._queued -= 1
+                if self._queued == 0:
+                    fcntl.flock(self._directory_fd, fcntl.LOCK_UN)
 
     def _explained(self, exc: BaseException, doing: str) -> BaseException:
         """A background ``OSError`` (a full disk) with where it happened and what survives
@@ -678,12 +693,14 @@ class GenerationStore:
         explained.__cause__ = exc
         return explained
 
-    def _drain_commits(self) -> None:
-        """Wait for the background commits (their errors are raised by the caller)."""
-        for commit in self._commits:
+    def _drain_commits(self, keep: int = 0) -> None:
+        """Wait for the background commits but the last ``keep`` (their errors are
+        raised by the caller)."""
+        waited = self._commits[: max(len(self._commits) - keep, 0)]
+        for commit in waited:
             with contextlib.suppress(BaseException):
                 commit.result()
-        self._commits.clear()
+        self._commits = self._commits[len(waited) :]
 
     def _manifest_text(self, generation: int, files: dict[str, Any], extra: dict[str, Any]) -> str:
         manifest = {"format": self.fmt, "generation": generation, "files": files, **extra}

@@ -21,8 +21,8 @@ from shardkit.checkpoint.generations import MANIFEST, GenerationStore
 OWNED = re.compile(r"^e\d+\.\w+\.g\d+$")
 
 
-def _store(directory: Path, **kwargs: Any) -> GenerationStore:
-    return GenerationStore(directory, fmt="test/1", owned=OWNED, resume=False, **kwargs)
+def _store(directory: Path, resume: bool = False, **kwargs: Any) -> GenerationStore:
+    return GenerationStore(directory, fmt="test/1", owned=OWNED, resume=resume, **kwargs)
 
 
 def _bytes(n: int, seed: int) -> torch.Tensor:
@@ -282,3 +282,51 @@ def test_temporary_files_of_interrupted_writes_are_removed_on_reopen(
     ]
     files = json.loads((tmp_path / MANIFEST).read_text())["files"]
     assert files == {"e0": {"params": "e0.params.g2"}, "e1": {"params": "e1.params.g2"}}
+
+
+def test_two_background_commits_queued_and_the_directory_locked_until_both_end(
+    tmp_path: Path,
+) -> None:
+    """``commits_in_flight=2``: a second background commit is queued without waiting
+    for the first, a third waits for the oldest; a store opening the directory waits
+    until the last queued commit ended (the directory's ``flock``), and then reads the
+    newest manifest."""
+    with pytest.raises(ValueError, match="commits_in_flight >= 1"):
+        _store(tmp_path / "bad", commits_in_flight=0)
+    store = _store(tmp_path, write_behind_bytes=2**20, commits_in_flight=2)
+    for i in range(3):
+        store.write(f"e{i}", "params", 0, _bytes(100, i))
+    store.commit(0)
+    gate, renamed, rename = threading.Event(), [], store._rename_manifest
+
+    def gated(text: str) -> None:
+        assert gate.wait(60)
+        rename(text)
+        renamed.append(json.loads(text)["step"])
+
+    store._rename_manifest = gated  # type: ignore[method-assign]
+    for i in range(2):
+        store.write(f"e{i}", "params", 1, _bytes(100, 10 + i))
+        store.commit(1, entries=[f"e{i}"], background=True, step=i)  # returns at once
+    assert renamed == [] and len(store._commits) == 2
+    third = threading.Thread(
+        target=store.commit, args=(1,), kwargs={"entries": ["e2"], "background": True, "step": 2}
+    )
+    store.write("e2", "params", 1, _bytes(100, 12))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive()  # waits for the oldest of the two queued
+    opened: list[int] = []
+    opener = threading.Thread(
+        target=lambda: opened.append(_store(tmp_path, resume=True).open()["step"])
+    )
+    opener.start()
+    opener.join(0.3)
+    assert opener.is_alive() and not opened  # the directory is locked by the queued commits
+    gate.set()
+    third.join(10)
+    opener.join(10)
+    store.flush()
+    assert renamed == [0, 1, 2]
+    assert opened == [2]  # what the last queued commit named, not an older manifest
+    store.close()
