@@ -64,7 +64,6 @@ lock, one table of writes in flight and the crash-safety rules of the notes abov
 from __future__ import annotations
 
 import contextlib
-import copy
 import ctypes
 import fcntl
 import functools
@@ -264,7 +263,9 @@ class GenerationStore:
         self.files: dict[str, dict[str, str | None]] = {}
         self.committed: dict[str, dict[str, str | None]] = {}
         # what the manifest on the disk names (committed runs ahead of it while a
-        # background commit is in flight): never deleted, restored if that commit fails
+        # background commit is in flight): never deleted, restored if that commit fails.
+        # committed and durable are replaced, never changed in place (unlike files, which
+        # name() edits), so they share their dicts
         self.durable_generation = 0
         self.durable: dict[str, dict[str, str | None]] = {}
         self.scratch: dict[str, dict[str, str]] = {}
@@ -318,7 +319,7 @@ class GenerationStore:
         self.generation = int(manifest["generation"])
         self.files = manifest["files"]
         self.committed = {entry: dict(kinds) for entry, kinds in self.files.items()}
-        self.durable_generation, self.durable = self.generation, copy.deepcopy(self.committed)
+        self.durable_generation, self.durable = self.generation, self.committed
         return manifest
 
     def path(self, entry: str, kind: str) -> Path | None:
@@ -448,7 +449,7 @@ class GenerationStore:
             error, self._errors = self._errors[0], []
             if self._commit_failed:  # the manifest on the disk is the committed one
                 self.generation = self.durable_generation
-                self.committed = copy.deepcopy(self.durable)
+                self.committed = self.durable
             raise error
 
     def flush(self) -> None:
@@ -715,8 +716,7 @@ class GenerationStore:
     def _commit_text(self, generation: int, files: dict[str, Any], text: str) -> None:
         self._rename_manifest(text)
         self.generation = self.durable_generation = generation
-        self.committed = files
-        self.durable = copy.deepcopy(files)
+        self.committed = self.durable = files
 
     def remove_unreferenced(self, keep: set[str]) -> None:
         """Delete owned files that the current files, the committed ones, the scratch
