@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+import os
+import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +14,7 @@ import torch
 from torch import nn
 
 from shardkit.nn.offload import DiskTier, MemoryTier, OffloadModel
+from shardkit.testing import assert_state_dicts_close
 
 CPU = torch.device("cpu")
 X = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
@@ -74,3 +80,31 @@ def train(model: nn.Module, optimizer: Any, steps: int, x: torch.Tensor = X) -> 
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+def killed_then_resumed(
+    tmp_path: Path, target: Callable[[str, str], None], io_bytes: int
+) -> dict[str, Any]:
+    """Run ``target(directory, marker)`` in a spawned process that trains two steps and
+    SIGKILLs itself in the third; check the directory resumes at generation 2 without
+    step 3's files and then trains on bit for bit as the plain model. Returns what the
+    child wrote to ``marker`` (JSON)."""
+    plain = tiny()
+    expected = train(plain, optimizer_for(plain, "adamw"), 3)
+    directory, marker = tmp_path / "offload", tmp_path / "marker.json"
+    process = multiprocessing.get_context("spawn").Process(
+        target=target, args=(str(directory), str(marker))
+    )
+    process.start()
+    process.join(120)
+    assert process.exitcode == -signal.SIGKILL
+    assert any(".g3" in f for f in os.listdir(directory))  # part of step 3 on disk
+    reopened, rename = wrap(
+        tiny(99), offload_device=directory, num_slices=3, resume=True, disk_io_bytes=io_bytes
+    )
+    assert reopened.tier.generation == 2
+    assert not [f for f in os.listdir(directory) if ".g3" in f or f.endswith(".tmp")]
+    assert train(reopened, optimizer_for(reopened, "adamw"), 1) == expected[2:]
+    assert_state_dicts_close(plain_state(reopened, rename), dict(plain.named_parameters()), atol=0)
+    seen: dict[str, Any] = json.loads(marker.read_text())
+    return seen

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import json
-import multiprocessing
 import os
 import signal
 import threading
@@ -20,7 +19,14 @@ import torch
 
 from shardkit.nn.offload import OffloadModel
 from shardkit.testing import assert_state_dicts_close
-from tests.nn.offload.common import optimizer_for, plain_state, tiny, train, wrap
+from tests.nn.offload.common import (
+    killed_then_resumed,
+    optimizer_for,
+    plain_state,
+    tiny,
+    train,
+    wrap,
+)
 
 IO_BYTES = 2**20
 
@@ -146,22 +152,8 @@ def killed_in_the_commit(directory: str, marker: str) -> None:
 def test_killed_in_the_background_commit_resumes_from_the_previous_generation(
     tmp_path: Path,
 ) -> None:
-    plain = tiny()
-    expected = train(plain, optimizer_for(plain, "adamw"), 3)
-    directory, marker = tmp_path / "offload", tmp_path / "marker.json"
-    process = multiprocessing.get_context("spawn").Process(
-        target=killed_in_the_commit, args=(str(directory), str(marker))
-    )
-    process.start()
-    process.join(120)
-    assert process.exitcode == -signal.SIGKILL
-    assert json.loads(marker.read_text()) == {"generation": 3}
-    assert any(".g3" in f for f in os.listdir(directory))  # step 3's files, not committed
-    reopened, renamed = _reopened(directory)
-    assert reopened.tier.generation == 2
-    assert not [f for f in os.listdir(directory) if ".g3" in f or f.endswith(".tmp")]
-    assert train(reopened, optimizer_for(reopened, "adamw"), 1) == expected[2:]
-    assert_state_dicts_close(plain_state(reopened, renamed), dict(plain.named_parameters()), atol=0)
+    seen = killed_then_resumed(tmp_path, killed_in_the_commit, IO_BYTES)
+    assert seen == {"generation": 3}
 
 
 def test_dropping_the_model_after_a_failed_background_commit_keeps_the_generation(

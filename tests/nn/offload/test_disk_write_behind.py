@@ -5,7 +5,6 @@ generation."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import time
@@ -16,7 +15,16 @@ import torch
 
 import shardkit.checkpoint.direct_io as direct_io
 from shardkit.testing import assert_state_dicts_close
-from tests.nn.offload.common import X, Y, optimizer_for, plain_state, tiny, train, wrap
+from tests.nn.offload.common import (
+    X,
+    Y,
+    killed_then_resumed,
+    optimizer_for,
+    plain_state,
+    tiny,
+    train,
+    wrap,
+)
 
 IO_BYTES = 2**20  # every slice of the tiny model is read ahead; writes overlap
 
@@ -108,25 +116,8 @@ def killed_during_write_behind(directory: str, marker: str) -> None:
 
 
 def test_killed_during_write_behind_resumes_from_previous_generation(tmp_path: Path) -> None:
-    plain = tiny()
-    expected = train(plain, optimizer_for(plain, "adamw"), 3)
-    directory, marker = tmp_path / "offload", tmp_path / "marker.json"
-    process = multiprocessing.get_context("spawn").Process(
-        target=killed_during_write_behind, args=(str(directory), str(marker))
-    )
-    process.start()
-    process.join(120)
-    assert process.exitcode == -signal.SIGKILL
-    seen = json.loads(marker.read_text())
+    seen = killed_then_resumed(tmp_path, killed_during_write_behind, IO_BYTES)
     assert seen["inflight"] > seen["size"]  # other writes were in flight at the kill
-    assert any(".g3" in f for f in os.listdir(directory))  # part of step 3 on disk
-    reopened, rename = wrap(
-        tiny(99), offload_device=directory, num_slices=3, resume=True, disk_io_bytes=IO_BYTES
-    )
-    assert reopened.tier.generation == 2
-    assert not [f for f in os.listdir(directory) if ".g3" in f or f.endswith(".tmp")]
-    assert train(reopened, optimizer_for(reopened, "adamw"), 1) == expected[2:]
-    assert_state_dicts_close(plain_state(reopened, rename), dict(plain.named_parameters()), atol=0)
 
 
 def test_gradients_held_for_the_step_outlive_it(tmp_path: Path) -> None:
