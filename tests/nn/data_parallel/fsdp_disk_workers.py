@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 import shardkit.checkpoint.direct_io as direct_io
+import shardkit.nn.data_parallel.fully_sharded.disk_tier as disk_tier
+import shardkit.optim.file_backed as file_backed
 from shardkit.memory import buffer_pools
 from shardkit.models import GPT, Block
 from shardkit.nn.data_parallel.fully_sharded import (
@@ -73,6 +75,12 @@ def _step(model: FSDP, optimizer: Any, step: int) -> float:
     optimizer.step()
     optimizer.zero_grad()
     return mean_over_ranks(loss.item())
+
+
+def _state_diff(model: FSDP, ref: torch.nn.Module) -> float:
+    """The largest absolute difference between the model's full state dict and ``ref``'s."""
+    full = model.state_dict()
+    return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
 
 
 def _aligned_size(nbytes: list[int]) -> int:
@@ -425,8 +433,7 @@ def edited_hyperparameters(root: str) -> dict[str, Any]:
         ref_opt.zero_grad()
         for scheduler in schedulers:
             scheduler.step()
-        full = model.state_dict()
-        diffs.append(max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()))
+        diffs.append(_state_diff(model, ref))
     disk.close()
     return {"diffs": diffs, "hyper": optimizer.hyperparameters()}
 
@@ -453,8 +460,7 @@ def recover_after_second_backward(root: str) -> dict[str, Any]:
         ref(x, y)[1].backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    full = model.state_dict()
-    diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    diff = _state_diff(model, ref)
     disk.close()
     return {"refused": refused, "diff": diff}
 
@@ -480,3 +486,65 @@ def in_place_io(root: str) -> dict[str, Any]:
         out["resident_between_steps"].append(buffer_pools()[SHARDS].resident)
     disk.close()
     return out
+
+
+def accumulated_parity(configs: list[dict[str, Any]], root: str) -> list[dict[str, Any]]:
+    """Per config: three steps of two micro-batches, the first inside ``no_sync``,
+    against the plain model accumulating both; after each micro-batch, the bytes the
+    tier holds (shards and optimizer state read ahead)."""
+    return [_accumulated(cfg, f"{root}/{i}") for i, cfg in enumerate(configs)]
+
+
+def _accumulated(cfg: dict[str, Any], directory: str) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = tiny_gpt()
+    ref_opt = CLASSES[cfg["optim"]](ref.parameters(), **HYPER[cfg["optim"]])
+    model, optimizer = _disk_model(directory, cfg)
+    disk = optimizer.tier
+    out: dict[str, Any] = {"diffs": [], "held_after_no_sync": [], "held_after_step": []}
+    for step in range(3):
+        for micro in range(2):
+            x, y = global_batch(10 * step + micro, world)
+            with model.no_sync() if micro == 0 else contextlib.nullcontext():
+                model(local_part(x, rank), local_part(y, rank))[1].backward()
+            if micro == 0:
+                out["held_after_no_sync"].append(disk.resident_bytes())
+            ref(x, y)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["held_after_step"].append(disk.resident_bytes())
+        out["diffs"].append(_state_diff(model, ref))
+    disk.close()
+    return out
+
+
+def reads_on_training_thread(root: str) -> list[list[str]]:
+    """The tiny GPT, one unit per block under the root, AdamW, three steps: per step,
+    the files read on the training thread (not prefetched), as ``entry.kind``."""
+    model, optimizer = _disk_model(root, {"nesting": "block", "optim": "adamw"})
+    store = optimizer.tier.store
+    sync: list[str] = []
+    read, read_state = store.read, file_backed.read_state
+
+    def spy_read(entry: str, kind: str, flat: torch.Tensor) -> int:
+        sync.append(f"{entry}.{kind}")
+        return read(entry, kind, flat)
+
+    def spy_state(store_: Any, entry: str, layout: Any, **kwargs: Any) -> Any:
+        sync.append(f"{entry}.optim")
+        return read_state(store_, entry, layout, **kwargs)
+
+    store.read = spy_read  # type: ignore[method-assign]
+    disk_tier.read_state = spy_state  # type: ignore[assignment]
+    per_step = []
+    try:
+        for step in range(3):
+            sync.clear()
+            _step(model, optimizer, step)
+            per_step.append(sorted(sync))
+    finally:
+        disk_tier.read_state = read_state  # type: ignore[assignment]
+    optimizer.tier.close()
+    return per_step

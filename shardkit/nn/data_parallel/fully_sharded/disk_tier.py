@@ -232,6 +232,7 @@ class DiskOffload:
         self._group: dist.ProcessGroup | None = None
         self.unacknowledged = False  # a backward stepped; optimizer.step() not called yet
         self.in_backward = False  # a backward started and has not ended
+        self.stepping = False  # that backward reduces gradients (not inside no_sync)
         self.written: list[DiskUnit] = []  # stepped units whose shard is being written
         self.stepped: list[DiskUnit] = []  # units stepped in the step being written
         self.uncommitted: list[DiskUnit] = []  # per-unit generations: stepped, not committed
@@ -341,7 +342,7 @@ class DiskOffload:
                 "was built: call disk.optimizer(torch.optim.AdamW, lr=...) before the "
                 "first backward"
             )
-        self.check_backward_allowed(unit.label)
+        self.check_backward_allowed(unit.label, steps=True)
         if unit in self.stepped:
             raise RuntimeError(
                 f"{unit.label}: its gradient was reduced twice in one backward; the disk "
@@ -352,12 +353,14 @@ class DiskOffload:
             self.uncommitted.append(unit)
         return self._optimizer
 
-    def check_backward_allowed(self, label: str) -> None:
+    def check_backward_allowed(self, label: str, steps: bool) -> None:
         """Refuse a backward while the previous one's step is not acknowledged.
 
         Called when a unit's backward starts, before the unit changes state, so the
         refused backward leaves every unit as its forward left it: ``optimizer.step()``
-        and a new forward and backward then train on.
+        and a new forward and backward then train on. ``steps``: the backward reduces
+        gradients, so the units step (False inside ``no_sync``: no optimizer state is
+        read ahead).
 
         Raises:
             RuntimeError: a second backward before ``optimizer.step()``.
@@ -369,6 +372,7 @@ class DiskOffload:
                 "after each backward; accumulate micro-batches inside model.no_sync()"
             )
         self.in_backward = True
+        self.stepping = steps
 
     def end_backward(self) -> None:
         """The root's backward is over: if units stepped, commit their generation once
@@ -422,8 +426,9 @@ class DiskOffload:
         self.unacknowledged = False
 
     def resident_bytes(self) -> int:
-        """Bytes of local shards in memory now (the running, prefetched and reducing units)."""
-        return sum(u.nbytes for u in self.units if u.resident)
+        """Bytes the tier holds in memory now: the local shards of the running,
+        prefetched and reducing units, and the optimizer state read ahead for a step."""
+        return sum(u.resident_bytes() for u in self.units)
 
     def close(self) -> None:
         """Wait for the writes in flight and stop the background threads (idempotent)."""
@@ -556,9 +561,11 @@ class DiskUnit:
         return False
 
     def _read_state_ahead(self) -> None:
-        """In backward: start reading the optimizer state for this unit's step."""
-        if self.tier.in_backward and self._state is None and self.optim_layout is not None:
-            self._state = read_state_async(self.tier.store, self.entry, self.optim_layout)
+        """In a backward that steps: start reading the optimizer state for this unit's
+        step (inside ``no_sync`` nothing steps, and nothing is held for it)."""
+        tier, layout = self.tier, self.optim_layout
+        if tier.in_backward and tier.stepping and self._state is None and layout is not None:
+            self._state = read_state_async(tier.store, self.entry, layout)
 
     def before_gather(self) -> None:
         """Make the local shard resident (waits for a prefetch, or reads now)."""
@@ -605,6 +612,12 @@ class DiskUnit:
         self.buffer.release()
         self.resident = False
 
+    def resident_bytes(self) -> int:
+        """Bytes of this unit in memory: its local shard if resident, plus its optimizer
+        state if read ahead."""
+        state = int(self._state.layout["nbytes"]) if self._state is not None else 0
+        return (self.nbytes if self.resident else 0) + state
+
     def write_done(self) -> bool:
         """No write of the shard is in flight (a finished one's error is raised by the
         store's flush)."""
@@ -617,10 +630,10 @@ class DiskUnit:
         if in_forward:
             self.release()
 
-    def check_backward_allowed(self, label: str) -> None:
+    def check_backward_allowed(self, label: str, steps: bool) -> None:
         """Refuse a backward while the tier's previous step is not acknowledged (see
         :meth:`DiskOffload.check_backward_allowed`)."""
-        self.tier.check_backward_allowed(label)
+        self.tier.check_backward_allowed(label, steps)
 
     def end_backward(self) -> None:
         """The backward pass ended: drop the shard; the tier commits the step (once,

@@ -59,8 +59,9 @@ class ShardStore(Protocol):
         now (the shard is resident); False when the store started bringing the shard
         in and the all-gather waits for ``before_gather``."""
 
-    def check_backward_allowed(self, label: str) -> None:
-        """Called when the unit's backward starts, before any state change.
+    def check_backward_allowed(self, label: str, steps: bool) -> None:
+        """Called when the unit's backward starts, before any state change; ``steps``:
+        its gradient is reduced in this backward (False inside ``no_sync``).
 
         Raises:
             RuntimeError: the store refuses this backward (naming ``label`` and the fix).
@@ -102,7 +103,7 @@ class MemoryStore:
         """The shard is resident: the all-gather may be issued now (True)."""
         return True
 
-    def check_backward_allowed(self, label: str) -> None:
+    def check_backward_allowed(self, label: str, steps: bool) -> None:
         """Every backward is allowed (gradients accumulate in ``.grad``)."""
 
     def accept_grad_shard(self, grad_shard: torch.Tensor, divide_by: float) -> None:

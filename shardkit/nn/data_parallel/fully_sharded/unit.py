@@ -42,6 +42,15 @@ and one prefetched unit's full parameters. It is kept as the root's are: put awa
 its backward, by the end of the backward pass, or before a forward without backward
 follows (see [Note: one forward, one current copy] in ``root``).
 
+[Note: prefetching a kept unit's step]
+A unit kept unsharded after its forward (the last unit, the root) gathers nothing in
+backward, yet a store whose step reads the shard and the optimizer state from a file
+(the disk tier) must still bring them in ahead of the step. So ``prefetch`` tells the
+store of such a unit once its backward has begun: the last unit prefetches itself in
+its pre-backward (its step comes first), and the root, whose pre-backward fires first
+but whose parameters' gradients (the embeddings') come last, is prefetched by the unit
+before it in backward order, as a sharded unit is. A memory store has nothing to bring.
+
 [Note: frozen parameters]
 A frozen parameter has no gradient to report, yet a later backward op may read it (a
 frozen ``Linear`` early in the unit needs its weight for the input's gradient after
@@ -316,10 +325,18 @@ class UnitRuntime:
             self._secondary = None
 
     def prefetch(self) -> None:
-        """Issue the all-gather without waiting (a no-op unless SHARDED), unless the shard
-        store is still bringing the shard in (then the all-gather waits for ``unshard``)."""
-        if self.sharded_state is ShardedState.SHARDED and self.store.prefetch():
-            self.unshard(async_op=True)
+        """The unit runs next: issue the all-gather without waiting, unless the shard
+        store is still bringing the shard in (then the all-gather waits for ``unshard``).
+
+        A unit kept unsharded whose backward has begun needs no all-gather, but unless
+        inside ``no_sync`` its store is still told, so that it brings in what the unit's
+        step reads (see
+        [Note: prefetching a kept unit's step])."""
+        if self.sharded_state is ShardedState.SHARDED:
+            if self.store.prefetch():
+                self.unshard(async_op=True)
+        elif self.training_state is TrainingState.PRE_BACKWARD and self.sync_gradients:
+            self.store.prefetch()
 
     def reshard(self) -> None:
         """Any state -> SHARDED: the sharded parameters installed, the full buffer freed
@@ -414,13 +431,15 @@ class UnitRuntime:
                 "neither set of weights. Run backward before loading or stepping, or run the "
                 "forward again after the change"
             )
-        self.store.check_backward_allowed(self.label)  # before any state changes
+        self.store.check_backward_allowed(self.label, self.sync_gradients)  # before any change
         with record_function("FSDP::pre_backward"):
             root = self._root()
             root.queue_finalize()
             self.training_state = TrainingState.PRE_BACKWARD
-            self._kept_after_forward = False
+            kept, self._kept_after_forward = self._kept_after_forward, False
             self.unshard()
+            if kept and not self.is_root:
+                self.prefetch()  # its step comes first: [Note: prefetching a kept unit's step]
             previous = root.neighbour(self, -1)
             if previous is not None:
                 previous.prefetch()
