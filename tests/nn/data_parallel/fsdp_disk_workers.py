@@ -548,3 +548,48 @@ def reads_on_training_thread(root: str) -> list[list[str]]:
         disk_tier.read_state = read_state  # type: ignore[assignment]
     optimizer.tier.close()
     return per_step
+
+
+def states_read_in_forward(root: str) -> dict[str, Any]:
+    """The tiny GPT, one unit per block under the root, AdamW: two steps, then forwards
+    of the third step (no_grad, inside no_sync, with grad) under read-ahead budgets of
+    0, the last block's state and everything; the bytes the tier holds after each, the
+    units' state sizes in the order they stepped, and the parameters after the step
+    against the plain model."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = tiny_gpt()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER["adamw"])
+    model, optimizer = _disk_model(root, {"nesting": "block", "optim": "adamw"})
+    disk = optimizer.tier
+    for step in range(2):
+        _step(model, optimizer, step)
+    sizes = [unit.state_bytes() for unit in disk.step_order]
+    x, y = global_batch(2, world)
+    x, y = local_part(x, rank), local_part(y, rank)
+    out: dict[str, Any] = {"sizes": sizes, "order": [u.entry for u in disk.step_order]}
+    with torch.no_grad():
+        model(x, y)
+    out["no_grad"] = disk.resident_bytes()
+    with model.no_sync():
+        model(x, y)
+    out["no_sync"] = disk.resident_bytes()
+    disk.read_ahead_bytes = 0
+    model(x, y)
+    out["budget_0"] = disk.resident_bytes()
+    disk.read_ahead_bytes = sizes[0]
+    model(x, y)
+    out["budget_first"] = disk.resident_bytes()
+    disk.read_ahead_bytes = sum(sizes)
+    _, loss = model(x, y)
+    out["budget_all"] = disk.resident_bytes()
+    loss.backward()
+    optimizer.step()
+    for step in range(3):
+        xs, ys = global_batch(step, world)
+        ref(xs, ys)[1].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    out["diff"] = _state_diff(model, ref)
+    out["after_step"] = disk.resident_bytes()
+    disk.close()
+    return out

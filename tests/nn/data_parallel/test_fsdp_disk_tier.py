@@ -206,3 +206,19 @@ def test_kept_units_are_prefetched_for_their_step(rank_pool: Any, tmp_path: Path
     only the root's shard, first in the forward, is read there."""
     for per_step in rank_pool(2).run(w.reads_on_training_thread, str(tmp_path)):
         assert per_step[1:] == [["unit2.params"], ["unit2.params"]], per_step
+
+
+def test_forward_reads_the_first_steps_states_within_the_budget(
+    rank_pool: Any, tmp_path: Path
+) -> None:
+    """A forward followed by a stepping backward reads the optimizer state of the units
+    that step first (the last block first), within read_ahead_bytes; a no_grad or
+    no_sync forward reads none; the step uses the states read ahead (parity)."""
+    for out in rank_pool(2).run(w.states_read_in_forward, str(tmp_path)):
+        assert out["order"][0] == "unit1" and out["order"][-1] == "unit2", out["order"]
+        first = out["sizes"][0]
+        assert first > 0
+        assert (out["no_grad"], out["no_sync"], out["budget_0"]) == (0, 0, 0), out
+        assert out["budget_first"] == first, out
+        assert first < out["budget_all"] <= sum(out["sizes"]), out
+        assert out["diff"] < 2e-5 and out["after_step"] == 0, out

@@ -29,6 +29,19 @@ page cache (:mod:`shardkit.checkpoint.direct_io`), as ZeRO-Infinity's NVMe engin
 (section 6.2). Crash safety is the store's: the commit waits for every write (see
 [Note: write-behind] in :mod:`shardkit.checkpoint.generations`).
 
+[Note: reading the backward's first states in the forward]
+A forward reads only the shards, and at a few tokens per rank its units compute for
+less time than the disk needs to be kept busy, while the backward reads shards and
+optimizer state and writes both: the disk idles in the forward and the backward waits
+for it. So the forward also reads the optimizer state of the units that step first in
+the backward after it (the order the last backward stepped them in: the last block
+first), up to ``read_ahead_bytes``, one such read at a time after each prefetched
+shard so that the forward's own reads keep the other I/O thread. Only when a stepping
+backward follows (grad enabled, not inside ``no_sync``); a forward whose backward never
+comes leaves the states held (valid: only a step changes them) for the next step's
+backward. ZeRO-Infinity overlaps its NVMe reads with compute the same way
+(Rajbhandari et al. 2021, section 6.2).
+
 [Note: per-unit generations]
 With ``generations="step"`` (the default) the files of generation g + 1 are written
 beside those of g and the step commits them all at once: the disk holds two
@@ -183,6 +196,10 @@ class DiskOffload:
             are written (see [Note: per-unit generations]); the disk holds one
             generation plus about one unit's files and the writes in flight, but a crash
             during a backward leaves a directory that does not resume.
+        read_ahead_bytes: the most bytes of optimizer state a forward reads ahead for
+            the units that step first in the backward after it (see [Note: reading the
+            backward's first states in the forward]); 0 reads each unit's state in
+            backward only. Default 512 MiB.
 
     Raises:
         ValueError: an unwritable directory, a directory holding a model (``resume``
@@ -198,7 +215,10 @@ class DiskOffload:
         prefetch: bool = True,
         write_behind_bytes: int = 512 * 2**20,
         generations: str = "step",
+        read_ahead_bytes: int = 512 * 2**20,
     ) -> None:
+        if read_ahead_bytes < 0:
+            raise ValueError(f"read_ahead_bytes must be >= 0, got {read_ahead_bytes}")
         if generations not in ("step", "unit"):
             raise ValueError(
                 f"generations must be 'step' (two generations on disk during a step) or "
@@ -235,6 +255,8 @@ class DiskOffload:
         self.stepping = False  # that backward reduces gradients (not inside no_sync)
         self.written: list[DiskUnit] = []  # stepped units whose shard is being written
         self.stepped: list[DiskUnit] = []  # units stepped in the step being written
+        self.step_order: list[DiskUnit] = []  # the order the last backward stepped them in
+        self.read_ahead_bytes = read_ahead_bytes
         self.uncommitted: list[DiskUnit] = []  # per-unit generations: stepped, not committed
         self._records: dict[str, Any] = dict(self._stored)  # committed unit records
         self.history: list[DiskStats] = []
@@ -324,6 +346,24 @@ class DiskOffload:
                 unfinished={"generation": self.generation + 1, "units": ahead},
             )
 
+    def read_ahead_states(self) -> None:
+        """In a forward that a stepping backward follows: start reading the optimizer
+        state of the next unit, in the order the last backward stepped them, that fits
+        in ``read_ahead_bytes``; one such read at a time (see [Note: reading the
+        backward's first states in the forward])."""
+        held = 0
+        for unit in self.step_order:
+            if unit.reading_state():
+                return
+            held += unit.state_bytes() if unit.holds_state() else 0
+        for unit in self.step_order:
+            if unit.holds_state():
+                continue
+            if held + unit.state_bytes() > self.read_ahead_bytes:
+                return
+            unit.start_state_read()
+            return
+
     def waited(self, seconds: float) -> None:
         """Count ``seconds`` of the training thread waiting for a read."""
         self.read_wait_s += seconds
@@ -389,6 +429,7 @@ class DiskOffload:
             if dist.is_initialized() and group_size(self._group) > 1:
                 dist.all_reduce(torch.zeros(1), group=self._group)  # all wrote g + 1
             self._commit(self.generation + 1)
+        self.step_order = list(self.stepped)
         self.stepped.clear()
         self.unacknowledged = True
 
@@ -547,25 +588,48 @@ class DiskUnit:
         self.optim_layout = stored["optim"]
 
     # residency -----------------------------------------------------------------------
-    def prefetch(self) -> bool:
-        """Start reading the shard on the background thread (no-op if resident).
-        Returns False: the all-gather waits for :meth:`before_gather`."""
-        self.tier.reap()
-        if not self.tier.prefetch:
+    def prefetch(self, steps: bool) -> bool:
+        """Start reading the shard on the background thread (no-op if resident); with
+        ``steps`` (a stepping backward follows), in backward this unit's optimizer
+        state too, in forward, after the shard, the state of a unit that steps first
+        (see :meth:`DiskOffload.read_ahead_states`). Returns False: the all-gather
+        waits for :meth:`before_gather`."""
+        tier = self.tier
+        tier.reap()
+        if not tier.prefetch:
             return False
-        self._read_state_ahead()
-        if self.resident:
-            return False
-        self._allocate()
-        self._reading = self.tier.store.read_async(self.entry, "params", self.handle.local_shard)
+        if steps and tier.in_backward:
+            self._read_state_ahead()
+        if not self.resident:
+            self._allocate()
+            self._reading = tier.store.read_async(self.entry, "params", self.handle.local_shard)
+        if steps and not tier.in_backward:
+            tier.read_ahead_states()
         return False
 
     def _read_state_ahead(self) -> None:
         """In a backward that steps: start reading the optimizer state for this unit's
         step (inside ``no_sync`` nothing steps, and nothing is held for it)."""
-        tier, layout = self.tier, self.optim_layout
-        if tier.in_backward and tier.stepping and self._state is None and layout is not None:
-            self._state = read_state_async(tier.store, self.entry, layout)
+        if self.tier.in_backward and self.tier.stepping:
+            self.start_state_read()
+
+    def start_state_read(self) -> None:
+        """Start reading this unit's optimizer state for its next step on the store's
+        background thread (no-op if held or none was written yet)."""
+        if self._state is None and self.optim_layout is not None:
+            self._state = read_state_async(self.tier.store, self.entry, self.optim_layout)
+
+    def holds_state(self) -> bool:
+        """Its optimizer state is read ahead (being read or read) for its next step."""
+        return self._state is not None
+
+    def reading_state(self) -> bool:
+        """Its optimizer state is being read (not done yet)."""
+        return self._state is not None and not self._state.future.done()
+
+    def state_bytes(self) -> int:
+        """Bytes of its optimizer state file's payload (0 before its first step)."""
+        return int(self.optim_layout["nbytes"]) if self.optim_layout is not None else 0
 
     def before_gather(self) -> None:
         """Make the local shard resident (waits for a prefetch, or reads now)."""
@@ -615,7 +679,7 @@ class DiskUnit:
     def resident_bytes(self) -> int:
         """Bytes of this unit in memory: its local shard if resident, plus its optimizer
         state if read ahead."""
-        state = int(self._state.layout["nbytes"]) if self._state is not None else 0
+        state = self.state_bytes() if self._state is not None else 0
         return (self.nbytes if self.resident else 0) + state
 
     def write_done(self) -> bool:

@@ -10,7 +10,8 @@ In the order a step calls them::
 
     before_gather          SHARDED -> UNSHARDING: the local shard must be resident
     after_gather           the all-gather was waited (forward or backward)
-    prefetch               the unit runs next: bring the shard in ahead of time
+    prefetch               the unit runs next: bring the shard in ahead of time (and,
+                           in a forward, what the backward's first steps read)
     check_backward_allowed an output's gradient arrived, before any state changes
     accept_grad_shard      the reduced gradient shard (S,) is complete
     end_backward           the whole backward pass ended (every reduction waited)
@@ -54,10 +55,12 @@ class ShardStore(Protocol):
     def after_gather(self, in_forward: bool) -> None:
         """The all-gather was waited; ``in_forward``: the unit is in its forward."""
 
-    def prefetch(self) -> bool:
-        """The unit runs next. Returns True when the caller may issue the all-gather
-        now (the shard is resident); False when the store started bringing the shard
-        in and the all-gather waits for ``before_gather``."""
+    def prefetch(self, steps: bool) -> bool:
+        """The unit runs next. ``steps``: a backward that reduces gradients (and so steps
+        a file-backed store's units) is to come: grad enabled, not inside ``no_sync``.
+        Returns True when the caller may issue the all-gather now (the shard is
+        resident); False when the store started bringing the shard in and the
+        all-gather waits for ``before_gather``."""
 
     def check_backward_allowed(self, label: str, steps: bool) -> None:
         """Called when the unit's backward starts, before any state change; ``steps``:
@@ -99,7 +102,7 @@ class MemoryStore:
     def after_gather(self, in_forward: bool) -> None:
         """Nothing to do: the shard stays."""
 
-    def prefetch(self) -> bool:
+    def prefetch(self, steps: bool) -> bool:
         """The shard is resident: the all-gather may be issued now (True)."""
         return True
 

@@ -324,19 +324,20 @@ class UnitRuntime:
         if self.sharded_state is ShardedState.SHARDED:
             self._secondary = None
 
-    def prefetch(self) -> None:
+    def prefetch(self, steps: bool) -> None:
         """The unit runs next: issue the all-gather without waiting, unless the shard
         store is still bringing the shard in (then the all-gather waits for ``unshard``).
+        ``steps``: a backward that reduces gradients follows (see ``ShardStore.prefetch``).
 
         A unit kept unsharded whose backward has begun needs no all-gather, but unless
         inside ``no_sync`` its store is still told, so that it brings in what the unit's
         step reads (see
         [Note: prefetching a kept unit's step])."""
         if self.sharded_state is ShardedState.SHARDED:
-            if self.store.prefetch():
+            if self.store.prefetch(steps):
                 self.unshard(async_op=True)
-        elif self.training_state is TrainingState.PRE_BACKWARD and self.sync_gradients:
-            self.store.prefetch()
+        elif self.training_state is TrainingState.PRE_BACKWARD and steps:
+            self.store.prefetch(steps)
 
     def reshard(self) -> None:
         """Any state -> SHARDED: the sharded parameters installed, the full buffer freed
@@ -378,7 +379,7 @@ class UnitRuntime:
             root.record_forward(self)
             following = root.neighbour(self, +1)
             if following is not None:
-                following.prefetch()
+                following.prefetch(steps=torch.is_grad_enabled() and self.sync_gradients)
 
     def post_forward(self, output: Any) -> None:
         """After the forward: reshard (unless kept) and hook the outputs for backward."""
@@ -439,10 +440,10 @@ class UnitRuntime:
             kept, self._kept_after_forward = self._kept_after_forward, False
             self.unshard()
             if kept and not self.is_root:
-                self.prefetch()  # its step comes first: [Note: prefetching a kept unit's step]
+                self.prefetch(self.sync_gradients)  # its step comes first (see the Note)
             previous = root.neighbour(self, -1)
             if previous is not None:
-                previous.prefetch()
+                previous.prefetch(self.sync_gradients)
 
     def post_accumulate_grad(self, index: int) -> None:
         """Autograd accumulated parameter ``index``; the last trainable one ends the backward."""
