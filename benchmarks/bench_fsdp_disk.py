@@ -93,7 +93,7 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
     y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
     for step in range(cfg["steps"]):
-        start, cpu = time.perf_counter(), time.thread_time()
+        start, cpu, wall = time.perf_counter(), time.thread_time(), time.time()
         _, loss = model(x, y)
         loss.backward()
         optimizer.step()
@@ -111,6 +111,8 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                 "bytes_written": stats.bytes_written,
                 "read_wait_s": stats.read_wait_s,
                 "io_s": stats.io_seconds,
+                "wall": [wall, time.time()],
+                "io_busy": [list(period) for period in stats.io_busy],
                 "peak_write_behind_bytes": stats.peak_write_behind_bytes,
                 "rss": status_bytes("VmRSS"),
                 "hwm": peak_rss_bytes(),
@@ -253,7 +255,11 @@ def bandwidth(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     disk_write``) over the longer of it and ``thread_cpu_s``, the CPU seconds of the
     slowest rank's training thread in the step (``time.thread_time``: its compute,
     optimizer steps, copies and page faults, not its waits): a step is at least as long
-    as either, so no tier can keep the disk busier than this on this CPU."""
+    as either, so no tier can keep the disk busier than this on this CPU.
+    ``disk_busy_fraction``: the share of the step during which some rank's tier had a
+    read or write running (:func:`disk_busy_s`), whatever the disk's speed: 1.0 leaves
+    the disk no idle moment, so the rest of the gap to ``disk_fraction`` is the disk's
+    own speed at the time against the probes'."""
     probes = [r[k] for r in ranks for k in ("disk_before", "disk_after") if r.get(k)]
     disk_read = max(p["read_bytes_per_s"] for p in probes)
     disk_write = max(p["write_bytes_per_s"] for p in probes)
@@ -265,9 +271,12 @@ def bandwidth(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         seconds = max(r["steps"][i]["seconds"] for r in ranks)
         io_s = max(r["steps"][i].get("io_s", seconds) for r in ranks)
         cpu = max(r["steps"][i].get("thread_cpu_s", 0.0) for r in ranks)
-        per_step.append((read / seconds, written / seconds, read, written, seconds, io_s, cpu))
+        busy = disk_busy_s([r["steps"][i] for r in ranks])
+        per_step.append(
+            (read / seconds, written / seconds, read, written, seconds, io_s, cpu, busy)
+        )
     per_step.sort(key=lambda t: t[4])
-    tier_read, tier_write, read, written, seconds, io_s, cpu = per_step[len(per_step) // 2]
+    tier_read, tier_write, read, written, seconds, io_s, cpu, busy = per_step[len(per_step) // 2]
     disk_s = read / disk_read + written / disk_write
     return {
         "disk_read_bytes_per_s": disk_read,
@@ -282,7 +291,27 @@ def bandwidth(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "disk_time_s": disk_s,
         "thread_cpu_s": cpu,
         "disk_fraction_ceiling": disk_s / max(disk_s, cpu, 1e-9),
+        "disk_busy_s": busy,
+        "disk_busy_fraction": busy / seconds if busy is not None else None,
     }
+
+
+def disk_busy_s(steps: list[dict[str, Any]]) -> float | None:
+    """Seconds of one step (the ranks' records of it) during which a read or write of
+    some rank's tier ran: the union of the ranks' ``io_busy`` periods (wall clock),
+    clipped to the step's span from the first rank's start to the last rank's end.
+    None for records without the periods."""
+    if any("io_busy" not in s or "wall" not in s for s in steps):
+        return None
+    lo, hi = min(s["wall"][0] for s in steps), max(s["wall"][1] for s in steps)
+    periods = sorted((max(a, lo), min(b, hi)) for s in steps for a, b in s["io_busy"])
+    busy, reach = 0.0, lo
+    for a, b in periods:
+        start = max(a, reach)
+        if b > start:
+            busy += b - start
+            reach = b
+    return busy
 
 
 def report(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
@@ -306,7 +335,13 @@ def report(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
         f"{bw['step_s']:.2f} s): read {bw['tier_read_bytes_per_s'] / 1e9:.2f} GB/s, write "
         f"{bw['tier_write_bytes_per_s'] / 1e9:.2f} GB/s: {bw['disk_fraction']:.0%} of the "
         f"disk's bandwidth for that mix ({bw['io_fraction']:.0%} while the tier's I/O ran, "
-        f"{bw['io_s']:.2f} s of the step)",
+        f"{bw['io_s']:.2f} s of the step)"
+        + (
+            f"; some rank's reads or writes ran {bw['disk_busy_s']:.2f} s of the step "
+            f"({bw['disk_busy_fraction']:.0%})"
+            if bw.get("disk_busy_s") is not None
+            else ""
+        ),
         f"- generations: {cfg.get('generations', 'step')}; disk used by the tier (all ranks, "
         f"sampled every 0.5 s): peak {ranks[0].get('peak_disk_bytes', 0) / GIB:.1f} GiB",
         "- build (meta -> generation 0 on disk): "

@@ -72,6 +72,7 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -100,6 +101,8 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 ALIGN = 64  # bytes: every tensor of a packed file starts at a multiple of this
+BUSY_PERIODS = 4096
+"""How many periods of I/O a store remembers in ``busy_periods`` (the oldest go first)."""
 
 
 def packed_offsets(nbytes: list[int]) -> tuple[list[int], int]:
@@ -227,6 +230,10 @@ class GenerationStore:
         inflight_bytes / peak_inflight_bytes: bytes of writes in flight now / at most.
         io_seconds: wall-clock seconds during which at least one read or write of
             this store was running (its bytes over this: the rate of its I/O).
+        busy_periods: the last :data:`BUSY_PERIODS` such periods as ``(start, end)``
+            in ``time.time()`` seconds (comparable across processes: a benchmark joins
+            the ranks' periods to see when the disk idled); see
+            :meth:`take_busy_periods`.
         buffers: page-aligned read buffers kept warm for reuse, up to
             ``write_behind_bytes`` of free ones (none when it is 0).
         direct: False once the file system refused direct I/O.
@@ -280,6 +287,8 @@ class GenerationStore:
         self.buffers = AlignedBufferPool(write_behind_bytes)
         self._active = 0  # reads and writes running
         self._busy_since = 0.0
+        self._busy_since_wall = 0.0
+        self.busy_periods: deque[tuple[float, float]] = deque(maxlen=BUSY_PERIODS)
         self._pending: dict[str, Future[int]] = {}  # file name -> its write in flight
         self._commits: list[Future[None]] = []  # background commits, in order
         self._commit_failed = False  # sticky: later background commits refuse
@@ -419,7 +428,7 @@ class GenerationStore:
     def _io_started(self) -> None:
         with self._lock:
             if self._active == 0:
-                self._busy_since = time.perf_counter()
+                self._busy_since, self._busy_since_wall = time.perf_counter(), time.time()
             self._active += 1
 
     def _io_ended(self) -> None:
@@ -427,6 +436,14 @@ class GenerationStore:
             self._active -= 1
             if self._active == 0:
                 self.io_seconds += time.perf_counter() - self._busy_since
+                self.busy_periods.append((self._busy_since_wall, time.time()))
+
+    def take_busy_periods(self) -> tuple[tuple[float, float], ...]:
+        """The periods of I/O finished since the last call (``busy_periods``, emptied)."""
+        with self._lock:
+            periods = tuple(self.busy_periods)
+            self.busy_periods.clear()
+        return periods
 
     def _read_file(self, path: Path, flat: torch.Tensor) -> int:
         self._io_started()

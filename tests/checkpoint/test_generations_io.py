@@ -330,3 +330,24 @@ def test_two_background_commits_queued_and_the_directory_locked_until_both_end(
     assert renamed == [0, 1, 2]
     assert opened == [2]  # what the last queued commit named, not an older manifest
     store.close()
+
+
+def test_busy_periods_cover_the_io_and_are_taken_once(tmp_path: Path, monkeypatch: Any) -> None:
+    """Two concurrent slow writes are one busy period, a later read another; their
+    wall-clock spans hold the I/O; ``take_busy_periods`` empties the record."""
+    _slow_writes(monkeypatch, 0.05)
+    store = _store(tmp_path, write_behind_bytes=8 * PAGE, io_threads=2)
+    start = time.time()
+    for i in range(2):
+        store.write_async(f"e{i}", "params", 1, [_bytes(PAGE, i)])
+    store.flush()
+    middle = time.time()
+    store.read("e0", "params", torch.empty(PAGE, dtype=torch.uint8))
+    periods = store.take_busy_periods()
+    # the writes overlap (one period; two if a loaded machine started the second late)
+    assert len(periods) in (2, 3), periods
+    (a, b), (c, d) = periods[0], periods[-1]
+    assert start <= a and b - a >= 0.05 and periods[-2][1] <= middle <= c <= d <= time.time()
+    assert sum(e - s for s, e in periods) <= store.io_seconds + 1e-3
+    assert store.take_busy_periods() == ()
+    store.close()

@@ -146,6 +146,9 @@ class DiskStats:
         seconds: wall-clock seconds since the previous commit (or since the first read).
         peak_write_behind_bytes: the most bytes of writes in flight during the step.
         io_seconds: seconds during which a read or write of the tier was running.
+        io_busy: those periods as ``(start, end)`` in ``time.time()`` seconds (the
+            store's busy periods since the previous commit): joined over the ranks,
+            when the disk had work.
     """
 
     generation: int
@@ -155,6 +158,7 @@ class DiskStats:
     seconds: float
     peak_write_behind_bytes: int = 0
     io_seconds: float = 0.0
+    io_busy: tuple[tuple[float, float], ...] = ()
 
 
 class DiskOffload:
@@ -448,8 +452,11 @@ class DiskOffload:
                     now - last_time,
                     self.store.peak_inflight_bytes,
                     self.store.io_seconds - last_io,
+                    self.store.take_busy_periods(),
                 )
             )
+        else:
+            self.store.take_busy_periods()  # the build's
         self._mark = (read, written, self.read_wait_s, now, self.store.io_seconds)
         self.store.peak_inflight_bytes = 0
 
