@@ -119,7 +119,8 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
             }
         )
         if rank == 0:
-            print(f"step {step + 1}: {out['steps'][-1]}", flush=True)
+            shown = {k: v for k, v in out["steps"][-1].items() if k not in ("wall", "io_busy")}
+            print(f"step {step + 1}: {shown}", flush=True)
     if sampler is not None:
         out["peak_disk_bytes"] = sampler.stop()
     out["disk_after"] = _measure_disk(disk, cfg)
