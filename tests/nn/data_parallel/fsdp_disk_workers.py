@@ -520,6 +520,33 @@ def _accumulated(cfg: dict[str, Any], directory: str) -> dict[str, Any]:
     return out
 
 
+def zero_grad_after_no_sync(root: str) -> dict[str, float]:
+    """A micro-batch inside ``no_sync``, then ``optimizer.zero_grad()`` (a skipped step),
+    then a step on another batch: the plain model's parameters after the same (its
+    zero_grad drops the micro-batch's gradient); and a second micro-batch accumulated
+    and stepped after that, against the plain model accumulating it too."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = tiny_gpt()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER["adamw"])
+    model, optimizer = _disk_model(root, {"nesting": "block", "optim": "adamw"})
+    diffs = {}
+    for what, seeds in (("dropped", (1, 2)), ("kept", (3, 4))):
+        for micro, seed in enumerate(seeds):
+            x, y = global_batch(seed, world)
+            with model.no_sync() if micro == 0 else contextlib.nullcontext():
+                model(local_part(x, rank), local_part(y, rank))[1].backward()
+            ref(x, y)[1].backward()
+            if micro == 0 and what == "dropped":
+                optimizer.zero_grad()
+                ref_opt.zero_grad()
+        optimizer.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        diffs[what] = _state_diff(model, ref)
+    optimizer.tier.close()
+    return diffs
+
+
 def reads_on_training_thread(root: str) -> list[list[str]]:
     """The tiny GPT, one unit per block under the root, AdamW, three steps: per step,
     the files read on the training thread (not prefetched), as ``entry.kind``."""

@@ -206,3 +206,11 @@ def test_kept_units_are_prefetched_for_their_step(rank_pool: Any, tmp_path: Path
     only the root's shard, first in the forward, is read there."""
     for per_step in rank_pool(2).run(w.reads_on_training_thread, str(tmp_path)):
         assert per_step[1:] == [["unit2.params"], ["unit2.params"]], per_step
+
+
+def test_zero_grad_drops_gradients_accumulated_in_no_sync(rank_pool: Any, tmp_path: Path) -> None:
+    """Regression (found by test_fsdp_disk_state_machine.py): ``optimizer.zero_grad()``
+    after a micro-batch inside no_sync did nothing (DiskOptimizer.zero_grad was a no-op),
+    so the next backward stepped with the dropped micro-batch's gradient too."""
+    for out in rank_pool(2).run(w.zero_grad_after_no_sync, str(tmp_path)):
+        assert out["dropped"] < 2e-5 and out["kept"] < 2e-5, out

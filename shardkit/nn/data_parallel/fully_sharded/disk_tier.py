@@ -466,7 +466,12 @@ class DiskOptimizer(FileBackedOptimizer):
         self.tier = tier
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: each unit's gradient is dropped right after its step."""
+        """Drop the full gradients accumulated inside ``model.no_sync()`` since the last
+        step (as the plain model's ``zero_grad`` would); outside ``no_sync`` each unit's
+        gradient is dropped right after its step. ``set_to_none`` is ignored (dropped
+        gradients read as zeros either way)."""
+        for unit in self.tier.units:
+            unit.handle.drop_flat_grad()
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
