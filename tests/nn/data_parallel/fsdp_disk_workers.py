@@ -47,7 +47,11 @@ CLASSES: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 
-def _disk_model(directory: str, cfg: dict[str, Any], resume: bool = False) -> tuple[FSDP, Any]:
+def _disk_model(
+    directory: str, cfg: dict[str, Any], resume: bool = False, **fsdp_kwargs: Any
+) -> tuple[FSDP, Any]:
+    """The tiny GPT wrapped by ``cfg`` on a disk tier in ``directory`` (on meta with
+    ``resume``), and the tier's optimizer; ``fsdp_kwargs`` go to every unit."""
     disk = DiskOffload(
         directory,
         resume=resume,
@@ -61,7 +65,11 @@ def _disk_model(directory: str, cfg: dict[str, Any], resume: bool = False) -> tu
     else:
         module = tiny_gpt()
     model = wrap_model(
-        module, cfg["nesting"], reshard_after_forward=cfg.get("raf", True), disk_offload=disk
+        module,
+        cfg["nesting"],
+        reshard_after_forward=cfg.get("raf", True),
+        disk_offload=disk,
+        **fsdp_kwargs,
     )
     optimizer = disk.optimizer(CLASSES[cfg["optim"]], **HYPER[cfg["optim"]])
     return model, optimizer
