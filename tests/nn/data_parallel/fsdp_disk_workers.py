@@ -555,6 +555,30 @@ def zero_grad_after_no_sync(root: str) -> dict[str, float]:
     return diffs
 
 
+def frozen_block(root: str) -> dict[str, list[Any]]:
+    """Four AdamW steps, the last block frozen (``requires_grad`` False) in the middle
+    two: per step, the bytes the tier holds after it and the state dict's distance from
+    the plain model's (frozen alike)."""
+    world = dist.get_world_size()
+    ref = tiny_gpt()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER["adamw"])
+    model, optimizer = _disk_model(root, {"nesting": "block", "optim": "adamw"})
+    out: dict[str, list[Any]] = {"held": [], "diffs": []}
+    for step in range(4):
+        for module in (ref, model):
+            for name, param in module.named_parameters():
+                param.requires_grad_(step in (0, 3) or not name.startswith("blocks.1."))
+        _step(model, optimizer, step)
+        x, y = global_batch(step, world)
+        ref(x, y)[1].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["held"].append(optimizer.tier.resident_bytes())
+        out["diffs"].append(_state_diff(model, ref))
+    optimizer.tier.close()
+    return out
+
+
 def reads_on_training_thread(root: str) -> list[list[str]]:
     """The tiny GPT, one unit per block under the root, AdamW, three steps: per step,
     the files read on the training thread (not prefetched), as ``entry.kind``."""

@@ -214,3 +214,12 @@ def test_zero_grad_drops_gradients_accumulated_in_no_sync(rank_pool: Any, tmp_pa
     so the next backward stepped with the dropped micro-batch's gradient too."""
     for out in rank_pool(2).run(w.zero_grad_after_no_sync, str(tmp_path)):
         assert out["dropped"] < 2e-5 and out["kept"] < 2e-5, out
+
+
+def test_a_frozen_unit_holds_no_optimizer_state(rank_pool: Any, tmp_path: Path) -> None:
+    """Regression (found by test_fsdp_disk_state_machine.py): a unit with no trainable
+    parameter (the last block, trained, then frozen) had its optimizer state read ahead
+    for a step it never takes, and held it from one step to the next."""
+    for out in rank_pool(2).run(w.frozen_block, str(tmp_path)):
+        assert out["held"] == [0, 0, 0, 0], out
+        assert max(out["diffs"]) < 2e-5, out

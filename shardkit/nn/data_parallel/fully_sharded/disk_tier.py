@@ -641,8 +641,12 @@ class DiskUnit:
         self.tier.check_backward_allowed(label, steps)
 
     def end_backward(self) -> None:
-        """The backward pass ended: drop the shard; the tier commits the step (once,
-        whichever of its units ends first)."""
+        """The backward pass ended: drop the shard, and optimizer state read ahead for a
+        step the unit did not take (no trainable parameter, or no gradient reached it);
+        the tier commits the step (once, whichever of its units ends first)."""
+        if self._state is not None:
+            self._state.future.result()  # the read is done with the buffer
+            self._state = None
         self.release()
         self.tier.end_backward()
 
