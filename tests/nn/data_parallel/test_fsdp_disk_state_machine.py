@@ -10,10 +10,13 @@ accumulated inside ``model.no_sync()`` (forward and backward; the next backward 
 with the sum, the plain model accumulates too); a forward without backward (eval
 under ``torch.no_grad()``, or grad enabled and the output dropped);
 ``optimizer.zero_grad()`` alone (between a ``no_sync`` micro-batch and the step it
-drops the micro-batch, as the plain model's); ``state_dict()`` read; and a reopen: the
+drops the micro-batch, as the plain model's); freezing or unfreezing a block
+(``requires_grad`` on the parameters ``named_parameters()`` gives, in both models, not
+while a ``no_sync`` gradient is pending); ``state_dict()`` read; and a reopen: the
 ``DiskOffload`` closed and the model rebuilt on meta with ``DiskOffload(directory,
-resume=True)`` and a new ``disk.optimizer(...)`` (only between steps: the step
-acknowledged and no ``no_sync`` gradient pending, which lives in memory only). Every rule runs on the tiny GPT wrapped with FSDP on a disk tier (this rank's
+resume=True)`` and a new ``disk.optimizer(...)``, the frozen blocks frozen again (only
+between steps: the step acknowledged and no ``no_sync`` gradient pending, which lives in
+memory only). Every rule runs on the tiny GPT wrapped with FSDP on a disk tier (this rank's
 part of the batch, AdamW) and on the plain model (the global batch, torch AdamW).
 Each example draws the tier's options first (``initialize``): ``generations`` "step"
 or "unit", ``write_behind_bytes`` 0 or the default, ``prefetch`` on or off, nesting
@@ -35,9 +38,12 @@ process group with a 30 s timeout, passed to every unit. Each example has its ow
 directory under the test's ``tmp_path`` (the same on both ranks: examples are counted).
 
 Hypothesis switches rules off in some examples, so ``test_every_rule_in_one_sequence``
-replays one fixed sequence holding every rule. The machine found one bug: an
-``optimizer.zero_grad()`` after a ``no_sync`` micro-batch did not drop its gradient
-(``test_zero_grad_drops_gradients_accumulated_in_no_sync`` in ``test_fsdp_disk_tier.py``).
+replays one fixed sequence holding every rule. The machine found two bugs (regression
+tests in ``test_fsdp_disk_tier.py``): an ``optimizer.zero_grad()`` after a ``no_sync``
+micro-batch did not drop its gradient
+(``test_zero_grad_drops_gradients_accumulated_in_no_sync``), and a unit frozen after
+training held the optimizer state read ahead for a step it never took
+(``test_a_frozen_unit_holds_no_optimizer_state``).
 
 ``SHARDKIT_HYPOTHESIS_EXAMPLES`` sets the number of examples (default 8, 5 to 9 s on
 the 2-core box); ``SHARDKIT_HYPOTHESIS_STEPS`` the rules per example (default 15).
@@ -109,6 +115,7 @@ class DiskFSDPMachine(RuleBasedStateMachine):
         self.steps = 0  # backward passes that stepped: the tier's generation
         self.unacknowledged = False  # a backward stepped, optimizer.step() not called yet
         self.pending = False  # a no_sync micro-batch's gradient waits for the next backward
+        self.frozen: set[int] = set()  # blocks whose parameters do not require grad
 
     # helpers (collectives over the run's group, the same on every rank) ---------------
     def _at(self, *what: Any) -> None:
@@ -127,6 +134,13 @@ class DiskFSDPMachine(RuleBasedStateMachine):
         self.model, self.opt = _disk_model(
             str(self.directory), self.cfg, resume=resume, process_group=self.group
         )
+        self._set_trainable(self.model)  # a reopened model: the user freezes again
+
+    def _set_trainable(self, model: torch.nn.Module) -> None:
+        """``requires_grad`` False on the frozen blocks' parameters, True elsewhere."""
+        frozen = tuple(f"blocks.{block}." for block in sorted(self.frozen))
+        for name, param in model.named_parameters():
+            param.requires_grad_(not name.startswith(frozen) if frozen else True)
 
     def _max(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
@@ -263,6 +277,16 @@ class DiskFSDPMachine(RuleBasedStateMachine):
         self.ref_opt.zero_grad()
         self.pending = False
 
+    @precondition(lambda self: not self.pending)
+    @rule(block=st.integers(0, 1), frozen=st.booleans())
+    def freeze(self, block: int, frozen: bool) -> None:
+        """Freeze a block (``requires_grad`` False on the parameters ``named_parameters()``
+        gives), or unfreeze it."""
+        self._at("freeze", block, frozen)
+        (self.frozen.add if frozen else self.frozen.discard)(block)
+        self._set_trainable(self.ref)
+        self._set_trainable(self.model)
+
     @rule(seed=SEEDS, grad=st.booleans())
     def forward_only(self, seed: int, grad: bool) -> None:
         """An eval under ``no_grad`` (``grad`` False) or a forward with grad enabled
@@ -319,6 +343,7 @@ RULES = (
     "step_without_backward",
     "accumulate",
     "zero_grad",
+    "freeze",
     "forward_only",
     "read_state_dict",
     "reopen",
@@ -395,6 +420,7 @@ def _replayed(rank_pool: Any, tmp_path: Path, rules: Rules) -> None:
 
 EVERY_RULE: Rules = [
     ("step", {"seed": 0}),
+    ("freeze", {"block": 1, "frozen": True}),
     ("accumulate", {"seed": 1}),
     ("read_state_dict", {}),
     ("zero_grad", {}),
@@ -409,6 +435,8 @@ EVERY_RULE: Rules = [
     ("step_without_backward", {}),
     ("reopen", {}),
     ("step", {"seed": 6}),
+    ("freeze", {"block": 1, "frozen": False}),
+    ("step", {"seed": 7}),
 ]
 
 
