@@ -8,7 +8,9 @@ A hypothesis ``RuleBasedStateMachine`` draws random sequences of: a training ste
 training goes on); ``optimizer.step()`` without a backward (refused); a micro-batch
 accumulated inside ``model.no_sync()`` (forward and backward; the next backward steps
 with the sum, the plain model accumulates too); a forward without backward (eval
-under ``torch.no_grad()``, or grad enabled and the output dropped);
+under ``torch.no_grad()``, or grad enabled and the output dropped); a forward whose
+losses are kept and whose backward comes rules later (a step, or refused as stale when
+a step came between);
 ``optimizer.zero_grad()`` alone (between a ``no_sync`` micro-batch and the step it
 drops the micro-batch, as the plain model's); freezing or unfreezing a block
 (``requires_grad`` on the parameters ``named_parameters()`` gives, in both models, not
@@ -116,6 +118,8 @@ class DiskFSDPMachine(RuleBasedStateMachine):
         self.unacknowledged = False  # a backward stepped, optimizer.step() not called yet
         self.pending = False  # a no_sync micro-batch's gradient waits for the next backward
         self.frozen: set[int] = set()  # blocks whose parameters do not require grad
+        # losses of a forward kept for a later backward, and the steps taken before it
+        self.kept: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     # helpers (collectives over the run's group, the same on every rank) ---------------
     def _at(self, *what: Any) -> None:
@@ -283,6 +287,7 @@ class DiskFSDPMachine(RuleBasedStateMachine):
         """Freeze a block (``requires_grad`` False on the parameters ``named_parameters()``
         gives), or unfreeze it."""
         self._at("freeze", block, frozen)
+        self.kept = None  # a backward after freezing: not the plain model's semantics
         (self.frozen.add if frozen else self.frozen.discard)(block)
         self._set_trainable(self.ref)
         self._set_trainable(self.model)
@@ -302,6 +307,32 @@ class DiskFSDPMachine(RuleBasedStateMachine):
         self.model.train()
         self.ref.train()
 
+    @rule(seed=SEEDS)
+    def forward_kept(self, seed: int) -> None:
+        """A forward with grad enabled whose losses are kept for a later backward
+        (replacing those kept before: their graphs dropped)."""
+        self._at("forward_kept", seed)
+        self.kept = (*self._losses(seed, "forward_kept"), self.steps)
+
+    @precondition(lambda self: self.kept is not None and not self.unacknowledged)
+    @rule()
+    def late_backward(self) -> None:
+        """The backward of the kept forward, rules later: with no step since, a step as
+        ``backward`` (after evals, ``state_dict()``, other forwards); after a step, refused
+        (the parameters changed since that forward) before anything changes."""
+        assert self.kept is not None
+        ref_loss, loss, steps = self.kept
+        self._at("late_backward", steps == self.steps)
+        self.kept = None
+        if steps != self.steps:
+            self._refused(loss.backward, "were changed", "late_backward")
+            return
+        ref_loss.backward()
+        loss.backward()
+        self._ref_step()
+        self.steps, self.pending, self.unacknowledged = self.steps + 1, False, True
+        self._check_state("late_backward")
+
     @rule()
     def read_state_dict(self) -> None:
         self._at("read_state_dict")
@@ -312,6 +343,7 @@ class DiskFSDPMachine(RuleBasedStateMachine):
     def reopen(self) -> None:
         """Close the tier, rebuild the model on meta from its directory, a new optimizer."""
         self._at("reopen")
+        self.kept = None  # the old model's graph
         self._disk().close()
         self.model = self.opt = None
         self._open(resume=True)
@@ -332,7 +364,7 @@ class DiskFSDPMachine(RuleBasedStateMachine):
         if self.opt is not None:
             self._disk().close()
             shutil.rmtree(self._disk().directory, ignore_errors=True)
-        self.model = self.opt = None
+        self.model = self.opt = self.kept = None
 
 
 RULES = (
@@ -345,6 +377,8 @@ RULES = (
     "zero_grad",
     "freeze",
     "forward_only",
+    "forward_kept",
+    "late_backward",
     "read_state_dict",
     "reopen",
 )
@@ -436,7 +470,15 @@ EVERY_RULE: Rules = [
     ("reopen", {}),
     ("step", {"seed": 6}),
     ("freeze", {"block": 1, "frozen": False}),
-    ("step", {"seed": 7}),
+    ("forward_kept", {"seed": 7}),
+    ("forward_only", {"seed": 0, "grad": True}),
+    ("read_state_dict", {}),
+    ("late_backward", {}),
+    ("optimizer_step", {}),
+    ("forward_kept", {"seed": 1}),
+    ("step", {"seed": 2}),
+    ("late_backward", {}),
+    ("step", {"seed": 3}),
 ]
 
 
