@@ -172,20 +172,25 @@ class DiskFSDPMachine(RuleBasedStateMachine):
         """``model.state_dict()`` (the full weights) equals the plain model's."""
         state, ref_state = self.model.state_dict(), self.ref.state_dict()
         assert sorted(state) == sorted(ref_state), f"{what}: other state_dict() keys"
-        for key, want in ref_state.items():
-            diff = self._max(float((state[key].double() - want.double()).abs().max()))
+        diffs = torch.tensor(
+            [float((state[k].double() - v.double()).abs().max()) for k, v in ref_state.items()],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=self.group)  # the worst rank's
+        for (key, want), diff in zip(ref_state.items(), diffs.tolist()):
             tol = STATE_TOL["atol"] + STATE_TOL["rtol"] * float(want.double().abs().max())
             assert diff <= tol, f"{what}: state_dict()[{key}] off by {diff:.3e} on some rank"
 
     def _refused(self, action: Any, match: str, what: str) -> None:
-        """``action()`` raises ``RuntimeError`` saying ``match`` (on every rank)."""
+        """``action()`` raises ``RuntimeError`` saying ``match``, on every rank (checked
+        on all of them together, so a rank that was not refused fails them all here)."""
+        problem = f"{what}: not refused"
         try:
             action()
         except RuntimeError as exc:
-            assert match in str(exc), f"{what}: refused for another reason: {exc}"
-        else:
-            raise AssertionError(f"{what}: not refused")
-        agree(self.group, what, "refused")
+            problem = "" if match in str(exc) else f"{what}: refused for another reason: {exc}"
+        if self._max(float(bool(problem))):
+            raise AssertionError(problem or f"{what}: refused here, not on another rank")
 
     # rules ----------------------------------------------------------------------------
     @initialize(
