@@ -47,7 +47,11 @@ CLASSES: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 
-def _disk_model(directory: str, cfg: dict[str, Any], resume: bool = False) -> tuple[FSDP, Any]:
+def _disk_model(
+    directory: str, cfg: dict[str, Any], resume: bool = False, **fsdp_kwargs: Any
+) -> tuple[FSDP, Any]:
+    """The tiny GPT wrapped by ``cfg`` on a disk tier in ``directory`` (on meta with
+    ``resume``), and the tier's optimizer; ``fsdp_kwargs`` go to every unit."""
     disk = DiskOffload(
         directory,
         resume=resume,
@@ -61,7 +65,11 @@ def _disk_model(directory: str, cfg: dict[str, Any], resume: bool = False) -> tu
     else:
         module = tiny_gpt()
     model = wrap_model(
-        module, cfg["nesting"], reshard_after_forward=cfg.get("raf", True), disk_offload=disk
+        module,
+        cfg["nesting"],
+        reshard_after_forward=cfg.get("raf", True),
+        disk_offload=disk,
+        **fsdp_kwargs,
     )
     optimizer = disk.optimizer(CLASSES[cfg["optim"]], **HYPER[cfg["optim"]])
     return model, optimizer
@@ -517,6 +525,57 @@ def _accumulated(cfg: dict[str, Any], directory: str) -> dict[str, Any]:
         out["held_after_step"].append(disk.resident_bytes())
         out["diffs"].append(_state_diff(model, ref))
     disk.close()
+    return out
+
+
+def zero_grad_after_no_sync(root: str) -> dict[str, float]:
+    """A micro-batch inside ``no_sync``, then ``optimizer.zero_grad()`` (a skipped step),
+    then a step on another batch: the plain model's parameters after the same (its
+    zero_grad drops the micro-batch's gradient); and a second micro-batch accumulated
+    and stepped after that, against the plain model accumulating it too."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = tiny_gpt()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER["adamw"])
+    model, optimizer = _disk_model(root, {"nesting": "block", "optim": "adamw"})
+    diffs = {}
+    for what, seeds in (("dropped", (1, 2)), ("kept", (3, 4))):
+        for micro, seed in enumerate(seeds):
+            x, y = global_batch(seed, world)
+            with model.no_sync() if micro == 0 else contextlib.nullcontext():
+                model(local_part(x, rank), local_part(y, rank))[1].backward()
+            ref(x, y)[1].backward()
+            if micro == 0 and what == "dropped":
+                optimizer.zero_grad()
+                ref_opt.zero_grad()
+        optimizer.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        diffs[what] = _state_diff(model, ref)
+    optimizer.tier.close()
+    return diffs
+
+
+def frozen_block(root: str) -> dict[str, list[Any]]:
+    """Four AdamW steps, the last block frozen (``requires_grad`` False) in the middle
+    two: per step, the bytes the tier holds after it and the state dict's distance from
+    the plain model's (frozen alike)."""
+    world = dist.get_world_size()
+    ref = tiny_gpt()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER["adamw"])
+    model, optimizer = _disk_model(root, {"nesting": "block", "optim": "adamw"})
+    out: dict[str, list[Any]] = {"held": [], "diffs": []}
+    for step in range(4):
+        for module in (ref, model):
+            for name, param in module.named_parameters():
+                param.requires_grad_(step in (0, 3) or not name.startswith("blocks.1."))
+        _step(model, optimizer, step)
+        x, y = global_batch(step, world)
+        ref(x, y)[1].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["held"].append(optimizer.tier.resident_bytes())
+        out["diffs"].append(_state_diff(model, ref))
+    optimizer.tier.close()
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +91,21 @@ def mean_over_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t) / dist.get_world_size()
+
+
+def agree(group: dist.ProcessGroup | None, *what: Any) -> None:
+    """Every rank of ``group`` is at the same point with the same arguments (``what``):
+    an all-gather of its checksum, so ranks that drew different rules of a state machine
+    fail here, before any mismatched collective.
+
+    Raises:
+        AssertionError: naming this rank's ``what``.
+    """
+    mine = torch.tensor([zlib.crc32(repr(what).encode())], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    if len({int(t) for t in every}) != 1:
+        raise AssertionError(f"ranks diverged: this rank is at {what}")
 
 
 def _step_fsdp(model: FSDP, x: torch.Tensor, y: torch.Tensor, cfg: dict[str, Any]) -> float:

@@ -222,3 +222,20 @@ def test_forward_reads_the_first_steps_states_within_the_budget(
         assert out["budget_first"] == first, out
         assert first < out["budget_all"] <= sum(out["sizes"]), out
         assert out["diff"] < 2e-5 and out["after_step"] == 0, out
+
+
+def test_zero_grad_drops_gradients_accumulated_in_no_sync(rank_pool: Any, tmp_path: Path) -> None:
+    """Regression (found by test_fsdp_disk_state_machine.py): ``optimizer.zero_grad()``
+    after a micro-batch inside no_sync did nothing (DiskOptimizer.zero_grad was a no-op),
+    so the next backward stepped with the dropped micro-batch's gradient too."""
+    for out in rank_pool(2).run(w.zero_grad_after_no_sync, str(tmp_path)):
+        assert out["dropped"] < 2e-5 and out["kept"] < 2e-5, out
+
+
+def test_a_frozen_unit_holds_no_optimizer_state(rank_pool: Any, tmp_path: Path) -> None:
+    """Regression (found by test_fsdp_disk_state_machine.py): a unit with no trainable
+    parameter (the last block, trained, then frozen) had its optimizer state read ahead
+    for a step it never takes, and held it from one step to the next."""
+    for out in rank_pool(2).run(w.frozen_block, str(tmp_path)):
+        assert out["held"] == [0, 0, 0, 0], out
+        assert max(out["diffs"]) < 2e-5, out

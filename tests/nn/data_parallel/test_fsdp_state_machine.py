@@ -43,7 +43,6 @@ import contextlib
 import copy
 import os
 import traceback
-import zlib
 from datetime import timedelta
 from typing import Any
 
@@ -65,7 +64,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 from shardkit.testing import RankPool
-from tests.nn.data_parallel.fsdp_workers import global_batch, local_part, tiny_gpt, wrap_model
+from tests.nn.data_parallel.fsdp_workers import (
+    agree,
+    global_batch,
+    local_part,
+    tiny_gpt,
+    wrap_model,
+)
 
 EXAMPLES = int(os.environ.get("SHARDKIT_HYPOTHESIS_EXAMPLES", "10"))
 STEPS = int(os.environ.get("SHARDKIT_HYPOTHESIS_STEPS", "12"))
@@ -175,11 +180,7 @@ class FSDPMachine(RuleBasedStateMachine):
     # helpers (collectives over the configuration's group, same on every rank) ---------
     def _agree(self, *what: Any) -> None:
         """Every rank is at the same rule with the same arguments (see the module note)."""
-        mine = torch.tensor([zlib.crc32(repr(what).encode())], dtype=torch.int64)
-        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(every, mine, group=self.group)
-        if len({int(t) for t in every}) != 1:
-            raise AssertionError(f"ranks diverged: this rank is at {what}")
+        agree(self.group, *what)
 
     def _mean(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)

@@ -514,7 +514,12 @@ class DiskOptimizer(FileBackedOptimizer):
         self.tier = tier
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: each unit's gradient is dropped right after its step."""
+        """Drop the full gradients accumulated inside ``model.no_sync()`` since the last
+        step (as the plain model's ``zero_grad`` would); outside ``no_sync`` each unit's
+        gradient is dropped right after its step. ``set_to_none`` is ignored (dropped
+        gradients read as zeros either way)."""
+        for unit in self.tier.units:
+            unit.handle.drop_flat_grad()
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
@@ -707,8 +712,12 @@ class DiskUnit:
         self.tier.check_backward_allowed(label, steps)
 
     def end_backward(self) -> None:
-        """The backward pass ended: drop the shard; the tier commits the step (once,
-        whichever of its units ends first)."""
+        """The backward pass ended: drop the shard, and optimizer state read ahead for a
+        step the unit did not take (no trainable parameter, or no gradient reached it);
+        the tier commits the step (once, whichever of its units ends first)."""
+        if self._state is not None:
+            self._state.future.result()  # the read is done with the buffer
+            self._state = None
         self.release()
         self.tier.end_backward()
 

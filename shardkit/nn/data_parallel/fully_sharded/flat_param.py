@@ -480,6 +480,17 @@ class FlatParamHandle:
         self.release_flat_grad()
         return out
 
+    def drop_flat_grad(self) -> None:
+        """Forget the unsharded gradients (accumulated inside ``no_sync``): the unsharded
+        parameters' ``.grad`` cleared and the flat gradient buffer given back, so the
+        next backward starts from zeros. Between steps only (no reduction in flight)."""
+        for param in self.unsharded_params:
+            param.grad = None
+        if self._grad is not None:
+            self._grad.release()
+            self._grad_taken = False
+            self._grad_pointed.clear()
+
     def release_flat_grad(self) -> None:
         """Give back the flat gradient buffer's memory once a reduction is done with it
         (a no-op unless :meth:`take_flat_grad` handed it out)."""
