@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardkit.nn import FullyShardedDataParallel as FSDP
+from shardkit.nn.data_parallel.fully_sharded.unit import units_in
 from shardkit.nn.wrap import auto_wrap, enable_wrap, size_based_auto_wrap_policy
 from tests.nn.data_parallel.fsdp_workers import global_batch, local_part, tiny_gpt, wrap_model
 
@@ -397,3 +398,44 @@ def fairscale_root_wrap(cfg: dict[str, Any]) -> dict[str, Any]:
     for step in range(3):
         run.train_step(step)
     return run.finish()
+
+
+# behaviour 7: a no_sync micro-batch dropped by model.zero_grad() ----------------------
+def dropped_micro_batch(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Per step: a micro-batch inside ``no_sync``, then ``model.zero_grad()`` (the plain
+    model's too: that micro-batch is dropped), then a micro-batch outside that steps.
+    Also: ``optimizer.zero_grad()`` alone does not drop it (the optimizer holds the
+    shards), and ``zero_grad()`` between a forward and its backward works while one
+    inside a backward is refused."""
+    ref, model = build(cfg)
+    run = Run(cfg, ref, model)
+    run.optimizers()
+    assert run.opt is not None and run.ref_opt is not None
+    for step in range(3):
+        ref_loss, loss = forward_loss(ref, model, 100 + step)
+        with model.no_sync():
+            loss.backward()
+        ref_loss.backward()
+        model.zero_grad()
+        ref.zero_grad()
+        run.train_step(step)
+    refused: list[str] = []
+    _, loss = forward_loss(ref, model, 200)
+    loss.register_hook(lambda g: refused.append(_attempt(model.zero_grad) or "") or g)
+    loss.backward()
+    run.opt.zero_grad()
+    # optimizer.zero_grad() after a no_sync micro-batch leaves it in (documented)
+    _, loss = forward_loss(ref, model, 300)
+    with model.no_sync():
+        loss.backward()
+    run.opt.zero_grad()
+    pending = sum(
+        int(p.grad is not None) for unit in units_in(model) for p in unit.handle.unsharded_params
+    )
+    model.zero_grad()
+    left = sum(
+        int(p.grad is not None) for unit in units_in(model) for p in unit.handle.unsharded_params
+    )
+    out = run.finish()
+    out.update(refused=refused, pending=pending, left=left)
+    return out

@@ -90,6 +90,9 @@ def _jobs(tmp: Path) -> dict[str, tuple[str, dict[str, Any]]]:
         for nesting in ("flat", "nested"):
             cfg = {"broadcast_buffers": flag, "nesting": nesting}
             jobs[f"b4-{flag}-{nesting}"] = ("buffers_vs_ddp", cfg)
+    for nesting in NESTINGS:
+        jobs[f"b7-{nesting}"] = ("dropped_micro_batch", {"nesting": nesting})
+    jobs["b7-bf16"] = ("dropped_micro_batch", {"nesting": "block", "precision": "bf16"})
     return jobs
 
 
@@ -314,3 +317,18 @@ def test_fairscale_auto_wrap_then_root(results: Any, world: int, precision: str)
     assert result["root_wrapped_by_policy"], "the policy did not wrap the root: nothing tested"
     assert result["names"] == result["ref_names"]
     check_parity(result, key, precision)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("key", [*(f"b7-{n}" for n in NESTINGS), "b7-bf16"])
+def test_model_zero_grad_drops_a_no_sync_micro_batch(results: Any, world: int, key: str) -> None:
+    """Regression: gradients accumulated inside no_sync survived ``model.zero_grad()``
+    (they live on the unsharded parameters, which ``nn.Module.zero_grad`` does not
+    reach), so a micro-batch the user dropped went into the next step. Now
+    ``FullyShardedDataParallel.zero_grad`` drops them, as the plain model's does."""
+    for out in results(world)[key]:
+        _ok(out, key)
+        tol = 1e-2 if "bf16" in key else 2e-5
+        assert_state_dicts_close(out["state"], out["ref_state"], atol=tol, rtol=tol)
+        assert out["refused"] and "during the forward or backward" in out["refused"][0], out
+        assert out["pending"] > 0 and out["left"] == 0, (out["pending"], out["left"])

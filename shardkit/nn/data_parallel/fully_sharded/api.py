@@ -552,6 +552,28 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
             for unit in units:
                 unit.sync_gradients = True
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad`` (the sharded parameters' ``.grad``), and the full
+        gradients accumulated inside :meth:`no_sync` since the last synchronised
+        backward: as ``zero_grad`` of the plain or DDP model, a micro-batch dropped this
+        way does not reach the next step. The optimizer's ``zero_grad()`` clears only the
+        sharded gradients it holds (as with torch FSDP2), so after a ``no_sync``
+        micro-batch that is to be dropped call this one.
+
+        Raises:
+            RuntimeError: called during a forward or backward of a unit.
+        """
+        units = units_in(self)
+        busy = [u.label for u in units if u.training_state is not TrainingState.IDLE]
+        if busy:
+            raise RuntimeError(
+                f"zero_grad() during the forward or backward of {busy[0]}: call it between "
+                "steps (a backward's gradients are still being reduced)"
+            )
+        super().zero_grad(set_to_none)
+        for unit in units:
+            unit.handle.drop_flat_grad()
+
     def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
         """Hybrid sharding: all-reduce gradient shards across replicas at the end of each
         backward (True, the default) or defer them (False), for every unit.
