@@ -72,7 +72,11 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     with torch.device("meta"):
         gpt = GPT(config)
     params = gpt.num_parameters()
-    disk = DiskOffload(cfg["dir"], generations=cfg["generations"])
+    disk = DiskOffload(
+        cfg["dir"],
+        generations=cfg["generations"],
+        read_ahead_bytes=cfg.get("read_ahead_mib", 512) * 2**20,
+    )
     sampler = _DiskSampler(Path(cfg["dir"])) if rank == 0 else None
     options: dict[str, Any] = {"disk_offload": disk, "param_init_fn": _init}
     with enable_wrap(wrapper_cls=FSDP, **options):
@@ -419,6 +423,12 @@ def main(argv: list[str] | None = None) -> None:
         help="DiskOffload(generations=): 'unit' keeps one generation on disk (default step)",
     )
     add("--fused", action="store_true", help="AdamW(fused=True): torch's vectorised CPU kernel")
+    add(
+        "--read-ahead-mib",
+        type=int,
+        default=512,
+        help="DiskOffload(read_ahead_bytes=) in MiB: optimizer state the forward reads ahead",
+    )
     add(
         "--floor",
         action="store_true",
