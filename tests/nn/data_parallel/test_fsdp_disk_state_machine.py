@@ -66,7 +66,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -78,7 +77,6 @@ from hypothesis.stateful import (
 )
 
 from shardkit.nn.data_parallel.fully_sharded import DiskOffload
-from shardkit.testing import RankPool
 from tests.nn.data_parallel.fsdp_disk_workers import HYPER, _disk_model
 from tests.nn.data_parallel.fsdp_workers import (
     agree,
@@ -86,6 +84,7 @@ from tests.nn.data_parallel.fsdp_workers import (
     local_part,
     tiny_gpt,
 )
+from tests.nn.data_parallel.machines import machine_pool, machine_settings
 
 EXAMPLES = int(os.environ.get("SHARDKIT_HYPOTHESIS_EXAMPLES", "8"))
 STEPS = int(os.environ.get("SHARDKIT_HYPOTHESIS_STEPS", "15"))
@@ -411,17 +410,7 @@ def run_machine(root: str, examples: int, steps: int) -> dict[str, Any]:
     try:
         run_state_machine_as_test(
             DiskFSDPMachine,
-            settings=settings(
-                max_examples=examples,
-                stateful_step_count=steps,
-                derandomize=True,
-                database=None,
-                deadline=None,
-                phases=[Phase.explicit, Phase.generate],
-                suppress_health_check=list(HealthCheck),
-                report_multiple_bugs=False,
-                print_blob=False,
-            ),
+            settings=machine_settings(examples, steps),
         )
     except Exception:
         error = traceback.format_exc()
@@ -433,11 +422,7 @@ def test_fsdp_disk_state_machine(rank_pool: Any, tmp_path: Path) -> None:
     # own pool with the limit scaled by the rules drawn
     scale = EXAMPLES * STEPS / (8 * 15)
     with contextlib.ExitStack() as stack:
-        if scale > 1:
-            pool = RankPool(2, timeout_s=120.0 * scale)
-            stack.callback(pool.close)
-        else:
-            pool = rank_pool(2)
+        pool = machine_pool(stack, rank_pool, scale)
         per_rank = pool.run(run_machine, str(tmp_path), EXAMPLES, STEPS)
     drawn = per_rank[0]["drawn"]
     print(drawn)  # with -s: what the run covered

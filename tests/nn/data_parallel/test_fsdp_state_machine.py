@@ -49,7 +49,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -63,7 +62,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
-from shardkit.testing import RankPool
 from tests.nn.data_parallel.fsdp_workers import (
     agree,
     global_batch,
@@ -71,6 +69,7 @@ from tests.nn.data_parallel.fsdp_workers import (
     tiny_gpt,
     wrap_model,
 )
+from tests.nn.data_parallel.machines import machine_pool, machine_settings
 
 EXAMPLES = int(os.environ.get("SHARDKIT_HYPOTHESIS_EXAMPLES", "10"))
 STEPS = int(os.environ.get("SHARDKIT_HYPOTHESIS_STEPS", "12"))
@@ -444,17 +443,7 @@ def run_machines(configs: list[dict[str, Any]], examples: int, steps: int) -> li
         try:
             run_state_machine_as_test(
                 FSDPMachine,
-                settings=settings(
-                    max_examples=examples,
-                    stateful_step_count=steps,
-                    derandomize=True,
-                    database=None,
-                    deadline=None,
-                    phases=[Phase.explicit, Phase.generate],
-                    suppress_health_check=list(HealthCheck),
-                    report_multiple_bugs=False,
-                    print_blob=False,
-                ),
+                settings=machine_settings(examples, steps),
             )
             results.append(None)
         except Exception:
@@ -472,11 +461,7 @@ def machine_results(rank_pool: Any) -> dict[str, list[Any]]:
         # its own pool with the limit scaled by the rules drawn.
         scale = EXAMPLES * STEPS / (10 * 12)
         with contextlib.ExitStack() as stack:
-            if scale > 1:
-                pool = RankPool(2, timeout_s=120.0 * scale)
-                stack.callback(pool.close)
-            else:
-                pool = rank_pool(2)
+            pool = machine_pool(stack, rank_pool, scale)
             per_rank = pool.run(run_machines, list(CONFIGS.values()), EXAMPLES, STEPS)
         for i, name in enumerate(CONFIGS):
             _CACHE[name] = [r[i] for r in per_rank]
