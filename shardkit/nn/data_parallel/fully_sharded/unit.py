@@ -329,10 +329,9 @@ class UnitRuntime:
         store is still bringing the shard in (then the all-gather waits for ``unshard``).
         ``steps``: a backward that reduces gradients follows (see ``ShardStore.prefetch``).
 
-        A unit kept unsharded whose backward has begun needs no all-gather, but unless
-        inside ``no_sync`` its store is still told, so that it brings in what the unit's
-        step reads (see
-        [Note: prefetching a kept unit's step])."""
+        A unit kept unsharded whose backward has begun needs no all-gather; with
+        ``steps`` its store is still told, so that it brings in what the unit's step
+        reads (see [Note: prefetching a kept unit's step])."""
         if self.sharded_state is ShardedState.SHARDED:
             if self.store.prefetch(steps):
                 self.unshard(async_op=True)
