@@ -436,6 +436,16 @@ def dropped_micro_batch(cfg: dict[str, Any]) -> dict[str, Any]:
     left = sum(
         int(p.grad is not None) for unit in units_in(model) for p in unit.handle.unsharded_params
     )
+    # a forward that raises (a bad target; a token outside the vocabulary), as an
+    # HF-style loop skipping a bad batch: model.zero_grad() works, then training goes on
+    after_raise: list[str | None] = []
+    _, _, lx, ly = batch(400)
+    bad_token = lx.clone()
+    bad_token[0, 0] = 10**6
+    for args in ((lx, ly[:, :-1]), (bad_token, ly)):
+        assert _attempt(lambda args=args: model(*args)) is not None, "the bad batch ran"
+        after_raise.append(_attempt(model.zero_grad))
+    run.train_step(500)
     out = run.finish()
-    out.update(refused=refused, pending=pending, left=left)
+    out.update(refused=refused, pending=pending, left=left, after_raise=after_raise)
     return out

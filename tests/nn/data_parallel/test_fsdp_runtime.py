@@ -332,3 +332,6 @@ def test_model_zero_grad_drops_a_no_sync_micro_batch(results: Any, world: int, k
         assert_state_dicts_close(out["state"], out["ref_state"], atol=tol, rtol=tol)
         assert out["refused"] and "during the forward or backward" in out["refused"][0], out
         assert out["pending"] > 0 and out["left"] == 0, (out["pending"], out["left"])
+        # regression: a forward that raised left its units in FORWARD, and
+        # model.zero_grad() was refused "during the forward" until the next forward
+        assert out["after_raise"] == [None, None], out["after_raise"]

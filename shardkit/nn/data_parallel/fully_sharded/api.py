@@ -476,7 +476,11 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         mp = self._config.mixed_precision
         if mp is not None and mp.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), unit.handle.placement.compute_dtype)
-        output = self.module(*args, **kwargs)
+        try:
+            output = self.module(*args, **kwargs)
+        except BaseException:
+            unit.abort_forward()
+            raise
         unit.post_forward(output)
         return output
 

@@ -406,6 +406,19 @@ class UnitRuntime:
             if self.is_root:
                 self._root().end_forward(bool(needing_grad), self.sync_gradients)
 
+    def abort_forward(self) -> None:
+        """The wrapped module's forward raised (a bad batch): no backward comes for it.
+        FORWARD -> IDLE and resharded, as after an inference forward (the root also
+        drops an unused prefetch), so ``zero_grad()``, ``state_dict()`` and the next
+        forward find the unit between steps."""
+        with record_function("FSDP::abort_forward"):
+            self.training_state = TrainingState.IDLE
+            self.reshard()
+            if self.is_root:
+                for unit in self._root().units:
+                    if unit.is_prefetching:
+                        unit.reshard()
+
     def _backward_starts_here(self) -> bool:
         """True for the last unit of the (recorded) forward order, not the root: its
         backward comes first, so it keeps its full parameters (see [Note: the last unit
