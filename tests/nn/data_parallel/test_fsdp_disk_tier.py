@@ -142,6 +142,13 @@ def test_refusals(rank_pool: Any, tmp_path: Path) -> None:
         )
         assert "has no manifest.json" in out["resume_fresh"]
         assert "already holds a model; pass resume=True" in out["fresh_over_used"]
+        # regression: None gave "'<' not supported", 1.5 and True were taken as bytes
+        want = "must be an int >= 0 (bytes; 0 turns it off), got"
+        for key in ("read_ahead_bytes=-1", "read_ahead_bytes=None", "read_ahead_bytes=1.5"):
+            name, value = key.split("=")
+            assert out[key] == f"ValueError: {name} {want} {value}", out[key]
+        assert out["read_ahead_bytes=True"] == f"ValueError: read_ahead_bytes {want} True"
+        assert out["write_behind_bytes=None"] == f"ValueError: write_behind_bytes {want} None"
 
 
 def test_hyperparameters_edited_after_building_reach_the_steps(
