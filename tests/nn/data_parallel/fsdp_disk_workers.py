@@ -416,13 +416,17 @@ def misuse(root: str) -> dict[str, str]:
     )
     out["resume_fresh"] = _raises(lambda: DiskOffload(str(Path(root) / "d"), resume=True))
     out["fresh_over_used"] = _raises(lambda: DiskOffload(str(Path(root) / "b")))
-    for name, value in (("read_ahead_bytes", -1), ("read_ahead_bytes", None)) + (
+    for name, value in (
+        ("read_ahead_bytes", -1),
+        ("read_ahead_bytes", None),
         ("read_ahead_bytes", 1.5),
-        ("write_behind_bytes", None),
         ("read_ahead_bytes", True),
+        ("write_behind_bytes", None),
     ):
-        made = str(Path(root) / "f")
-        out[f"{name}={value!r}"] = _raises(lambda: DiskOffload(made, **{name: value}))
+        kwargs = {name: value}
+        out[f"{name}={value!r}"] = _raises(
+            lambda kwargs=kwargs: DiskOffload(str(Path(root) / "f"), **kwargs)
+        )
     return out
 
 
