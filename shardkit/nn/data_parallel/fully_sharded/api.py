@@ -569,6 +569,8 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
             RuntimeError: called during a forward or backward of a unit.
         """
         units = units_in(self)
+        if self._unit.root is not None:
+            self._unit.root.end_aborted_backward()
         busy = [u.label for u in units if u.training_state is not TrainingState.IDLE]
         if busy:
             raise RuntimeError(

@@ -728,6 +728,18 @@ class DiskUnit:
         self.release()
         self.tier.end_backward()
 
+    def abort_backward(self) -> None:
+        """A backward that raised may have stepped some units of the tier, not all.
+
+        Raises:
+            RuntimeError: always; the directory holds the last whole step.
+        """
+        raise RuntimeError(
+            f"{self.entry}: a backward raised; with disk_offload some units may have "
+            "stepped: close the tier and continue from its directory "
+            "(DiskOffload(directory, resume=True), the last whole step)"
+        )
+
     def end_summon(self) -> None:
         """Leaving ``summon_full_params``: drop the shard.
 

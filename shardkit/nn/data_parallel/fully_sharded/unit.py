@@ -477,6 +477,15 @@ class UnitRuntime:
             if not self.handle.has_frozen:  # see [Note: frozen parameters]
                 self.reshard()
 
+    def abort_backward(self) -> None:
+        """From ``end_aborted_backward``: the store agrees, gradients not reduced yet
+        are dropped; shard and go idle."""
+        self.store.abort_backward()
+        self.grads_ready.clear()
+        self.handle.drop_flat_grad()
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+
     def end_backward(self) -> None:
         """From ``finalize_backward``: every reduction is done; shard and go idle."""
         self.reshard()
@@ -585,6 +594,8 @@ def summon(units: list[UnitRuntime], writeback: bool) -> Iterator[None]:
     Raises:
         RuntimeError: a unit is in forward, backward or another summon.
     """
+    for root in {id(u.root): u.root for u in units if u.root is not None}.values():
+        root.end_aborted_backward()
     busy = [u.training_state.name for u in units if u.busy()]
     if busy:
         where = (
