@@ -170,6 +170,17 @@ def test_training_goes_on_after_a_refused_second_backward(rank_pool: Any, tmp_pa
         assert out["diff"] < 1e-5, out["diff"]
 
 
+def test_resume_after_a_backward_that_raised(rank_pool: Any, tmp_path: Path) -> None:
+    """Regression: autograd dropped the finalize of a backward that raised after some
+    units stepped; the units stayed mid-backward and every call was refused as "during
+    the forward or backward". Now a clear refusal says to resume, which gives the last
+    whole step."""
+    for out in rank_pool(2).run(w.resume_after_raising_backward, str(tmp_path)):
+        assert out["raised"].startswith("FloatingPointError"), out["raised"]
+        assert "DiskOffload(directory, resume=True)" in out["refused"], out["refused"]
+        assert out["diff"] < 1e-5, out["diff"]
+
+
 def test_shards_are_read_and_written_in_place(rank_pool: Any, tmp_path: Path) -> None:
     """Regression: each unit's local shard lives in a page-aligned buffer whose memory
     is given back between uses, so direct I/O moves it in place. Before, the shard's
