@@ -28,6 +28,7 @@ from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as 
 from shardkit.nn.data_parallel.fully_sharded.unit import units_in
 from shardkit.nn.data_parallel.fully_sharded.unit_buffers import SHARDS
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
+from tests.nn.data_parallel.fsdp_runtime_workers import _hook_nan_check
 from tests.nn.data_parallel.fsdp_workers import (
     TINY,
     global_batch,
@@ -416,6 +417,17 @@ def misuse(root: str) -> dict[str, str]:
     )
     out["resume_fresh"] = _raises(lambda: DiskOffload(str(Path(root) / "d"), resume=True))
     out["fresh_over_used"] = _raises(lambda: DiskOffload(str(Path(root) / "b")))
+    for name, value in (
+        ("read_ahead_bytes", -1),
+        ("read_ahead_bytes", None),
+        ("read_ahead_bytes", 1.5),
+        ("read_ahead_bytes", True),
+        ("write_behind_bytes", None),
+    ):
+        kwargs = {name: value}
+        out[f"{name}={value!r}"] = _raises(
+            lambda kwargs=kwargs: DiskOffload(str(Path(root) / "f"), **kwargs)
+        )
     return out
 
 
@@ -471,6 +483,36 @@ def recover_after_second_backward(root: str) -> dict[str, Any]:
     diff = _state_diff(model, ref)
     disk.close()
     return {"refused": refused, "diff": diff}
+
+
+def resume_after_raising_backward(root: str) -> dict[str, Any]:
+    """Step 0; step 1's backward raises half-way (a NaN check on the first block's output
+    gradient, after the last block stepped); ``model.zero_grad()`` refused; the tier
+    closed and resumed; step 2: the plain model's after steps 0 and 2."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = tiny_gpt()
+    ref_opt = torch.optim.SGD(ref.parameters(), **HYPER["sgd"])
+    cfg = {"nesting": "block", "optim": "sgd"}
+    model, optimizer = _disk_model(root, cfg)
+    _step(model, optimizer, 0)
+    block = next(m for m in model.modules() if isinstance(m, Block))
+    hooked = block.register_forward_hook(_hook_nan_check)
+    x, y = global_batch(1, world)
+    loss = model(local_part(x, rank), local_part(y, rank))[1]
+    hooked.remove()
+    raised = _raises(loss.backward)
+    refused = _raises(model.zero_grad)
+    optimizer.tier.close()
+    model, optimizer = _disk_model(root, cfg, resume=True)
+    _step(model, optimizer, 2)
+    for step in (0, 2):
+        x, y = global_batch(step, world)
+        ref(x, y)[1].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    diff = _state_diff(model, ref)
+    optimizer.tier.close()
+    return {"raised": raised, "refused": refused, "diff": diff}
 
 
 def in_place_io(root: str) -> dict[str, Any]:

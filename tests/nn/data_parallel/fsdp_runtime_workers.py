@@ -401,6 +401,14 @@ def fairscale_root_wrap(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 # behaviour 7: a no_sync micro-batch dropped by model.zero_grad() ----------------------
+def _nan_check(grad: torch.Tensor) -> None:
+    raise FloatingPointError("a NaN check in backward")
+
+
+def _hook_nan_check(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+    output.register_hook(_nan_check)
+
+
 def dropped_micro_batch(cfg: dict[str, Any]) -> dict[str, Any]:
     """Per step: a micro-batch inside ``no_sync``, then ``model.zero_grad()`` (the plain
     model's too: that micro-batch is dropped), then a micro-batch outside that steps.
@@ -436,6 +444,25 @@ def dropped_micro_batch(cfg: dict[str, Any]) -> dict[str, Any]:
     left = sum(
         int(p.grad is not None) for unit in units_in(model) for p in unit.handle.unsharded_params
     )
+    # a forward that raises (a bad target; a token outside the vocabulary), as an
+    # HF-style loop skipping a bad batch: model.zero_grad() works, then training goes on
+    after_raise: list[str | None] = []
+    _, _, lx, ly = batch(400)
+    bad_token = lx.clone()
+    bad_token[0, 0] = 10**6
+    for args in ((lx, ly[:, :-1]), (bad_token, ly)):
+        assert _attempt(lambda args=args: model(*args)) is not None, "the bad batch ran"
+        after_raise.append(_attempt(model.zero_grad))
+    # a backward that raises half-way (a NaN check on a block's output gradient): then
+    # model.zero_grad() (the plain model keeps nothing of it either), state_dict(), training
+    block = next(m for m in model.modules() if type(m).__name__ == "Block")
+    hooked = block.register_forward_hook(_hook_nan_check)
+    _, loss = forward_loss(ref, model, 450)
+    hooked.remove()
+    after_raise.append(_attempt(loss.backward))
+    after_raise.append(_attempt(model.zero_grad))
+    after_raise.append(_attempt(model.state_dict))
+    run.train_step(500)
     out = run.finish()
-    out.update(refused=refused, pending=pending, left=left)
+    out.update(refused=refused, pending=pending, left=left, after_raise=after_raise)
     return out

@@ -142,6 +142,13 @@ def test_refusals(rank_pool: Any, tmp_path: Path) -> None:
         )
         assert "has no manifest.json" in out["resume_fresh"]
         assert "already holds a model; pass resume=True" in out["fresh_over_used"]
+        # regression: None gave "'<' not supported", 1.5 and True were taken as bytes
+        want = "must be an int >= 0 (bytes; 0 turns it off), got"
+        for key in ("read_ahead_bytes=-1", "read_ahead_bytes=None", "read_ahead_bytes=1.5"):
+            name, value = key.split("=")
+            assert out[key] == f"ValueError: {name} {want} {value}", out[key]
+        assert out["read_ahead_bytes=True"] == f"ValueError: read_ahead_bytes {want} True"
+        assert out["write_behind_bytes=None"] == f"ValueError: write_behind_bytes {want} None"
 
 
 def test_hyperparameters_edited_after_building_reach_the_steps(
@@ -160,6 +167,17 @@ def test_training_goes_on_after_a_refused_second_backward(rank_pool: Any, tmp_pa
     optimizer.step() raised 'without a backward'."""
     for out in rank_pool(2).run(w.recover_after_second_backward, str(tmp_path)):
         assert "a second backward before optimizer.step()" in out["refused"]
+        assert out["diff"] < 1e-5, out["diff"]
+
+
+def test_resume_after_a_backward_that_raised(rank_pool: Any, tmp_path: Path) -> None:
+    """Regression: autograd dropped the finalize of a backward that raised after some
+    units stepped; the units stayed mid-backward and every call was refused as "during
+    the forward or backward". Now a clear refusal says to resume, which gives the last
+    whole step."""
+    for out in rank_pool(2).run(w.resume_after_raising_backward, str(tmp_path)):
+        assert out["raised"].startswith("FloatingPointError"), out["raised"]
+        assert "DiskOffload(directory, resume=True)" in out["refused"], out["refused"]
         assert out["diff"] < 1e-5, out["diff"]
 
 

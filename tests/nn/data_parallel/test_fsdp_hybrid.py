@@ -7,6 +7,7 @@ once, sharded checkpoints that load at another shape, and the errors.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import tempfile
 from typing import Any
@@ -167,6 +168,26 @@ def _step_while_deferred() -> str:
     return message
 
 
+def _zero_grad_drops_deferred() -> dict[str, Any]:
+    """Hybrid 2 x 2: a micro-batch under ``no_replica_sync``, ``model.zero_grad()`` (the
+    user drops it), a synced micro-batch, ``optimizer.step()``; the plain model the same
+    (its ``zero_grad`` drops the first micro-batch's gradient)."""
+    ref, model = tiny_gpt(), _wrapped("HYBRID_SHARD", 2)
+    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for micro in range(2):
+        x, y = global_batch(micro, world)
+        ref(x, y)[1].backward()
+        with model.no_replica_sync() if micro == 0 else contextlib.nullcontext():
+            model(local_part(x, rank), local_part(y, rank))[1].backward()
+        if micro == 0:
+            model.zero_grad()
+            ref.zero_grad()
+    opt.step()
+    ref_opt.step()
+    return {"state": model.state_dict(), "ref": ref.state_dict()}
+
+
 def _clip_gathers_once() -> dict[str, Any]:
     """Hybrid 2 x 2: two ``clip_grad_norm_`` calls (max norm too large to clip) give
     the plain model's norm; the root's ranks are all-gathered at the first only."""
@@ -224,6 +245,7 @@ def _all() -> dict[str, Any]:
         "errors": _errors(),
         "hpz": _hpz(),
         "clip": _clip_gathers_once(),
+        "zero_grad": _zero_grad_drops_deferred(),
     }
 
 
@@ -254,6 +276,17 @@ def test_parity_with_the_plain_model(results: list[Any], key: str) -> None:
         assert_state_dicts_close(got["state"], got["ref"], atol=2e-5, rtol=1e-4)
         assert_state_dicts_close(got["state"], results[0]["parity"][key]["state"], atol=0, rtol=0)
         assert rank == 0 or got["reduces"] == results[0]["parity"][key]["reduces"]
+
+
+def test_model_zero_grad_drops_gradients_deferred_by_no_replica_sync(
+    results: list[Any],
+) -> None:
+    """Regression: the gradient shards summed under ``no_replica_sync`` survived
+    ``model.zero_grad()`` (they wait in the reducer, not in ``.grad``) and went into
+    the next step: 0.03 off the plain model, whose ``zero_grad`` drops them."""
+    for per_rank in results:
+        got = per_rank["zero_grad"]
+        assert_state_dicts_close(got["state"], got["ref"], atol=2e-5, rtol=1e-4)
 
 
 def test_identity_compression_is_bitwise_the_uncompressed_run(results: list[Any]) -> None:

@@ -332,3 +332,10 @@ def test_model_zero_grad_drops_a_no_sync_micro_batch(results: Any, world: int, k
         assert_state_dicts_close(out["state"], out["ref_state"], atol=tol, rtol=tol)
         assert out["refused"] and "during the forward or backward" in out["refused"][0], out
         assert out["pending"] > 0 and out["left"] == 0, (out["pending"], out["left"])
+        # regression: a forward that raised left its units in FORWARD, and
+        # model.zero_grad() was refused "during the forward" until the next forward;
+        # a backward that raised dropped finalize_backward: model.zero_grad() and
+        # state_dict() refused, and no later backward finalised (units in POST_BACKWARD)
+        raised, *after = out["after_raise"][2:]
+        assert out["after_raise"][:2] == [None, None], out["after_raise"]
+        assert raised.startswith("FloatingPointError") and after == [None, None], after

@@ -476,7 +476,11 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         mp = self._config.mixed_precision
         if mp is not None and mp.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), unit.handle.placement.compute_dtype)
-        output = self.module(*args, **kwargs)
+        try:
+            output = self.module(*args, **kwargs)
+        except BaseException:
+            unit.abort_forward()
+            raise
         unit.post_forward(output)
         return output
 
@@ -553,9 +557,10 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
                 unit.sync_gradients = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """``nn.Module.zero_grad`` (the sharded parameters' ``.grad``), and the full
+        """``nn.Module.zero_grad`` (the sharded parameters' ``.grad``), the full
         gradients accumulated inside :meth:`no_sync` since the last synchronised
-        backward: as ``zero_grad`` of the plain or DDP model, a micro-batch dropped this
+        backward, and the gradient shards hybrid sharding deferred inside
+        :meth:`no_replica_sync`: as ``zero_grad`` of the plain or DDP model, a micro-batch dropped this
         way does not reach the next step. The optimizer's ``zero_grad()`` clears only the
         sharded gradients it holds (as with torch FSDP2), so after a ``no_sync``
         micro-batch that is to be dropped call this one.
@@ -564,6 +569,8 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
             RuntimeError: called during a forward or backward of a unit.
         """
         units = units_in(self)
+        if self._unit.root is not None:
+            self._unit.root.end_aborted_backward()
         busy = [u.label for u in units if u.training_state is not TrainingState.IDLE]
         if busy:
             raise RuntimeError(
@@ -573,6 +580,7 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         super().zero_grad(set_to_none)
         for unit in units:
             unit.handle.drop_flat_grad()
+            unit.reducer.drop_deferred()
 
     def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
         """Hybrid sharding: all-reduce gradient shards across replicas at the end of each

@@ -208,8 +208,9 @@ class DiskOffload:
     Raises:
         ValueError: an unwritable directory, a directory holding a model (``resume``
             False) or none (``resume`` True), a directory whose last step did not
-            finish with ``generations="unit"`` (``resume`` True), or an unknown
-            ``generations``.
+            finish with ``generations="unit"`` (``resume`` True), an unknown
+            ``generations``, or a ``read_ahead_bytes`` / ``write_behind_bytes`` that is
+            not an int >= 0.
     """
 
     def __init__(
@@ -221,8 +222,14 @@ class DiskOffload:
         generations: str = "step",
         read_ahead_bytes: int = 512 * 2**20,
     ) -> None:
-        if read_ahead_bytes < 0:
-            raise ValueError(f"read_ahead_bytes must be >= 0, got {read_ahead_bytes}")
+        for name, nbytes in (
+            ("read_ahead_bytes", read_ahead_bytes),
+            ("write_behind_bytes", write_behind_bytes),
+        ):
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+                raise ValueError(
+                    f"{name} must be an int >= 0 (bytes; 0 turns it off), got {nbytes!r}"
+                )
         if generations not in ("step", "unit"):
             raise ValueError(
                 f"generations must be 'step' (two generations on disk during a step) or "
@@ -720,6 +727,18 @@ class DiskUnit:
             self._state = None
         self.release()
         self.tier.end_backward()
+
+    def abort_backward(self) -> None:
+        """A backward that raised may have stepped some units of the tier, not all.
+
+        Raises:
+            RuntimeError: always; the directory holds the last whole step.
+        """
+        raise RuntimeError(
+            f"{self.entry}: a backward raised; with disk_offload some units may have "
+            "stepped: close the tier and continue from its directory "
+            "(DiskOffload(directory, resume=True), the last whole step)"
+        )
 
     def end_summon(self) -> None:
         """Leaving ``summon_full_params``: drop the shard.

@@ -88,6 +88,12 @@ class ShardReducer(abc.ABC):
         self.requires_all_reduce = True
         self.deferred: torch.Tensor | None = None  # reduced shards not yet all-reduced
 
+    def drop_deferred(self) -> None:
+        """Forget the gradient shards summed while the cross-replica all-reduce was
+        deferred (a micro-batch the user dropped with ``zero_grad``). Between steps only."""
+        self.deferred = None
+        _DEFERRED.pop(self, None)
+
     @abc.abstractmethod
     def reduce_scatter(
         self, flat: torch.Tensor, shard_numel: int, key: Key, shapes: ShapesOf

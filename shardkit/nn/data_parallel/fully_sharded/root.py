@@ -100,6 +100,8 @@ class PhaseUnit(Protocol):
 
     def end_backward(self) -> None: ...
 
+    def abort_backward(self) -> None: ...
+
 
 @dataclass
 class RootState:
@@ -156,6 +158,7 @@ class RootState:
         """Before the root's forward: trainable set agreed, stale leftovers away (see
         [Note: one forward, one current copy]), buffers synced."""
         with record_function("FSDP::root_pre_forward"):
+            self.end_aborted_backward()
             stale = True  # without the agreement round (no grad), put leftovers away
             if torch.is_grad_enabled():
                 stale = self._agree(any(u.has_stale_full for u in self.units))
@@ -253,6 +256,25 @@ class RootState:
         self.pending.append(pending)
         while len(self.pending) > 1 and sum(p.nbytes for p in self.pending) > cap_bytes:
             self.pending.popleft().wait()
+
+    def end_aborted_backward(self) -> None:
+        """A backward that raised: autograd dropped the queued :meth:`finalize_backward`,
+        so the units would stay in it (``zero_grad()``, ``state_dict()`` refused, no later
+        backward finalised). Outside any backward, with one still queued: wait for the
+        reductions issued (their shards reach ``.grad``, as the plain model's partial
+        gradients), drop the rest, reshard, go idle. Called before a forward,
+        ``zero_grad()`` and ``summon_full_params()``.
+
+        Raises:
+            RuntimeError: a store cannot go on (the disk tier: resume its directory).
+        """
+        if not self.finalize_queued or torch._C._current_graph_task_id() != -1:
+            return
+        while self.pending:
+            self.pending.popleft().wait()
+        for unit in self.units:
+            unit.abort_backward()
+        self.finalize_queued = False
 
     def finalize_backward(self) -> None:
         """End of the backward pass: reduce what is left, wait for every reduction, reshard."""

@@ -76,6 +76,14 @@ class ShardStore(Protocol):
     def end_backward(self) -> None:
         """The backward pass ended; every unit's reduction is done."""
 
+    def abort_backward(self) -> None:
+        """A backward raised (autograd dropped its ``finalize_backward``), before the
+        unit forgets it.
+
+        Raises:
+            RuntimeError: the store cannot go on (naming the fix).
+        """
+
     def end_summon(self) -> None:
         """Leaving ``summon_full_params`` (the unit is SHARDED again).
 
@@ -115,6 +123,9 @@ class MemoryStore:
 
     def end_backward(self) -> None:
         """Nothing to do: the user's optimizer steps."""
+
+    def abort_backward(self) -> None:
+        """Nothing to do: the reduced gradients are in ``.grad``, as the plain model's."""
 
     def end_summon(self) -> None:
         """Nothing to do: a change written back is in the shard already."""

@@ -405,6 +405,19 @@ class UnitRuntime:
             if self.is_root:
                 self._root().end_forward(bool(needing_grad), self.sync_gradients)
 
+    def abort_forward(self) -> None:
+        """The wrapped module's forward raised (a bad batch): no backward comes for it.
+        FORWARD -> IDLE and resharded, as after an inference forward (the root also
+        drops an unused prefetch), so ``zero_grad()``, ``state_dict()`` and the next
+        forward find the unit between steps."""
+        with record_function("FSDP::abort_forward"):
+            self.training_state = TrainingState.IDLE
+            self.reshard()
+            if self.is_root:
+                for unit in self._root().units:
+                    if unit.is_prefetching:
+                        unit.reshard()
+
     def _backward_starts_here(self) -> bool:
         """True for the last unit of the (recorded) forward order, not the root: its
         backward comes first, so it keeps its full parameters (see [Note: the last unit
@@ -462,6 +475,15 @@ class UnitRuntime:
             self.grads_ready.clear()
             if not self.handle.has_frozen:  # see [Note: frozen parameters]
                 self.reshard()
+
+    def abort_backward(self) -> None:
+        """From ``end_aborted_backward``: the store agrees, gradients not reduced yet
+        are dropped; shard and go idle."""
+        self.store.abort_backward()
+        self.grads_ready.clear()
+        self.handle.drop_flat_grad()
+        self.reshard()
+        self.training_state = TrainingState.IDLE
 
     def end_backward(self) -> None:
         """From ``finalize_backward``: every reduction is done; shard and go idle."""
@@ -571,6 +593,8 @@ def summon(units: list[UnitRuntime], writeback: bool) -> Iterator[None]:
     Raises:
         RuntimeError: a unit is in forward, backward or another summon.
     """
+    for root in {id(u.root): u.root for u in units if u.root is not None}.values():
+        root.end_aborted_backward()
     busy = [u.training_state.name for u in units if u.busy()]
     if busy:
         where = (
