@@ -479,7 +479,10 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         try:
             output = self.module(*args, **kwargs)
         except BaseException:
-            unit.abort_forward()
+            # not inside a backward: activation checkpointing's recomputation there
+            # stops early by raising through the forward, and the unit is in its backward
+            if torch._C._current_graph_task_id() == -1:
+                unit.abort_forward()
             raise
         unit.post_forward(output)
         return output
