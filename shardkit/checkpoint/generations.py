@@ -93,6 +93,7 @@ __all__ = [
     "ALIGN",
     "MANIFEST",
     "GenerationStore",
+    "check_byte_count",
     "check_writable",
     "packed_offsets",
     "read_into",
@@ -127,6 +128,17 @@ def wait_for_commit(directory: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH)
     finally:
         os.close(fd)  # and the shared lock with it
+
+
+def check_byte_count(name: str, nbytes: object) -> None:
+    """A disk tier's byte budget argument (write-behind, read-ahead) must be an int >= 0.
+
+    Raises:
+        ValueError: ``nbytes`` is not an int (a bool, a float, None) or is negative,
+            naming ``name`` and the value.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"{name} must be an int >= 0 (bytes; 0 turns it off), got {nbytes!r}")
 
 
 def check_writable(directory: Path, what: str = "offload_dir") -> None:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.checkpoint.generations import check_byte_count
 from shardkit.distributed.consistency import describe_parameters, verify_consistent
 from shardkit.distributed.linear_partition import balance_bounds, solve_balance
 from shardkit.distributed.optim_guard import mark_replaced
@@ -208,12 +209,7 @@ class OffloadModel(nn.Module):
         self.num_microbatches = num_microbatches
         self.model_slices = nn.ModuleList(_split(model, num_slices))
         self.num_slices = len(self.model_slices)
-        if (
-            isinstance(disk_io_bytes, bool)
-            or not isinstance(disk_io_bytes, int)
-            or disk_io_bytes < 0
-        ):
-            raise ValueError(f"disk_io_bytes must be an int >= 0 (bytes); got {disk_io_bytes!r}")
+        check_byte_count("disk_io_bytes", disk_io_bytes)
         self.tier = _make_tier(self.device, offload_device, offload_dir, resume, disk_io_bytes)
         self.slices = self._build_slices()
         self._materialize_meta(param_init_fn)

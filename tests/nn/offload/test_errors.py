@@ -87,7 +87,9 @@ def test_disk_arguments_conflict(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="resume=True needs the disk tier"):
         OffloadModel(tiny(), "cpu", resume=True)
     for bad in (-1, 1.5, True):  # a float of bytes was accepted silently
-        with pytest.raises(ValueError, match=r"disk_io_bytes must be an int >= 0 \(bytes\)"):
+        with pytest.raises(
+            ValueError, match=r"disk_io_bytes must be an int >= 0 \(bytes; 0 turns it off\)"
+        ):
             OffloadModel(tiny(), "cpu", offload_dir=tmp_path / "d", disk_io_bytes=bad)
 
 

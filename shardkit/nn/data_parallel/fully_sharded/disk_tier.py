@@ -109,7 +109,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from shardkit.checkpoint.generations import GenerationStore
+from shardkit.checkpoint.generations import GenerationStore, check_byte_count
 from shardkit.distributed.collectives import group_size
 from shardkit.nn.data_parallel.fully_sharded.flat_param import FlatParamHandle
 from shardkit.nn.data_parallel.fully_sharded.store import ShardStore
@@ -222,14 +222,8 @@ class DiskOffload:
         generations: str = "step",
         read_ahead_bytes: int = 512 * 2**20,
     ) -> None:
-        for name, nbytes in (
-            ("read_ahead_bytes", read_ahead_bytes),
-            ("write_behind_bytes", write_behind_bytes),
-        ):
-            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-                raise ValueError(
-                    f"{name} must be an int >= 0 (bytes; 0 turns it off), got {nbytes!r}"
-                )
+        check_byte_count("read_ahead_bytes", read_ahead_bytes)
+        check_byte_count("write_behind_bytes", write_behind_bytes)
         if generations not in ("step", "unit"):
             raise ValueError(
                 f"generations must be 'step' (two generations on disk during a step) or "
@@ -608,17 +602,17 @@ class DiskUnit:
 
     # residency -----------------------------------------------------------------------
     def prefetch(self, steps: bool) -> bool:
-        """Start reading the shard on the background thread (no-op if resident); with
-        ``steps`` (a stepping backward follows), in backward this unit's optimizer
-        state too, in forward, after the shard, the state of a unit that steps first
-        (see :meth:`DiskOffload.read_ahead_states`). Returns False: the all-gather
-        waits for :meth:`before_gather`."""
+        """Start reading the shard on the background thread (no-op if resident); in a
+        backward that steps, this unit's optimizer state too; in a forward with
+        ``steps`` (a stepping backward follows), after the shard, the state of a unit
+        that steps first (see :meth:`DiskOffload.read_ahead_states`). Returns False:
+        the all-gather waits for :meth:`before_gather`."""
         tier = self.tier
         tier.reap()
         if not tier.prefetch:
             return False
-        if steps and tier.in_backward:
-            self._read_state_ahead()
+        if tier.in_backward:
+            self._read_state_ahead()  # if the backward steps (tier.stepping)
         if not self.resident:
             self._allocate()
             self._reading = tier.store.read_async(self.entry, "params", self.handle.local_shard)
@@ -698,7 +692,7 @@ class DiskUnit:
     def resident_bytes(self) -> int:
         """Bytes of this unit in memory: its local shard if resident, plus its optimizer
         state if read ahead."""
-        state = self.state_bytes() if self._state is not None else 0
+        state = self.state_bytes() if self.holds_state() else 0
         return (self.nbytes if self.resident else 0) + state
 
     def write_done(self) -> bool:

@@ -486,18 +486,19 @@ class FlatParamHandle:
         next backward starts from zeros. Between steps only (no reduction in flight)."""
         for param in self.unsharded_params:
             param.grad = None
-        if self._grad is not None:
-            self._grad.release()
-            self._grad_taken = False
-            self._grad_pointed.clear()
+        self._give_back_flat_grad()
 
     def release_flat_grad(self) -> None:
         """Give back the flat gradient buffer's memory once a reduction is done with it
         (a no-op unless :meth:`take_flat_grad` handed it out)."""
-        if self._grad is not None and self._grad_taken:
+        if self._grad_taken:
+            self._give_back_flat_grad()
+
+    def _give_back_flat_grad(self) -> None:
+        if self._grad is not None:
             self._grad.release()
-            self._grad_taken = False
-            self._grad_pointed.clear()
+        self._grad_taken = False
+        self._grad_pointed.clear()
 
     def accumulate_grad_shard(self, grad_shard: torch.Tensor, divide_by: float = 1.0) -> None:
         """Add a reduced gradient shard ``(S,)``, divided by ``divide_by``, into the
