@@ -147,19 +147,40 @@ def new_group(
     torch gives a new group its backend's default timeout (30 minutes on gloo) whatever
     the default group's is, so a hang inside a subgroup would outlive a short timeout
     set at ``init_process_group``. Every rank must call it, in the same order (as
-    torch's).
+    torch's). The group's members leave it together: it ends with a barrier over the
+    new group (see [Note: a new group is connected on every member]).
 
     Args:
         ranks: global ranks of the group; None for all ranks.
         backend: the group's backend; default None (the default group's).
         timeout: the group's collective timeout; default None (the default group's,
             see :func:`group_timeout`).
+
+    Raises:
+        RuntimeError: a member did not join within ``timeout`` (torch's error).
     """
     if timeout is None:
         timeout = group_timeout()
     group = dist.new_group(None if ranks is None else list(ranks), backend=backend, timeout=timeout)
     assert group is not None
+    if group is not dist.GroupMember.NON_GROUP_MEMBER:
+        dist.barrier(group=group)
     return group
+
+
+# [Note: a new group is connected on every member]
+# ``torch.distributed.new_group`` returns on a member as soon as that member's own gloo
+# connections are made (torch 2.13 runs no barrier after it unless
+# ``TORCH_DIST_INIT_BARRIER=1``). A gloo member that starts a connection returns once it
+# has sent its handshake, before the peer has taken the connection in. If it then
+# drops the group (``ProcessMesh.destroy()`` after asking for a group it never used,
+# the next configuration's mesh) it closes that socket, and the peer, still connecting
+# its other pairs, fails in ``new_group`` with "Gloo connectFullMesh failed ...
+# Connection closed by peer" while the other ranks wait for it in their next
+# collective. CI hit this twice in tests/distributed/test_mesh.py (4 and 8 ranks); a
+# loop of create-then-destroy on 8 loaded ranks hit it in 2 of 5 runs of 40, and 0 of 5
+# with the barrier. The barrier returns on no member before every member has finished
+# connecting, for one small collective per group created.
 
 
 @dataclass

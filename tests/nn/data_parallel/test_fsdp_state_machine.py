@@ -355,10 +355,13 @@ class FSDPMachine(RuleBasedStateMachine):
         state = self.model.state_dict()
         ref_state = self.ref.state_dict()
         assert sorted(state) == sorted(ref_state)
+        buffers = dict(self.ref.named_buffers())
         for key, want in ref_state.items():
             diff = self._max(float((state[key].double() - want.double()).abs().max()))
             tol = PARAM_TOL["atol"] + PARAM_TOL["rtol"] * float(want.double().abs().max())
-            if self.bn and _exact_buffer(key):
+            # bit for bit: the exact buffers only; bn0.weight and bn0.bias are trained
+            # parameters (a 40 x 25 run failed on bn0.weight at 1.19e-07 with 0 here)
+            if self.bn and key in buffers and _exact_buffer(key):
                 tol = 0.0
             assert diff <= tol, f"state_dict()[{key}] off by {diff:.3e} on some rank"
         self.saved = {k: v.detach().clone() for k, v in ref_state.items()}
