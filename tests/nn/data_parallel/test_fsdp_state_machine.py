@@ -82,6 +82,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bn-flat": {"nesting": "flat", "raf": True, "model": "bn"},
 }
 LOSS_TOL = 1e-5
+# fp32 rounding of large losses: the bn- models reach losses above 100 after some SGD
+# steps, where a few fp32 steps exceed LOSS_TOL. 40 x 25 and 100 x 25 runs failed by
+# 3.05e-05 and 6.10e-05 (loss 120, 8 fp32 steps) with LOSS_TOL alone; the same
+# machines in float64 agree to 1e-12 over 200 x 25, so the gap is rounding, not a bug
+LOSS_RTOL = 1e-6
 PARAM_TOL = {"atol": 2e-5, "rtol": 1e-4}
 BLOCKS = st.integers(0, 1)
 SEEDS = st.integers(0, 7)
@@ -213,11 +218,15 @@ class FSDPMachine(RuleBasedStateMachine):
         with self.model.no_sync() if no_sync else contextlib.nullcontext():
             loss = self.model(lx, ly)[1]
         if self.ddp is not None:  # rank by rank, the worst on every rank
-            diff = self._max(abs(loss.item() - ref_loss.item()))
-            assert diff < LOSS_TOL, f"{what}: FSDP loss off DDP's by {diff:.3e} on some rank"
+            diff = self._max(abs(loss.item() - ref_loss.item()) - LOSS_RTOL * abs(ref_loss.item()))
+            assert diff < LOSS_TOL, (
+                f"{what}: FSDP loss off DDP's by {diff:.3e} (beyond {LOSS_RTOL:g} of the "
+                f"loss, up to {self._max(abs(ref_loss.item())):.6g}) on some rank"
+            )
             return ref_loss, loss
         got, want = self._mean(loss.item()), ref_loss.item()
-        assert abs(got - want) < LOSS_TOL, f"{what}: FSDP loss {got:.7f} != plain {want:.7f}"
+        tol = LOSS_TOL + LOSS_RTOL * abs(want)
+        assert abs(got - want) < tol, f"{what}: FSDP loss {got:.7f} != plain {want:.7f}"
         return ref_loss, loss
 
     def _set_trainable(self, prefixes: tuple[str, ...], flag: bool) -> None:
