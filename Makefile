@@ -47,6 +47,7 @@ lint: $(STAMP) docs
 	$(VENV)/bin/mypy shardkit
 	$(VENV)/bin/mypy examples
 	$(VENV)/bin/mypy tools
+	MYPYPATH=examples $(VENV)/bin/mypy benchmarks  # runners.py imports the main job's modules from examples/
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) tools/check_imports.py
 	$(VENV)/bin/pytest -q -p no:cacheprovider --noconftest tests/lint

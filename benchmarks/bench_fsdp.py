@@ -92,7 +92,8 @@ def _bench_one(name: str, args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _table(runs: dict[str, list[dict[str, Any]]], world: int) -> tuple[str, dict[str, Any]]:
+def _table(runs: dict[str, list[list[dict[str, Any]]]], world: int) -> tuple[str, dict[str, Any]]:
+    """``runs[config][round][rank]``: one rank's result of one round."""
     mib = 2**20
     med = {
         n: statistics.median([t for rank0 in r for t in rank0[0]["times"]]) for n, r in runs.items()

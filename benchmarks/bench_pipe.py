@@ -52,7 +52,10 @@ from shardkit.nn.pipe import (
 )
 from shardkit.testing import RankPool, run_distributed
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES: dict[str, type[ScheduleGPipe] | type[Schedule1F1B]] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+}
 STAGES = 2
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -50,12 +51,15 @@ from benchmarks.common import (
     timestamp,
 )
 from benchmarks.compare import _batch, model_config
-from benchmarks.runners import _registry_config
-from examples.gpt_compile import compile_blocks
-from examples.strategies import STRATEGIES as MAIN_JOB
-from examples.strategies import Strategy
+from benchmarks.runners import EXAMPLES_DIR, _registry_config
 from shardkit.models import GPT
 from shardkit.testing import run_distributed
+
+# the main job's modules as runners imports them (examples/ on sys.path), one copy each
+assert str(EXAMPLES_DIR) in sys.path
+from gpt_compile import compile_blocks  # noqa: E402  (examples/gpt_compile.py)
+from strategies import STRATEGIES as MAIN_JOB  # noqa: E402  (examples/strategies.py)
+from strategies import Strategy  # noqa: E402
 
 PHASES = ("step::forward", "step::backward", "step::optimizer")
 """The labels one step is split into."""
