@@ -75,6 +75,7 @@ from shardkit.nn.data_parallel.fully_sharded.precision import (
     cast_floating,
 )
 from shardkit.nn.data_parallel.fully_sharded.reduction import pick_reducer
+from shardkit.nn.data_parallel.fully_sharded.root import in_backward_pass
 from shardkit.nn.data_parallel.fully_sharded.sharing import (
     check_same_device_and_dtype,
     collect_params,
@@ -481,7 +482,7 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         except BaseException:
             # not inside a backward: activation checkpointing's recomputation there
             # stops early by raising through the forward, and the unit is in its backward
-            if torch._C._current_graph_task_id() == -1:
+            if not in_backward_pass():
                 unit.abort_forward()
             raise
         unit.post_forward(output)
@@ -574,7 +575,7 @@ class FullyShardedDataParallel(ForwardingMixin, nn.Module):
         units = units_in(self)
         if self._unit.root is not None:
             self._unit.root.end_aborted_backward()
-        busy = [u.label for u in units if u.training_state is not TrainingState.IDLE]
+        busy = [u.label for u in units if u.busy()]
         if busy:
             raise RuntimeError(
                 f"zero_grad() during the forward or backward of {busy[0]}: call it between "

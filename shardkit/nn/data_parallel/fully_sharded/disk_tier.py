@@ -611,8 +611,7 @@ class DiskUnit:
         tier.reap()
         if not tier.prefetch:
             return False
-        if tier.in_backward:
-            self._read_state_ahead()  # if the backward steps (tier.stepping)
+        self._read_state_ahead()  # in a backward that steps
         if not self.resident:
             self._allocate()
             self._reading = tier.store.read_async(self.entry, "params", self.handle.local_shard)

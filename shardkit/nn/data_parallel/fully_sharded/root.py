@@ -62,7 +62,13 @@ from shardkit.nn.data_parallel.fully_sharded.collectives import (
     broadcast_data_parallel,
 )
 
-__all__ = ["PhaseUnit", "RootState", "TrainableMismatchError"]
+__all__ = ["PhaseUnit", "RootState", "TrainableMismatchError", "in_backward_pass"]
+
+
+def in_backward_pass() -> bool:
+    """True while the autograd engine runs a backward on this thread (hooks, and
+    activation checkpointing's recomputed forwards, run inside one)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 class TrainableMismatchError(ValueError):
@@ -268,7 +274,7 @@ class RootState:
         Raises:
             RuntimeError: a store cannot go on (the disk tier: resume its directory).
         """
-        if not self.finalize_queued or torch._C._current_graph_task_id() != -1:
+        if not self.finalize_queued or in_backward_pass():
             return
         while self.pending:
             self.pending.popleft().wait()
